@@ -1,0 +1,137 @@
+"""`TrainBatch`: samples turned into tensors for a train backend, plus the advantage result.
+
+Layout is padded ``[B, T]`` (B rows, T = longest row). Per-token tensors are aligned with
+``tokens``: entry ``[b, t]`` describes token ``tokens[b, t]`` as predicted from ``tokens[b, :t]``.
+So column 0 is never trainable, and ``logprobs[b, t] = log p(tokens[b, t] | tokens[b, :t])``.
+Backends that pack sequences build their packed view from this one (see ``cu_seqlens``).
+
+torch is imported lazily: importing this module costs nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from miles_contracts.sample import Sample
+
+
+@dataclass(slots=True)
+class TrainBatch:
+    """Tensors of one training step (or one micro-batch of it).
+
+    :ivar tokens: ``[B, T]`` int64, prompt + response ids, right-padded with ``pad_token_id``.
+    :ivar attention_mask: ``[B, T]`` int64, 1 on real tokens, 0 on padding.
+    :ivar loss_mask: ``[B, T]`` float32, 1 on model-sampled response tokens, else 0.
+    :ivar rollout_logprobs: ``[B, T]`` float32, engine log-probs of sampled tokens, 0 off-mask.
+    :ivar rewards: ``[B]`` float32, raw scalar reward of each row's rollout.
+    :ivar group_ids: ``[B]`` int64, prompt group of each row (GRPO normalises within a group).
+    :ivar rollout_ids: ``[B]`` int64, rows with the same id are pieces of one rollout; reductions
+        count a rollout once however many rows it was split into.
+    :ivar old_logprobs: ``[B, T]`` trainer log-probs before the update (proximal policy).
+    :ivar ref_logprobs: ``[B, T]`` reference-model log-probs (KL).
+    :ivar teacher_logprobs: ``[B, T]`` teacher log-probs (on-policy distillation).
+    :ivar values: ``[B, T]`` critic values (PPO).
+    :ivar advantages: ``[B, T]`` filled by the advantage estimator.
+    :ivar returns: ``[B, T]`` filled by estimators with a critic or discounting.
+    :ivar extras: plugin tensors keyed by name, first dim B (e.g. routed experts
+        ``[B, T, layers, topk]`` for routing replay).
+    """
+
+    tokens: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    rewards: torch.Tensor
+    group_ids: torch.Tensor
+    rollout_ids: torch.Tensor
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.attention_mask.sum().item())
+
+    def select(self, rows: torch.Tensor | Sequence[int]) -> TrainBatch:
+        """Rows ``rows`` of every tensor (a micro-batch); columns trimmed to the longest row."""
+        import torch
+
+        index = torch.as_tensor(rows, dtype=torch.long, device=self.tokens.device)
+        width = int(self.attention_mask[index].sum(dim=1).max().item()) if len(index) else 0
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "extras":
+                out[f.name] = {k: _take(v, index, width) for k, v in value.items()}
+            elif value is not None:
+                out[f.name] = _take(value, index, width)
+        return replace(self, **out)
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "extras":
+                out[f.name] = {k: v.to(device) for k, v in value.items()}
+            elif value is not None:
+                out[f.name] = value.to(device)
+        return replace(self, **out)
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[Sample], pad_token_id: int) -> TrainBatch:
+        """Pad trainable samples into a batch. Each sample's ``rollout_ids`` is its ``index``."""
+        import torch
+
+        if not samples:
+            raise ValueError("cannot build a TrainBatch from zero samples")
+        width = max(len(s.tokens) for s in samples)
+        b = len(samples)
+        tokens = torch.full((b, width), pad_token_id, dtype=torch.long)
+        attention = torch.zeros((b, width), dtype=torch.long)
+        loss_mask = torch.zeros((b, width), dtype=torch.float32)
+        logprobs = torch.zeros((b, width), dtype=torch.float32)
+        for row, s in enumerate(samples):
+            s.validate()
+            n, start = len(s.tokens), s.prompt_length
+            tokens[row, :n] = torch.tensor(s.tokens, dtype=torch.long)
+            attention[row, :n] = 1
+            loss_mask[row, start:n] = torch.tensor(s.loss_mask, dtype=torch.float32)
+            if s.rollout_logprobs:
+                logprobs[row, start:n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        logprobs = logprobs * loss_mask
+        rewards = torch.tensor([float(s.reward or 0.0) for s in samples], dtype=torch.float32)
+        groups = torch.tensor([s.group_index for s in samples], dtype=torch.long)
+        rollouts = torch.tensor([s.index for s in samples], dtype=torch.long)
+        return cls(tokens, attention, loss_mask, logprobs, rewards, groups, rollouts)
+
+
+def _take(t: torch.Tensor, index: torch.Tensor, width: int) -> torch.Tensor:
+    t = t[index]
+    return t[:, :width] if t.dim() >= 2 else t
+
+
+@dataclass(slots=True)
+class AdvantageResult:
+    """What an advantage estimator returns.
+
+    :ivar advantages: ``[B, T]``, zero wherever ``loss_mask`` is zero.
+    :ivar returns: ``[B, T]`` value targets for a critic, or None.
+    :ivar metrics: scalars to log (e.g. ``advantage_mean``).
+    """
+
+    advantages: torch.Tensor
+    returns: torch.Tensor | None = None
+    metrics: dict[str, float] = field(default_factory=dict)

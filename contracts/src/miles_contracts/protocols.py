@@ -1,0 +1,295 @@
+"""Protocols every plugin implementation satisfies. Structural: no base class to inherit.
+
+Heavy types (torch, transformers) appear only under ``TYPE_CHECKING``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from miles_contracts.algorithm import AlgorithmParams
+    from miles_contracts.batch import AdvantageResult, TrainBatch
+    from miles_contracts.sample import Sample
+    from miles_contracts.weights import TransferReport
+    from miles_contracts.wire.engine import GenerateRequest, GenerateResponse, SamplingParams
+
+
+# --------------------------------------------------------------------------- scoring and selection
+
+
+@runtime_checkable
+class RewardFn(Protocol):
+    """Scores a batch of samples: one float per sample, in order. Sync or ``async``.
+
+    A reward that raises for one sample should return ``float('nan')`` for it rather than raise
+    for the batch; the kernel marks NaN-scored samples FAILED with exit reason ``reward_error``.
+    """
+
+    def __call__(self, samples: Sequence[Sample]) -> list[float] | Awaitable[list[float]]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class FilterVerdict:
+    """A filter's decision on one prompt group. ``reason`` names the drop in metrics."""
+
+    keep: bool
+    reason: str | None = None
+
+
+@runtime_checkable
+class Filter(Protocol):
+    """Decides whether a prompt group enters training. Filters form a pipeline: all must keep."""
+
+    def __call__(self, group: Sequence[Sample]) -> FilterVerdict: ...
+
+
+@runtime_checkable
+class AdvantageEstimator(Protocol):
+    """Turns rewards (and optionally values / log-probs) into per-token advantages.
+
+    Must leave advantages zero wherever ``batch.loss_mask`` is zero, and must not change them when
+    masked positions' inputs change.
+    """
+
+    needs_critic: ClassVar[bool]
+
+    def __call__(self, batch: TrainBatch, params: AlgorithmParams) -> AdvantageResult: ...
+
+
+# --------------------------------------------------------------------------- rollout
+
+
+class EngineClient(Protocol):
+    """Talks to an engine or the router in the engine wire protocol."""
+
+    async def generate(self, request: GenerateRequest, *, routing_key: str | None = None) -> GenerateResponse: ...
+
+
+@dataclass(slots=True)
+class GenerateContext:
+    """What a generator gets besides the sample.
+
+    :ivar engine: client for the router (SGLang-native API).
+    :ivar tokenizer: the model's HF tokenizer.
+    :ivar sampling_params: default sampling for this call (evaluation may differ from training).
+    :ivar max_context_len: prompt + response budget in tokens.
+    :ivar session_server_url: base URL of the session server, if one runs (agentic generator).
+    :ivar evaluation: True when generating for evaluation.
+    :ivar resources: named objects a generator may need (tools, agents, chat family), keyed by
+        name; generators document what they look up.
+    """
+
+    engine: EngineClient
+    tokenizer: Any
+    sampling_params: SamplingParams
+    max_context_len: int
+    session_server_url: str | None = None
+    evaluation: bool = False
+    resources: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """Produces one rollout for ``sample`` (which carries prompt, label, metadata, group ids).
+
+    Returns the same sample filled in (tokens, response, loss_mask, rollout_logprobs, status,
+    weight_versions). An error costs this sample (status ABORTED/FAILED with an exit reason),
+    never the run: generators catch and record, they do not raise for per-sample problems.
+    """
+
+    async def __call__(self, sample: Sample, ctx: GenerateContext) -> Sample: ...
+
+
+class Tool(Protocol):
+    """A tool for the multi-turn generator (OpenAI function-calling shape)."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]  # JSON schema of the arguments
+
+    async def __call__(self, **arguments: Any) -> str: ...
+
+
+AgentFn = Callable[[str, Any, dict[str, Any], dict[str, Any]], Awaitable[dict[str, Any] | None]]
+"""``async def run_agent(base_url, prompt, request_kwargs, metadata) -> dict | None``."""
+
+
+class DataSource(Protocol):
+    """Yields prompts as samples (prompt, label, metadata). Position is checkpointable."""
+
+    def next_prompts(self, n: int) -> list[Sample]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+# --------------------------------------------------------------------------- engines and routing
+
+
+@dataclass(slots=True)
+class EngineSpec:
+    """How to start one engine."""
+
+    model_path: str
+    port: int
+    host: str = "127.0.0.1"
+    device: str = "auto"
+    dtype: str = "auto"
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class InferenceEngine(Protocol):
+    """Knows how to start a server that speaks the engine wire protocol."""
+
+    def command(self, spec: EngineSpec) -> list[str]:
+        """argv of a process that serves ``spec.model_path`` on ``spec.host:spec.port``."""
+        ...
+
+
+@dataclass(slots=True)
+class RouterRequest:
+    """A request passing through the router middleware chain."""
+
+    method: str
+    path: str
+    body: dict[str, Any] | None
+    headers: dict[str, str]
+    routing_key: str | None = None
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RouterResponse:
+    status_code: int
+    body: Any
+    worker_url: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class RouterMiddleware(Protocol):
+    """One link of the router's middleware chain (outermost first, in config order)."""
+
+    async def __call__(
+        self, request: RouterRequest, call_next: Callable[[RouterRequest], Awaitable[RouterResponse]]
+    ) -> RouterResponse: ...
+
+
+# --------------------------------------------------------------------------- training and weights
+
+
+class TrainBackend(Protocol):
+    """Owns the actor (and optionally reference and critic) models and the optimiser."""
+
+    def compute_logprobs(self, batch: TrainBatch, *, model: Literal["actor", "ref", "teacher"] = "actor") -> torch.Tensor:
+        """``[B, T]`` log-probs of ``batch.tokens`` (zero off ``loss_mask``); no grad."""
+        ...
+
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        """``[B, T]`` critic values; raises if the backend has no critic."""
+        ...
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimiser step on ``batch`` (which carries advantages); returns metrics."""
+        ...
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full actor weights with HF names, for weight transport (gathered if sharded)."""
+        ...
+
+    def save_checkpoint(self, path: Path, extra_state: Mapping[str, Any]) -> None: ...
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        """Restore and return the ``extra_state`` saved with it."""
+        ...
+
+    def export_hf(self, path: Path) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class WeightTransport(Protocol):
+    """Moves HF-named weights from the trainer into engines and bumps their weight version."""
+
+    def push(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], *, targets: Sequence[str], version: int
+    ) -> TransferReport:
+        """Deliver ``tensors`` to every engine URL in ``targets``; afterwards each engine serves
+        exactly these weights and reports ``weight_version == version``."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class ModelBridge(Protocol):
+    """Model-family knowledge: HF <-> Megatron weights, chat family, MoE layer map.
+
+    ``hf_config`` is the model's ``config.json`` as a mapping (no transformers import needed).
+    """
+
+    name: str
+    chat_family: str | None
+
+    def to_megatron(self, hf_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any]) -> dict[str, torch.Tensor]: ...
+
+    def to_hf(self, mcore_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any]) -> dict[str, torch.Tensor]: ...
+
+    def megatron_config(self, hf_config: Mapping[str, Any]) -> dict[str, Any]:
+        """Keyword arguments for megatron-core's ``TransformerConfig`` / ``GPTModel``."""
+        ...
+
+
+# --------------------------------------------------------------------------- orchestration
+
+
+class Tracker(Protocol):
+    """Receives metrics; one instance per run."""
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Executor(Protocol):
+    """Starts and supervises the processes of a run (engines, router, session server)."""
+
+    def start(self, name: str, argv: Sequence[str], *, health_url: str | None = None, env: Mapping[str, str] | None = None) -> None: ...
+
+    def alive(self, name: str) -> bool: ...
+
+    def restart(self, name: str) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    """What a forward-pass wrapper sees (see ``miles_forward`` in the hook specs).
+
+    :ivar phase: ``old_logprobs`` | ``ref_logprobs`` | ``teacher_logprobs`` | ``values`` | ``train``.
+    :ivar model: the module about to run (an ``nn.Module``).
+    :ivar batch: the (micro-)batch it runs on.
+    :ivar backend: registered name of the train backend.
+    :ivar bridge: model bridge of the model, if one claimed it.
+    :ivar state: scratch space shared by wrappers of one call.
+    """
+
+    phase: str
+    model: Any
+    batch: TrainBatch
+    backend: str
+    bridge: ModelBridge | None = None
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+AsyncSamples = AsyncIterator["Sample"]

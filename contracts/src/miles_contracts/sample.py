@@ -1,0 +1,220 @@
+"""`Sample`: one rollout (a single turn or a whole multi-turn trajectory) and its outcome.
+
+A sample is the unit that flows from the generator through reward, filter and advantage into a
+training batch. Token-level fields are aligned to the *response*: ``tokens[-response_length:]`` is
+the response, and ``loss_mask``, ``rollout_logprobs`` have exactly ``response_length`` entries.
+
+Feature data that only one plugin understands (routed experts for routing replay, teacher
+log-probs, tool timings) goes into ``sample.stash`` under a typed :class:`StashKey` that the plugin
+owns, so this class never grows a field per feature.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar, cast, overload
+
+T = TypeVar("T")
+D = TypeVar("D")
+
+
+class Status(str, enum.Enum):
+    """Lifecycle of a sample. Only COMPLETED and TRUNCATED samples carry a full response."""
+
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+class ExitReason(str, enum.Enum):
+    """Why a sample ended the way it did (finer than :class:`Status`)."""
+
+    STOP = "stop"  # the model emitted a stop token / string
+    LENGTH = "length"  # max_new_tokens reached
+    TOOL_CALLS = "tool_calls"  # turn ended in tool calls (intermediate turns of a trajectory)
+    CONTEXT_OVERFLOW = "context_overflow"  # prompt plus budget exceeds the context window
+    TIMEOUT = "timeout"
+    ENGINE_ERROR = "engine_error"
+    ABORT = "abort"  # aborted by the engine / router (pause, shutdown, over-sampling)
+    TOOL_ERROR = "tool_error"
+    FORMAT_ERROR = "format_error"  # malformed tool call or answer format
+    AGENT_EXCEPTION = "agent_exception"
+    REWARD_ERROR = "reward_error"
+    MAX_TURNS = "max_turns"
+
+
+class StashKey(Generic[T]):
+    """A typed key into :attr:`Sample.stash`. Create one per feature, at module level::
+
+        ROUTED_EXPERTS: StashKey[list[list[list[int]]]] = StashKey("r3.routed_experts")
+        sample.stash[ROUTED_EXPERTS] = experts
+
+    The name is used only when a sample is serialised (and in error messages).
+    """
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"StashKey({self.name!r})"
+
+
+class Stash:
+    """A mapping from :class:`StashKey` to values, typed per key."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self) -> None:
+        self._data: dict[StashKey[Any], Any] = {}
+
+    def __setitem__(self, key: StashKey[T], value: T) -> None:
+        self._data[key] = value
+
+    def __getitem__(self, key: StashKey[T]) -> T:
+        try:
+            return cast(T, self._data[key])
+        except KeyError:
+            raise KeyError(f"{key.name!r} is not in this sample's stash") from None
+
+    @overload
+    def get(self, key: StashKey[T]) -> T | None: ...
+    @overload
+    def get(self, key: StashKey[T], default: D) -> T | D: ...
+    def get(self, key: StashKey[T], default: Any = None) -> Any:
+        return self._data.get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
+
+    def __delitem__(self, key: StashKey[Any]) -> None:
+        del self._data[key]
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def keys(self) -> list[StashKey[Any]]:
+        return list(self._data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The stash as ``{key name: value}`` (for logging and serialisation)."""
+        return {k.name: v for k, v in self._data.items()}
+
+    def copy(self) -> Stash:
+        new = Stash()
+        new._data = dict(self._data)
+        return new
+
+
+class SampleError(ValueError):
+    """A sample violates its own invariants (lengths that do not line up)."""
+
+
+@dataclass(slots=True, eq=False)
+class Sample:
+    """One rollout. ``tokens = prompt ids + response ids``.
+
+    :ivar prompt: what the data source produced: a string or an OpenAI-style message list.
+    :ivar label: the reference answer, if the task has one.
+    :ivar tokens: prompt and response token ids, ``[prompt_length + response_length]``.
+    :ivar response_length: number of trailing entries of ``tokens`` that form the response. For a
+        multi-turn trajectory the response starts at the first model-sampled token and includes the
+        tool/user tokens between turns (masked out by ``loss_mask``).
+    :ivar response: decoded response text (for rewards and logs).
+    :ivar loss_mask: ``[response_length]``; 1 on model-sampled tokens, 0 on everything else.
+    :ivar rollout_logprobs: ``[response_length]``; log-prob of each response token under the
+        distribution the engine sampled from, 0.0 where ``loss_mask`` is 0.
+    :ivar reward: scalar reward once scored.
+    :ivar weight_versions: engine weight version of every engine call that produced this sample.
+    :ivar group_index: index of the prompt group (samples of one prompt share it).
+    :ivar index: global index of this sample.
+    :ivar metadata: JSON-serialisable data from the data source and generator (e.g. ``reward``
+        selects the reward function for this sample).
+    :ivar stash: typed plugin data (see :class:`StashKey`).
+    """
+
+    prompt: str | list[dict[str, Any]] = ""
+    label: str | None = None
+    tokens: list[int] = field(default_factory=list)
+    response_length: int = 0
+    response: str = ""
+    loss_mask: list[int] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)
+    reward: float | None = None
+    status: Status = Status.PENDING
+    exit_reason: ExitReason | None = None
+    exit_detail: str | None = None
+    weight_versions: list[int] = field(default_factory=list)
+    group_index: int = 0
+    index: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+    stash: Stash = field(default_factory=Stash)
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens) - self.response_length
+
+    @property
+    def response_tokens(self) -> list[int]:
+        return self.tokens[self.prompt_length :] if self.response_length else []
+
+    @property
+    def oldest_weight_version(self) -> int | None:
+        return min(self.weight_versions) if self.weight_versions else None
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the sample can enter a training batch (it has a response and a reward)."""
+        return (
+            self.status in (Status.COMPLETED, Status.TRUNCATED)
+            and self.response_length > 0
+            and self.reward is not None
+        )
+
+    def finish(self, status: Status, reason: ExitReason | None, detail: str | None = None) -> Sample:
+        """Set the outcome in one place; returns ``self`` for chaining."""
+        self.status = status
+        self.exit_reason = reason
+        self.exit_detail = detail
+        return self
+
+    def validate(self) -> None:
+        """Raise :class:`SampleError` naming every length invariant this sample breaks."""
+        problems = []
+        if not 0 <= self.response_length <= len(self.tokens):
+            problems.append(f"response_length {self.response_length} not within [0, {len(self.tokens)}]")
+        if len(self.loss_mask) != self.response_length:
+            problems.append(f"loss_mask has {len(self.loss_mask)} entries, response_length is {self.response_length}")
+        if self.rollout_logprobs and len(self.rollout_logprobs) != self.response_length:
+            problems.append(
+                f"rollout_logprobs has {len(self.rollout_logprobs)} entries, response_length is {self.response_length}"
+            )
+        if any(m not in (0, 1) for m in self.loss_mask):
+            problems.append("loss_mask holds values other than 0 and 1")
+        if problems:
+            raise SampleError(f"sample {self.index} (group {self.group_index}): " + "; ".join(problems))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable view (stash values are included by name as-is)."""
+        return {
+            "index": self.index,
+            "group_index": self.group_index,
+            "prompt": self.prompt,
+            "label": self.label,
+            "tokens": list(self.tokens),
+            "response_length": self.response_length,
+            "response": self.response,
+            "loss_mask": list(self.loss_mask),
+            "rollout_logprobs": list(self.rollout_logprobs),
+            "reward": self.reward,
+            "status": self.status.value,
+            "exit_reason": self.exit_reason.value if self.exit_reason else None,
+            "exit_detail": self.exit_detail,
+            "weight_versions": list(self.weight_versions),
+            "metadata": self.metadata,
+            "stash": self.stash.to_dict(),
+        }

@@ -1,0 +1,58 @@
+"""Weights in flight: HF-named tensors grouped into buckets for a weight transport."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(slots=True)
+class WeightBucket:
+    """Tensors sent together (one flush of a transport).
+
+    :ivar tensors: ``(hf_name, tensor)`` pairs, HF parameter names as the engine loads them.
+    """
+
+    tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.tensors)
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.tensors]
+
+
+def bucketize(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[WeightBucket]:
+    """Group tensors into buckets of at most ``bucket_bytes`` (a larger tensor gets its own)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bucket = WeightBucket()
+    for name, tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        if bucket.tensors and bucket.nbytes + size > bucket_bytes:
+            yield bucket
+            bucket = WeightBucket()
+        bucket.tensors.append((name, tensor))
+    if bucket.tensors:
+        yield bucket
+
+
+@dataclass(slots=True)
+class TransferReport:
+    """What a transport did in one sync."""
+
+    version: int
+    num_tensors: int
+    num_bytes: int
+    seconds: float
+    num_buckets: int = 1
+
+    @property
+    def gbps(self) -> float:
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")

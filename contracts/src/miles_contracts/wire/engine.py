@@ -1,0 +1,201 @@
+"""The inference-engine HTTP API: the subset of SGLang's native API that Miles uses.
+
+Field names and shapes follow SGLang (``GenerateReqInput``, ``SamplingParams``, ``meta_info``), so
+the embedded engine and a real SGLang server are interchangeable behind the router. Requests reject
+unknown fields (a typo must not silently do nothing); responses allow extra fields, since SGLang
+adds keys across versions.
+
+``POST /generate``   :class:`GenerateRequest` -> :class:`GenerateResponse`
+``POST /abort_request``  :class:`AbortRequest`
+``POST /pause_generation`` / ``/continue_generation`` / ``/flush_cache``
+``POST /update_weights_from_disk``  :class:`UpdateWeightsFromDiskRequest`
+``POST /update_weights_from_tensor``  :class:`UpdateWeightsFromTensorRequest`
+``POST /init_weights_update_group``  :class:`InitWeightsUpdateGroupRequest`
+``POST /update_weights_from_distributed``  :class:`UpdateWeightsFromDistributedRequest`
+``POST /update_weight_version``  :class:`UpdateWeightVersionRequest`
+``GET /health``, ``/health_generate``, ``/get_model_info`` -> :class:`ModelInfo`
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+"""Header the router reads for session affinity (the same key reaches the same engine)."""
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class SamplingParams(_Request):
+    """SGLang sampling parameters. ``temperature == 0`` means greedy; ``top_k == -1`` means off."""
+
+    max_new_tokens: int = Field(default=128, ge=0)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1)
+    min_new_tokens: int = Field(default=0, ge=0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @model_validator(mode="after")
+    def _check(self) -> SamplingParams:
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class GenerateRequest(_Request):
+    """``POST /generate``. Exactly one of ``text`` and ``input_ids``."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    rid: str | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    return_routed_experts: bool = False
+    stream: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of 'text' and 'input_ids'")
+        if self.input_ids is not None and not self.input_ids:
+            raise ValueError("'input_ids' is empty")
+        return self
+
+
+class FinishReason(_Response):
+    """``{"type": "stop", "matched": <id or str>}``, ``{"type": "length", "length": n}`` or
+    ``{"type": "abort", "message": "..."}``."""
+
+    type: Literal["stop", "length", "abort"]
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+
+
+class MetaInfo(_Response):
+    """``meta_info`` of a generate response.
+
+    :ivar output_token_logprobs: one ``[logprob, token_id, text_or_null]`` per output token.
+    :ivar routed_experts: base64 of int32 ``[prompt_tokens + completion_tokens - 1, layers, topk]``
+        (see :func:`encode_routed_experts`), MoE models only.
+    """
+
+    id: str
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    weight_version: str | int | None = None
+    output_token_logprobs: list[list[Any]] | None = None
+    routed_experts: str | None = None
+    e2e_latency: float | None = None
+
+
+class GenerateResponse(_Response):
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+
+    def logprobs(self) -> list[float]:
+        """Log-prob of each output token (``[completion_tokens]``)."""
+        return [float(entry[0]) for entry in self.meta_info.output_token_logprobs or []]
+
+
+class AbortRequest(_Request):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class PauseGenerationRequest(_Request):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class UpdateWeightsFromDiskRequest(_Request):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+
+
+class UpdateWeightsFromTensorRequest(_Request):
+    """``serialized_named_tensors``: one payload per engine TP rank; the embedded engine has one.
+    Each payload is base64 of a pickle made by ``torch.multiprocessing`` reductions (shared memory
+    on CPU, CUDA IPC handles on GPU) of ``list[(name, tensor)]``."""
+
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class InitWeightsUpdateGroupRequest(_Request):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributedRequest(_Request):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+
+
+class UpdateWeightVersionRequest(_Request):
+    new_version: str
+    abort_all_requests: bool = False
+
+
+class UpdateWeightsResponse(_Response):
+    success: bool
+    message: str = ""
+
+
+class ModelInfo(_Response):
+    model_path: str
+    tokenizer_path: str | None = None
+    is_generation: bool = True
+    weight_version: str | int | None = None
+
+
+def encode_routed_experts(data: bytes) -> str:
+    """Routed experts on the wire: base64 of the raw little-endian int32 buffer."""
+    return base64.b64encode(data).decode("ascii")
+
+
+def decode_routed_experts(payload: str) -> bytes:
+    return base64.b64decode(payload)

@@ -1,0 +1,125 @@
+"""Tensors across a process boundary on one host, for ``/update_weights_from_tensor``.
+
+Two formats, named by ``load_format``:
+
+* ``"flattened_shm"`` (CPU): the trainer packs a bucket of tensors into one flat byte buffer in a
+  file under ``/dev/shm`` and sends JSON metadata only (:class:`ShmBucket`): no pickles cross the
+  wire, and the engine maps the file read-only and copies each tensor out. The sender deletes the
+  file after the engine answered.
+* ``"cuda_ipc"`` (GPU): each tensor is flattened into one CUDA buffer per dtype and shared through
+  torch's CUDA IPC reductions; the handle is pickled (``torch.multiprocessing`` ForkingPickler),
+  which is what SGLang's ``update_weights_from_tensor`` accepts too. Only ever accept this from
+  loopback peers: unpickling runs code.
+
+torch is imported inside functions; importing this module is free.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import uuid
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+SHM_FORMAT = "flattened_shm"
+CUDA_IPC_FORMAT = "cuda_ipc"
+_ALIGN = 64
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    name: str
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
+    shape: list[int]
+    offset: int  # byte offset in the flat buffer
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ShmBucket:
+    path: str
+    size: int
+    tensors: list[TensorMeta]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "size": self.size, "tensors": [asdict(t) for t in self.tensors]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ShmBucket:
+        return cls(data["path"], int(data["size"]), [TensorMeta(**t) for t in data["tensors"]])
+
+
+def _dtype(name: str) -> torch.dtype:
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown tensor dtype {name!r}")
+    return dtype
+
+
+def _layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorMeta], int]:
+    metas, offset = [], 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        metas.append(TensorMeta(name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, nbytes))
+        offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    return metas, offset
+
+
+def shm_dir() -> Path:
+    return Path(os.environ.get("MILES_SHM_DIR", "/dev/shm"))
+
+
+def write_shm_bucket(tensors: Iterable[tuple[str, torch.Tensor]]) -> ShmBucket:
+    """Pack ``tensors`` (any device) into a new shared-memory file; the caller deletes it."""
+    import torch
+
+    items = [(n, t.detach()) for n, t in tensors]
+    metas, size = _layout(items)
+    path = shm_dir() / f"miles-weights-{os.getpid()}-{uuid.uuid4().hex}"
+    flat = torch.from_file(str(path), shared=True, size=max(size, 1), dtype=torch.uint8)
+    for meta, (_, t) in zip(metas, items, strict=True):
+        view = flat[meta.offset : meta.offset + meta.nbytes]
+        view.copy_(t.contiguous().reshape(-1).view(torch.uint8).cpu())
+    return ShmBucket(str(path), size, metas)
+
+
+def read_shm_bucket(bucket: ShmBucket) -> list[tuple[str, torch.Tensor]]:
+    """Views into the bucket's file (valid while the returned tensors live; copy them out)."""
+    import torch
+
+    path = Path(bucket.path)
+    if path.parent != shm_dir() or not path.name.startswith("miles-weights-"):
+        raise ValueError(f"refusing shared-memory path {bucket.path!r}: not a Miles weight bucket under {shm_dir()}")
+    flat = torch.from_file(str(path), shared=False, size=max(bucket.size, 1), dtype=torch.uint8)
+    out = []
+    for meta in bucket.tensors:
+        raw = flat[meta.offset : meta.offset + meta.nbytes]
+        out.append((meta.name, raw.view(_dtype(meta.dtype)).reshape(meta.shape)))
+    return out
+
+
+def serialize_cuda_ipc(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """base64 of a ForkingPickler pickle of ``[(name, cuda_tensor)]`` (CUDA IPC handles)."""
+    import io
+
+    from torch.multiprocessing.reductions import ForkingPickler
+
+    buffer = io.BytesIO()
+    ForkingPickler(buffer).dump([(n, t.detach()) for n, t in tensors])
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def deserialize_cuda_ipc(payload: str) -> list[tuple[str, torch.Tensor]]:
+    import pickle
+
+    import torch.multiprocessing  # noqa: F401  (registers the reductions)
+
+    return pickle.loads(base64.b64decode(payload))

@@ -1,0 +1,70 @@
+"""Built-in plugin ``core`` (essential): the ``plugins`` and ``config show`` commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from miles.cli.command import Command
+from miles.hookspecs import hookimpl
+from miles.registry import Register
+
+
+def _plugins(args: argparse.Namespace) -> int:
+    from miles.config import PluginsSection, read_yaml
+    from miles.kernel import Kernel
+    from miles.plugins import PluginSelection
+
+    selection = None
+    if args.config:
+        raw = read_yaml(Path(args.config)).get("plugins") or {}
+        settings = PluginsSection.model_validate(raw)
+        selection = PluginSelection.from_settings(settings.enable, settings.disable)
+    infos = Kernel.load(selection).plugins()
+    if args.json:
+        print(json.dumps([
+            {"name": i.name, "distribution": i.distribution, "version": i.version, "module": i.module,
+             "hooks": list(i.hooks), "status": i.status}
+            for i in infos
+        ], indent=2))
+        return 0
+    rows = [("NAME", "DISTRIBUTION", "VERSION", "STATUS", "HOOKS")]
+    for i in infos:
+        hooks = ", ".join(h.removeprefix("miles_") for h in i.hooks) or "-"
+        rows.append((i.name, i.distribution or "-", i.version or "-", i.status, hooks))
+    widths = [max(len(r[c]) for r in rows) for c in range(4)]
+    for r in rows:
+        print("  ".join(r[c].ljust(widths[c]) for c in range(4)) + "  " + r[4])
+    return 0
+
+
+def _plugins_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--config", help="apply this config's plugins.enable / plugins.disable")
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    from miles.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    print(json.dumps(cfg.to_dict(), indent=2) if args.json else cfg.to_yaml(), end="" if not args.json else "\n")
+    return 0
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="YAML config (omit for the defaults)")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    p.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+
+
+@hookimpl
+def miles_register_commands(register: Register) -> None:
+    register("plugins", Command(
+        help="list installed plugins: name, distribution, version, status, hooks",
+        run=_plugins, add_arguments=_plugins_args,
+    ))
+    register("config show", Command(
+        help="validate a config and print it fully resolved (defaults included)",
+        run=_config_show, add_arguments=_config_args,
+    ))

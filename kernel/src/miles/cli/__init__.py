@@ -1,0 +1,5 @@
+"""The ``miles`` command line. Commands come from plugins (``miles_register_commands``)."""
+
+from miles.cli.command import Command
+
+__all__ = ["Command"]

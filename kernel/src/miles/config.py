@@ -1,0 +1,274 @@
+"""Typed config: YAML plus ``a.b=c`` overrides, validated section by section, all errors at once.
+
+Loading order: read YAML, apply overrides, read the ``plugins`` section alone (it decides which
+plugins load), load the kernel for it, then validate every section -- the kernel's own and those
+plugins registered -- and every name that refers to a registry. Nothing is silently rewritten: a
+value the user gave is either used as given or reported.
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from miles.errors import ConfigError
+from miles.plugins import PluginSelection
+from miles.sections import (
+    CORE_SECTIONS,
+    AlgorithmSection,
+    DataSection,
+    EvalSection,
+    ExecutorSection,
+    ModelSection,
+    PluginsSection,
+    RewardSection,
+    RolloutSection,
+    RouterSection,
+    RunSection,
+    TrackingSection,
+    TrainSection,
+    WeightsSection,
+    Choice,
+)
+
+if typing.TYPE_CHECKING:
+    from miles.kernel import Kernel
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class MilesConfig:
+    """A validated config. Core sections are attributes; plugin sections via :meth:`section`."""
+
+    plugins: PluginsSection = field(default_factory=PluginsSection)
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    weights: WeightsSection = field(default_factory=WeightsSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    tracking: TrackingSection = field(default_factory=TrackingSection)
+    executor: ExecutorSection = field(default_factory=ExecutorSection)
+    router: RouterSection = field(default_factory=RouterSection)
+    extra: Mapping[str, BaseModel] = field(default_factory=dict)
+
+    def section(self, name: str, model: type[M]) -> M:
+        """A plugin's section, typed. Missing sections were filled with the model's defaults."""
+        value = self.extra.get(name)
+        if value is None:
+            return model()
+        if not isinstance(value, model):
+            raise TypeError(f"config section {name!r} is a {type(value).__name__}, not {model.__name__}")
+        return value
+
+    def to_dict(self) -> dict[str, Any]:
+        """The whole config, defaults included, as plain JSON-compatible data."""
+        out: dict[str, Any] = {}
+        for name in CORE_SECTIONS:
+            out[name] = getattr(self, name).model_dump(mode="json")
+        for name, value in sorted(self.extra.items()):
+            out[name] = value.model_dump(mode="json")
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @property
+    def plugin_selection(self) -> PluginSelection:
+        return PluginSelection.from_settings(self.plugins.enable, self.plugins.disable)
+
+
+# ----------------------------------------------------------------------------- raw data
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError([f"cannot read config file: {exc.strerror}"], source=str(path)) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"not valid YAML: {exc}"], source=str(path)) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"the top level must be a mapping of sections, got {type(data).__name__}"], source=str(path))
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> list[str]:
+    """Apply ``a.b=c`` overrides in place (values parsed as YAML scalars); return the errors."""
+    errors = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            errors.append(f"override {item!r}: expected section.key=value, e.g. rollout.temperature=0.7")
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                errors.append(f"override {item!r}: {part!r} is a value, not a section")
+                break
+            node = child
+        else:
+            node[parts[-1]] = value
+    return errors
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _format_pydantic(section: str, error: ValidationError) -> list[str]:
+    lines = []
+    for e in error.errors():
+        loc = ".".join(str(p) for p in (section, *e["loc"]))
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; `miles config show` prints every key)"
+        lines.append(f"{loc}: {msg}")
+    return lines
+
+
+def _choice_errors(path: str, model: BaseModel, kernel: Kernel) -> list[str]:
+    """Check every ``Choice``-annotated field of ``model`` against the kernel's registries."""
+    errors = []
+    for name, info in type(model).model_fields.items():
+        value = getattr(model, name)
+        kinds = [m.kind for m in info.metadata if isinstance(m, Choice)]
+        kinds += _nested_choices(info.annotation)
+        for kind in kinds:
+            values = value if isinstance(value, list) else [value]
+            registry = kernel.registry(kind)
+            for v in values:
+                if v is not None and v not in registry:
+                    errors.append(f"{path}.{name}: {registry.unknown_message(v)}")
+    return errors
+
+
+def _nested_choices(annotation: Any) -> list[str]:
+    """Choice markers inside ``list[Annotated[str, Choice(...)]]`` or ``Annotated[...] | None``."""
+    found = []
+    for arg in typing.get_args(annotation):
+        if typing.get_origin(arg) is typing.Annotated:
+            found += [m.kind for m in arg.__metadata__ if isinstance(m, Choice)]
+        else:
+            found += _nested_choices(arg)
+    return found
+
+
+def _cross_section_errors(cfg: MilesConfig, kernel: Kernel) -> list[str]:
+    errors = []
+    if cfg.algorithm.kl_loss_coef > 0 and not cfg.train.use_reference:
+        errors.append("algorithm.kl_loss_coef > 0 needs a reference model: set train.use_reference: true")
+    if cfg.algorithm.kl_coef > 0 and not cfg.train.use_reference:
+        errors.append("algorithm.kl_coef > 0 needs a reference model: set train.use_reference: true")
+    if cfg.algorithm.advantage in kernel.advantages():
+        estimator = kernel.advantages().get(cfg.algorithm.advantage)
+        if getattr(estimator, "needs_critic", False) and not cfg.train.use_critic:
+            errors.append(
+                f"algorithm.advantage {cfg.algorithm.advantage!r} needs a critic: set train.use_critic: true"
+            )
+    if cfg.rollout.generator == "agentic" and cfg.rollout.agent is None:
+        errors.append("rollout.generator 'agentic' needs rollout.agent: the name of a registered agent")
+    if cfg.rollout.max_new_tokens >= cfg.rollout.max_context_len:
+        errors.append(
+            f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) must be below rollout.max_context_len "
+            f"({cfg.rollout.max_context_len}) to leave room for the prompt"
+        )
+    return errors
+
+
+def build_config(data: Mapping[str, Any], *, source: str | None = None, kernel: Kernel | None = None) -> MilesConfig:
+    """Validate raw config data. Raises :class:`ConfigError` listing every problem."""
+    from miles.kernel import Kernel
+
+    errors: list[str] = []
+    try:
+        plugins = PluginsSection.model_validate(data.get("plugins") or {})
+    except ValidationError as exc:
+        raise ConfigError(_format_pydantic("plugins", exc), source=source) from None
+    if kernel is None:
+        kernel = Kernel.load(PluginSelection.from_settings(plugins.enable, plugins.disable))
+    extra_models = {e.name: e.obj for e in kernel.config_sections().entries()}
+    clashes = sorted(set(extra_models) & set(CORE_SECTIONS))
+    if clashes:
+        errors += [f"{name}: a plugin registered a section that the kernel owns" for name in clashes]
+
+    known = [*CORE_SECTIONS, *extra_models]
+    for name in data:
+        if name not in known:
+            errors.append(f"{name}: unknown section; known sections: {', '.join(known)}")
+
+    values: dict[str, BaseModel] = {}
+    for name, model in {**extra_models, **CORE_SECTIONS}.items():
+        raw = data.get(name)
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            errors.append(f"{name}: must be a mapping of keys, got {type(raw).__name__}")
+            continue
+        try:
+            values[name] = model.model_validate(raw)
+        except ValidationError as exc:
+            errors += _format_pydantic(name, exc)
+
+    for name, value in values.items():
+        errors += _choice_errors(name, value, kernel)
+    if errors:
+        raise ConfigError(errors, source=source)
+
+    core = {name: values[name] for name in CORE_SECTIONS}
+    extra = {name: values[name] for name in extra_models}
+    cfg = MilesConfig(**core, extra=extra)
+    errors = _cross_section_errors(cfg, kernel)
+    if errors:
+        raise ConfigError(errors, source=source)
+    return cfg
+
+
+def load_config(path: Path | str | None = None, overrides: Sequence[str] = (), *, kernel: Kernel | None = None) -> MilesConfig:
+    """Load ``path`` (or the defaults when None), apply overrides, validate."""
+    data = read_yaml(Path(path)) if path is not None else {}
+    errors = apply_overrides(data, overrides)
+    source = str(path) if path is not None else None
+    if errors:
+        raise ConfigError(errors, source=source)
+    return build_config(data, source=source, kernel=kernel)
+
+
+__all__ = [
+    "AlgorithmSection",
+    "ConfigError",
+    "DataSection",
+    "EvalSection",
+    "ExecutorSection",
+    "MilesConfig",
+    "ModelSection",
+    "PluginsSection",
+    "RewardSection",
+    "RolloutSection",
+    "RouterSection",
+    "RunSection",
+    "TrackingSection",
+    "TrainSection",
+    "WeightsSection",
+    "build_config",
+    "load_config",
+]

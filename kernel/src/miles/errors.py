@@ -1,0 +1,21 @@
+"""Errors the kernel raises at users. Every message says what was wrong and how to fix it."""
+
+from __future__ import annotations
+
+
+class MilesError(Exception):
+    """Base class of every error Miles raises for bad input or setup."""
+
+
+class PluginError(MilesError):
+    """A plugin could not be loaded, validated or found."""
+
+
+class ConfigError(MilesError):
+    """The config is invalid. ``errors`` holds one ``"path: message"`` line per problem."""
+
+    def __init__(self, errors: list[str], source: str | None = None) -> None:
+        self.errors = list(errors)
+        where = f" in {source}" if source else ""
+        lines = "\n".join(f"  - {e}" for e in self.errors)
+        super().__init__(f"found {len(self.errors)} error(s){where}:\n{lines}")

@@ -1,0 +1,334 @@
+"""Every hook a Miles plugin can implement.
+
+Three shapes, each chosen for what the hook decides:
+
+* **register-by-name** -- ``miles_register_<kind>(register)``: the plugin calls
+  ``register(name, obj)`` once per implementation. Config picks implementations by name; an unknown
+  name fails at start-up listing every registered name and its distribution. Used for everything a
+  user *chooses*: generators, rewards, filters, advantages, backends, engines, transports,
+  executors, trackers, data sources, tools, agents, router middleware, chat families, commands and
+  config sections. Installing a package therefore never changes a run by itself.
+* **claim** (``firstresult``, returns ``X | None``): the first plugin that recognises the input
+  answers; used where the *input* decides (``miles_model_bridge``: which model family is this?).
+* **pipeline / wrapper**: filters and router middleware are registered by name and composed in
+  config order (all filters must keep a group; middleware wrap each other outermost-first);
+  ``miles_forward`` is a pluggy wrapper hook around every forward pass of a train backend, so a
+  plugin (routing replay) can act inside a backend without the backend knowing it.
+  Lifecycle hooks (``miles_run_start`` ...) are broadcasts: every implementation is called.
+
+Arguments are passed by keyword; an implementation may accept fewer arguments than its spec
+(pluggy's opt-in arguments), so specs can grow without breaking plugins. Types named here come from
+``miles_contracts`` and are imported only for type checking.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from collections.abc import Generator, Mapping
+    from pathlib import Path
+
+    from miles_contracts import ForwardContext, ModelBridge
+
+    from miles.config import MilesConfig
+    from miles.registry import Register
+
+PROJECT = "miles"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# =============================================================================== rollout
+
+
+@hookspec
+def miles_register_generators(register: Register) -> None:
+    """Register rollout generators by name (``rollout.generator`` picks one).
+
+    A generator is an async callable ``(sample, ctx: GenerateContext) -> Sample`` satisfying
+    :class:`miles_contracts.Generator`. Built-ins: ``single_turn`` (kernel), ``multi_turn`` and
+    ``agentic`` (miles-tito).
+
+    :param register: ``register(name, generator)``.
+    """
+
+
+@hookspec
+def miles_register_tools(register: Register) -> None:
+    """Register tools the ``multi_turn`` generator can offer the model (``rollout.tools``).
+
+    A tool satisfies :class:`miles_contracts.Tool` (name, description, JSON-schema parameters,
+    async call returning the tool message text).
+
+    :param register: ``register(name, tool)``.
+    """
+
+
+@hookspec
+def miles_register_agents(register: Register) -> None:
+    """Register agents the ``agentic`` generator can run (``rollout.agent``).
+
+    An agent is ``async def run_agent(base_url, prompt, request_kwargs, metadata) -> dict | None``
+    that talks to ``base_url`` with any OpenAI-compatible client.
+
+    :param register: ``register(name, run_agent)``.
+    """
+
+
+@hookspec
+def miles_register_data_sources(register: Register) -> None:
+    """Register prompt sources (``data.source``): file readers and task generators.
+
+    The registered object is a factory ``(data_config: DataConfig) -> DataSource``.
+
+    :param register: ``register(name, factory)``.
+    """
+
+
+# =============================================================================== scoring
+
+
+@hookspec
+def miles_register_rewards(register: Register) -> None:
+    """Register reward functions (``reward.name``, or per sample ``metadata["reward"]``).
+
+    A reward is sync or async ``(samples: Sequence[Sample]) -> list[float]``: batch in, one float
+    per sample out (TRL-style plain functions work). Return NaN for a sample that cannot be scored.
+
+    :param register: ``register(name, reward_fn)``.
+    """
+
+
+@hookspec
+def miles_register_filters(register: Register) -> None:
+    """Register group filters (``rollout.filters`` lists the pipeline, in order; all must keep).
+
+    A filter is ``(group: Sequence[Sample]) -> FilterVerdict``; a dropped group's ``reason`` is
+    counted in the metrics as ``filter/drop_<reason>``.
+
+    :param register: ``register(name, filter_fn)``.
+    """
+
+
+@hookspec
+def miles_register_advantages(register: Register) -> None:
+    """Register advantage estimators (``algorithm.advantage``).
+
+    An estimator satisfies :class:`miles_contracts.AdvantageEstimator`:
+    ``(batch: TrainBatch, params: AlgorithmParams) -> AdvantageResult``, with a class attribute
+    ``needs_critic``.
+
+    :param register: ``register(name, estimator)``.
+    """
+
+
+@hookspec
+def miles_register_policy_losses(register: Register) -> None:
+    """Register policy losses (``train.policy_loss``; default ``ppo_clip``).
+
+    A policy loss is ``(logprobs, batch, params) -> (per_token_loss [B, T], metrics)``; the backend
+    applies the mismatch correction and the reduction.
+
+    :param register: ``register(name, loss_fn)``.
+    """
+
+
+@hookspec
+def miles_register_mismatch_corrections(register: Register) -> None:
+    """Register train/rollout mismatch corrections (``algorithm.correction``: none, tis, mis).
+
+    A correction is ``(old_logprobs, rollout_logprobs, loss_mask, params) -> (weights [B, T],
+    metrics)``; weights multiply the per-token policy loss (0 masks a token out).
+
+    :param register: ``register(name, correction_fn)``.
+    """
+
+
+# =============================================================================== models
+
+
+@hookspec(firstresult=True)
+def miles_model_bridge(hf_config: Mapping[str, Any]) -> ModelBridge | None:
+    """Claim a model: return a bridge if this plugin knows the architecture, else None.
+
+    Stops at the first non-None result. Model plugins (``miles-model-llama``, ...) implement it by
+    inspecting ``hf_config["architectures"]`` / ``hf_config["model_type"]``.
+
+    :param hf_config: the model's ``config.json`` as a mapping.
+    :returns: a :class:`miles_contracts.ModelBridge`, or None when not recognised.
+    """
+
+
+@hookspec
+def miles_register_chat_families(register: Register) -> None:
+    """Register chat-template families for token-in-token-out sessions (``tito.family``).
+
+    A family object (defined by miles-tito) carries the fixed template, allowed appended roles,
+    splice rules, and tool-call / reasoning parsers. Model plugins register theirs; a bridge names
+    its default family in ``bridge.chat_family``.
+
+    :param register: ``register(name, family)``.
+    """
+
+
+# =============================================================================== training
+
+
+@hookspec
+def miles_register_train_backends(register: Register) -> None:
+    """Register training backends (``train.backend``: fsdp, megatron).
+
+    The registered object is a factory ``(config: MilesConfig) -> TrainBackend``.
+
+    :param register: ``register(name, factory)``.
+    """
+
+
+@hookspec(firstresult=True)
+def miles_forward(ctx: ForwardContext) -> Generator[None, Any, Any]:
+    """Wrap every forward pass a train backend runs (log-prob passes and training).
+
+    Implementations must be wrappers, ``@hookimpl(wrapper=True)`` generators (the kernel refuses
+    plain implementations): prepare before ``yield`` (e.g. install module hooks on ``ctx.model``),
+    receive the forward's result from the ``yield``, clean up, and return the result (or a
+    replacement). Backends call it through :meth:`miles.kernel.Kernel.run_forward`, which runs the
+    real forward innermost. Wrappers run for every backend; a wrapper returns the result unchanged
+    when ``ctx`` is not for it.
+
+    :param ctx: phase, model, batch, backend name and model bridge of this forward.
+    """
+
+
+@hookspec
+def miles_register_weight_transports(register: Register) -> None:
+    """Register weight transports (``weights.transport``: disk, shared_memory, broadcast).
+
+    The registered object is a factory ``(config: MilesConfig) -> WeightTransport``.
+
+    :param register: ``register(name, factory)``.
+    """
+
+
+# =============================================================================== inference
+
+
+@hookspec
+def miles_register_inference_engines(register: Register) -> None:
+    """Register inference engines (``rollout.engine``: embedded, sglang).
+
+    The registered object satisfies :class:`miles_contracts.InferenceEngine`: it returns the argv
+    of a server that speaks the engine wire protocol (SGLang's native HTTP API).
+
+    :param register: ``register(name, engine)``.
+    """
+
+
+@hookspec
+def miles_register_router_middlewares(register: Register) -> None:
+    """Register router middleware (``router.middlewares`` lists the chain, outermost first).
+
+    The registered object is a factory ``(options: dict) -> RouterMiddleware``.
+
+    :param register: ``register(name, factory)``.
+    """
+
+
+# =============================================================================== orchestration
+
+
+@hookspec
+def miles_register_executors(register: Register) -> None:
+    """Register executors (``executor.name``: local, ray).
+
+    The registered object is a factory ``(config: MilesConfig, run_dir: Path) -> Executor``.
+
+    :param register: ``register(name, factory)``.
+    """
+
+
+@hookspec
+def miles_register_trackers(register: Register) -> None:
+    """Register metric trackers (``tracking.trackers`` lists those to use; jsonl always runs).
+
+    The registered object is a factory ``(config: MilesConfig, run_dir: Path) -> Tracker``.
+
+    :param register: ``register(name, factory)``.
+    """
+
+
+# =============================================================================== config and CLI
+
+
+@hookspec
+def miles_register_config_sections(register: Register) -> None:
+    """Contribute top-level config sections, each validated by the plugin's own pydantic model.
+
+    A section is rejected as unknown unless a loaded plugin registered it. Models should forbid
+    extra keys (``model_config = ConfigDict(extra="forbid")``) so typos are errors.
+
+    :param register: ``register(section_name, PydanticModel)``.
+    """
+
+
+@hookspec
+def miles_register_commands(register: Register) -> None:
+    """Contribute ``miles`` CLI commands.
+
+    The registered object is a :class:`miles.cli.Command`; a name with a space (``"serve engine"``)
+    becomes a sub-command of a group (``miles serve engine``).
+
+    :param register: ``register(name, command)``.
+    """
+
+
+# =============================================================================== lifecycle
+
+
+@hookspec(historic=True)
+def miles_configure(config: MilesConfig) -> None:
+    """Called once the config is validated, before any component starts.
+
+    Historic: a plugin registered later still receives the call.
+
+    :param config: the validated config.
+    """
+
+
+@hookspec
+def miles_run_start(config: MilesConfig, run_dir: Path) -> None:
+    """Called when ``miles train`` has started every component, before the first step.
+
+    :param config: the validated config.
+    :param run_dir: the run's output folder (``runs/<name>``).
+    """
+
+
+@hookspec
+def miles_step_end(step: int, metrics: dict[str, float]) -> None:
+    """Called after each RL step, before metrics are logged.
+
+    Implementations may add entries to ``metrics`` (they are logged with the step's own).
+
+    :param step: the step just finished (1-based).
+    :param metrics: the step's metrics; mutable.
+    """
+
+
+@hookspec
+def miles_weights_synced(version: int) -> None:
+    """Called after every engine received weights of ``version``.
+
+    :param version: the new engine weight version.
+    """
+
+
+@hookspec
+def miles_run_end(run_dir: Path, status: str) -> None:
+    """Called when a run ends (``completed``, ``failed`` or ``interrupted``), after cleanup.
+
+    :param run_dir: the run's output folder.
+    :param status: how the run ended.
+    """

@@ -1,0 +1,166 @@
+"""The kernel's own config sections. Plugins add theirs through ``miles_register_config_sections``.
+
+Fields that name a registered implementation carry ``Choice("<kind>")`` metadata; the loader checks
+them against the registries, so ``algorithm.advantage: grpoo`` fails at start-up with the list of
+registered estimators.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from miles_contracts import AlgorithmParams
+from pydantic import BaseModel, ConfigDict, Field
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """Marks a config field whose value(s) must be registered names of ``kind``."""
+
+    kind: str
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class PluginsSection(Section):
+    """Which plugins load. ``enable`` switches to allow-list mode (essential plugins always load)."""
+
+    enable: list[str] | None = None
+    disable: list[str] = Field(default_factory=list)
+
+
+class RunSection(Section):
+    name: str = Field(default="miles-run", pattern=r"^[A-Za-z0-9._-]+$", description="folder under output_dir")
+    output_dir: Path = Path("runs")
+    seed: int = 0
+    steps: int = Field(default=4, ge=1, description="RL steps to run")
+    mode: Literal["sync", "one_step_off", "fully_async"] = "sync"
+    save_every: int = Field(default=0, ge=0, description="checkpoint every N steps; 0 = only at the end")
+    keep_checkpoints: int = Field(default=1, ge=1)
+
+
+class ModelSection(Section):
+    name: str = Field(default="smollm2-135m-instruct", description="a model of `miles models list`, or a local folder")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(default="auto", description="auto: bf16 on CUDA, fp32 on CPU")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class DataSection(Section):
+    source: Annotated[str, Choice("data_source")] = Field(default="arithmetic", description="registered data source")
+    path: str | None = Field(default=None, description="file or folder for file sources")
+    eval_path: str | None = Field(default=None, description="held-out prompts; task sources generate their own")
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    template: str | None = Field(default=None, description="format string applied to the prompt, e.g. 'Q: {prompt}'")
+    system_prompt: str | None = None
+    apply_chat_template: bool = True
+    shuffle: bool = True
+    seed: int = 0
+    on_error: Literal["skip", "fail"] = Field(default="skip", description="malformed lines: skip and count, or fail")
+    options: dict[str, Any] = Field(default_factory=dict, description="source-specific options")
+
+
+class RolloutSection(Section):
+    generator: Annotated[str, Choice("generator")] = "single_turn"
+    engine: Annotated[str, Choice("inference_engine")] = "embedded"
+    num_engines: int = Field(default=1, ge=1)
+    prompts_per_step: int = Field(default=4, ge=1, description="prompt groups trained per step")
+    samples_per_prompt: int = Field(default=4, ge=1)
+    over_sampling: float = Field(default=1.5, ge=1.0, description="draw this many times the groups when filters drop some")
+    max_new_tokens: int = Field(default=64, ge=1)
+    max_context_len: int = Field(default=1024, ge=2)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    stop: list[str] = Field(default_factory=list)
+    filters: list[Annotated[str, Choice("filter")]] = Field(default_factory=lambda: ["no_aborted"])
+    tools: list[Annotated[str, Choice("tool")]] = Field(default_factory=list)
+    agent: Annotated[str, Choice("agent")] | None = None
+    agent_timeout: float = Field(default=300.0, gt=0)
+    max_turns: int = Field(default=8, ge=1)
+    concurrency: int = Field(default=64, ge=1, description="generator calls in flight")
+    max_staleness: int | None = Field(default=None, ge=0, description="weight versions a group may lag (async modes)")
+
+
+class RewardSection(Section):
+    name: Annotated[str, Choice("reward")] = "exact_match"
+    timeout: float = Field(default=30.0, gt=0)
+    remote_url: str | None = Field(default=None, description="endpoint of the `remote` reward")
+
+
+class TrainSection(Section):
+    backend: Annotated[str, Choice("train_backend")] = "fsdp"
+    policy_loss: Annotated[str, Choice("policy_loss")] = "ppo_clip"
+    lr: float = Field(default=1e-6, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(default=0, ge=0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    grad_clip: float = Field(default=1.0, gt=0)
+    micro_batch_tokens: int = Field(default=4096, ge=1, description="token budget per micro-batch")
+    updates_per_step: int = Field(default=1, ge=1, description="optimiser steps per RL step (mini-batches)")
+    gradient_checkpointing: bool = False
+    use_reference: bool = Field(default=False, description="keep a reference model (needed for a KL term)")
+    use_critic: bool = False
+    critic_lr: float = Field(default=1e-5, gt=0)
+
+
+class WeightsSection(Section):
+    transport: Annotated[str, Choice("weight_transport")] = "shared_memory"
+    bucket_mb: int = Field(default=512, ge=1)
+    check: bool = Field(default=False, description="fill engine weights with noise first; the sync must restore them bit-exactly")
+
+
+class EvalSection(Section):
+    every: int = Field(default=0, ge=0, description="evaluate every N steps; 0 = off")
+    num_prompts: int = Field(default=32, ge=1)
+    greedy: bool = True
+    samples_per_prompt: int = Field(default=1, ge=1, description="k of pass@k")
+    max_new_tokens: int | None = None
+
+
+class TrackingSection(Section):
+    trackers: list[Annotated[str, Choice("tracker")]] = Field(default_factory=lambda: ["jsonl"])
+    project: str = "miles"
+
+
+class ExecutorSection(Section):
+    name: Annotated[str, Choice("executor")] = "local"
+    startup_timeout: float = Field(default=600.0, gt=0)
+    restart_engines: bool = True
+
+
+class RouterSection(Section):
+    middlewares: list[Annotated[str, Choice("router_middleware")]] = Field(default_factory=list)
+    health_interval: float = Field(default=5.0, gt=0)
+    failure_threshold: int = Field(default=3, ge=1)
+
+
+class AlgorithmSection(AlgorithmParams):
+    """The ``algorithm`` section (see :class:`miles_contracts.AlgorithmParams`)."""
+
+    advantage: Annotated[str, Choice("advantage")] = "grpo"
+    correction: Annotated[str, Choice("mismatch_correction")] = "none"
+
+
+CORE_SECTIONS: dict[str, type[BaseModel]] = {
+    "plugins": PluginsSection,
+    "run": RunSection,
+    "model": ModelSection,
+    "data": DataSection,
+    "rollout": RolloutSection,
+    "reward": RewardSection,
+    "algorithm": AlgorithmSection,
+    "train": TrainSection,
+    "weights": WeightsSection,
+    "eval": EvalSection,
+    "tracking": TrackingSection,
+    "executor": ExecutorSection,
+    "router": RouterSection,
+}

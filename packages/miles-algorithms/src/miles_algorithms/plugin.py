@@ -1,0 +1,1 @@
+"""Miles plugin entry point of miles-algorithms (hook implementations live here)."""

@@ -1,0 +1,1 @@
+"""Miles plugin entry point of miles-engine (hook implementations live here)."""

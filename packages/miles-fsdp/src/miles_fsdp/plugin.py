@@ -1,0 +1,1 @@
+"""Miles plugin entry point of miles-fsdp (hook implementations live here)."""

@@ -1,0 +1,47 @@
+"""Plugin ``models``: the ``miles models pull`` and ``miles models list`` commands."""
+
+from __future__ import annotations
+
+import argparse
+
+from miles import hookimpl
+from miles.cli import Command
+from miles.registry import Register
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from miles_models.pull import pull
+
+    path = pull(args.name, force=args.force)
+    print(path)
+    return 0
+
+
+def _pull_args(p: argparse.ArgumentParser) -> None:
+    from miles_models.catalog import CATALOG
+
+    p.add_argument("name", choices=sorted(CATALOG), help="model to fetch and convert")
+    p.add_argument("--force", action="store_true", help="fetch and convert again even if cached")
+
+
+def _list(args: argparse.Namespace) -> int:
+    from miles_models.cache import list_cached, models_dir
+    from miles_models.catalog import CATALOG
+
+    cached = {m.name: m for m in list_cached()}
+    print(f"cache: {models_dir()}")
+    for name, entry in CATALOG.items():
+        m = cached.get(name)
+        state = f"cached  {m.size_bytes / 1e6:,.0f} MB  {m.path}" if m else f"not cached (miles models pull {name})"
+        print(f"{name:28} {state}")
+    for name, m in cached.items():
+        if name not in CATALOG:
+            print(f"{name:28} cached  {m.size_bytes / 1e6:,.0f} MB  {m.path}")
+    return 0
+
+
+@hookimpl
+def miles_register_commands(register: Register) -> None:
+    register("models pull", Command(help="fetch a known model and convert it to safetensors in the cache",
+                                    run=_pull, add_arguments=_pull_args))
+    register("models list", Command(help="list known models and what is cached", run=_list))

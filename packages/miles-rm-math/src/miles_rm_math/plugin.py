@@ -1,0 +1,1 @@
+"""Miles plugin entry point of miles-rm-math (hook implementations live here)."""

@@ -1,0 +1,1 @@
+"""Miles plugin entry point of miles-router (hook implementations live here)."""

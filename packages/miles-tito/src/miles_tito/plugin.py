@@ -1,0 +1,1 @@
+"""Miles plugin entry point of miles-tito (hook implementations live here)."""

@@ -1,0 +1,1 @@
+"""Miles plugin entry point of miles-tracker-tensorboard (hook implementations live here)."""

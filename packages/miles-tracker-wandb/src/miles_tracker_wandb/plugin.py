@@ -1,0 +1,1 @@
+"""Miles plugin entry point of miles-tracker-wandb (hook implementations live here)."""

@@ -1,0 +1,1 @@
+"""Miles plugin entry point of miles-weights (hook implementations live here)."""

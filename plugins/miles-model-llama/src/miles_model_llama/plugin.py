@@ -1,0 +1,1 @@
+"""Miles plugin entry point of miles-model-llama (hook implementations live here)."""

@@ -1,0 +1,1 @@
+"""Miles plugin entry point of miles-model-qwen3 (hook implementations live here)."""
