@@ -1,0 +1,13 @@
+"""Conformance suites a plugin package runs against its own implementation.
+
+Each suite is a plain function that raises ``AssertionError`` with a precise message on the first
+broken rule, so it works under pytest (call it from a test) and from a script. Suites import torch
+lazily. Available suites (one module each):
+
+- :mod:`miles_contracts.testing.reward` -- ``check_reward(fn)``
+- :mod:`miles_contracts.testing.filter` -- ``check_filter(fn)``
+- :mod:`miles_contracts.testing.advantage` -- ``check_advantage(estimator)``
+- :mod:`miles_contracts.testing.bridge` -- ``check_model_bridge(bridge, hf_model_dir)``
+- :mod:`miles_contracts.testing.transport` -- ``check_weight_transport(transport, engine)``
+- :mod:`miles_contracts.testing.backend` -- ``check_train_backend(factory)``
+"""

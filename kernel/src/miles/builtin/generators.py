@@ -1,0 +1,68 @@
+"""Built-in plugin ``generators``: the ``single_turn`` generator.
+
+One engine call per sample: the prompt is tokenized here (chat template for message lists), sent
+as ``input_ids`` so the trajectory is exactly the ids the engine saw and produced, and the answer's
+ids and log-probs are stored as they came back (token in, token out).
+"""
+
+from __future__ import annotations
+
+from miles_contracts import ExitReason, GenerateContext, Sample, Status
+from miles_contracts.wire.engine import GenerateRequest, GenerateResponse
+
+from miles.engine_client import EngineRequestError, EngineUnavailableError
+from miles.hookspecs import hookimpl
+from miles.registry import Register
+from miles.rollout.tokens import prompt_token_ids
+
+_FINISH = {
+    "stop": (Status.COMPLETED, ExitReason.STOP),
+    "length": (Status.TRUNCATED, ExitReason.LENGTH),
+    "abort": (Status.ABORTED, ExitReason.ABORT),
+}
+
+
+async def single_turn(sample: Sample, ctx: GenerateContext) -> Sample:
+    prompt_ids = prompt_token_ids(ctx.tokenizer, sample.prompt)
+    budget = ctx.max_context_len - len(prompt_ids)
+    if budget <= 0:
+        sample.tokens = prompt_ids
+        return sample.finish(Status.TRUNCATED, ExitReason.CONTEXT_OVERFLOW,
+                             f"prompt has {len(prompt_ids)} tokens, context is {ctx.max_context_len}")
+    params = ctx.sampling_params.model_copy(update={"max_new_tokens": min(ctx.sampling_params.max_new_tokens, budget)})
+    request = GenerateRequest(input_ids=prompt_ids, sampling_params=params, return_logprob=True)
+    try:
+        response = await ctx.engine.generate(request, routing_key=f"group-{sample.group_index}")
+    except EngineRequestError as exc:
+        sample.tokens = prompt_ids
+        status = Status.FAILED if 400 <= exc.status_code < 500 else Status.ABORTED
+        return sample.finish(status, ExitReason.ENGINE_ERROR, str(exc))
+    except EngineUnavailableError as exc:
+        sample.tokens = prompt_ids
+        return sample.finish(Status.ABORTED, ExitReason.ENGINE_ERROR, str(exc))
+    return apply_response(sample, prompt_ids, response)
+
+
+def apply_response(sample: Sample, prompt_ids: list[int], response: GenerateResponse) -> Sample:
+    """Fill ``sample`` from one engine answer (every output token is model-sampled: mask 1)."""
+    output = list(response.output_ids)
+    logprobs = response.logprobs()
+    if len(logprobs) != len(output):
+        sample.tokens = prompt_ids
+        return sample.finish(Status.FAILED, ExitReason.ENGINE_ERROR,
+                             f"engine returned {len(output)} tokens but {len(logprobs)} log-probs")
+    sample.tokens = prompt_ids + output
+    sample.response_length = len(output)
+    sample.response = response.text
+    sample.loss_mask = [1] * len(output)
+    sample.rollout_logprobs = logprobs
+    if response.meta_info.weight_version is not None:
+        sample.weight_versions.append(int(response.meta_info.weight_version))
+    finish = response.meta_info.finish_reason
+    status, reason = _FINISH[finish.type] if finish else (Status.COMPLETED, ExitReason.STOP)
+    return sample.finish(status, reason, finish.message if finish else None)
+
+
+@hookimpl
+def miles_register_generators(register: Register) -> None:
+    register("single_turn", single_turn)

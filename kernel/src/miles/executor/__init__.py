@@ -1,0 +1,1 @@
+"""Process supervision for the ``local`` executor."""

@@ -1,0 +1,1 @@
+"""The RL loop behind ``miles train``: services, rollout, learner, checkpoints, progress."""

@@ -1,0 +1,1 @@
+"""Rollout: turning prompt groups into scored, filtered samples (generators live in plugins)."""
