@@ -162,6 +162,18 @@ def miles_model_bridge(hf_config: Mapping[str, Any]) -> ModelBridge | None:
     """
 
 
+@hookspec(firstresult=True)
+def miles_resolve_model(name: str) -> Path | None:
+    """Claim a model name: return the local Hugging Face folder for ``name``, or None.
+
+    Stops at the first non-None result. Called for ``model.name`` values that are not a local
+    folder; ``miles-models`` implements it for the models it can fetch (pulling on first use).
+
+    :param name: the configured model name.
+    :returns: a folder holding ``config.json``, weights and tokenizer, or None if unknown here.
+    """
+
+
 @hookspec
 def miles_register_chat_families(register: Register) -> None:
     """Register chat-template families for token-in-token-out sessions (``tito.family``).

@@ -211,6 +211,22 @@ class Kernel:
             )
         return bridge
 
+    def resolve_model(self, name: str) -> Path:
+        """A local model folder for ``name``: the path itself, or what a plugin resolves it to."""
+        path = Path(name).expanduser()
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise PluginError(f"model folder {path} has no config.json; point model.name at a Hugging Face model folder")
+            return path
+        resolved = self._pm.hook.miles_resolve_model(name=name)
+        if resolved is None:
+            resolvers = [i.name for i in self.plugins() if "miles_resolve_model" in i.hooks]
+            raise PluginError(
+                f"model {name!r} is not a local folder and no plugin knows it (resolvers: "
+                f"{', '.join(resolvers) or 'none; pip install miles-models'}); `miles models list` shows known models"
+            )
+        return Path(resolved)
+
     # ------------------------------------------------------------------ wrappers
 
     def run_forward(self, ctx: ForwardContext, forward: Callable[[], T]) -> T:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from miles_contracts import AlgorithmParams
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,11 +36,11 @@ class PluginsSection(Section):
 
 
 class RunSection(Section):
-    name: str = Field(default="miles-run", pattern=r"^[A-Za-z0-9._-]+$", description="folder under output_dir")
+    name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._-]+$", description="folder under output_dir; default miles-<date>-<time>")
     output_dir: Path = Path("runs")
     seed: int = 0
     steps: int = Field(default=4, ge=1, description="RL steps to run")
-    mode: Literal["sync", "one_step_off", "fully_async"] = "sync"
+    mode: Literal["sync", "one_step_off"] = Field(default="sync", description="one_step_off overlaps the next rollout with training")
     save_every: int = Field(default=0, ge=0, description="checkpoint every N steps; 0 = only at the end")
     keep_checkpoints: int = Field(default=1, ge=1)
 
@@ -140,6 +140,26 @@ class RouterSection(Section):
     middlewares: list[Annotated[str, Choice("router_middleware")]] = Field(default_factory=list)
     health_interval: float = Field(default=5.0, gt=0)
     failure_threshold: int = Field(default=3, ge=1)
+    middleware_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="options per middleware name, passed to its factory"
+    )
+    health_timeout: float = Field(default=5.0, gt=0, description="seconds a health probe may take")
+    request_timeout: float = Field(default=3600.0, gt=0, description="seconds an engine may take to answer one request")
+    max_attempts: int = Field(default=3, ge=1, description="engines one request may be tried on (failover)")
+    affinity_capacity: int = Field(default=100_000, ge=1, description="routing keys remembered for session affinity")
+    check_weight_version: bool = Field(
+        default=True, description="hold back a worker whose weight_version is behind the fleet's"
+    )
+
+    @model_validator(mode="after")
+    def _options_name_a_middleware(self) -> RouterSection:
+        unused = sorted(set(self.middleware_options) - set(self.middlewares))
+        if unused:
+            raise ValueError(
+                f"middleware_options given for {unused} which are not in middlewares {self.middlewares}; "
+                "add them to router.middlewares or drop their options"
+            )
+        return self
 
 
 class AlgorithmSection(AlgorithmParams):

@@ -29,7 +29,8 @@ def build_parser(commands: dict[str, Command]) -> argparse.ArgumentParser:
                 group = action.add_parser(part, help=f"{key} commands")
                 groups[key] = group.add_subparsers(dest=f"sub_{depth}", metavar="COMMAND", required=True)
             action = groups[key]
-        sub = action.add_parser(parts[-1], help=command.help, description=command.description or command.help)
+        sub = action.add_parser(parts[-1], help=command.help, description=command.description or command.help,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
         if command.add_arguments:
             command.add_arguments(sub)
         sub.set_defaults(_command=command)

@@ -31,7 +31,9 @@ class ServiceError(MilesError):
     """A supervised process failed to start or died."""
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec. Note: the signal fires when the *thread* that
+    spawned the child exits, so services are only (re)started from long-lived threads."""
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -104,7 +106,11 @@ class LocalExecutor:
             while not self._stop.wait(interval):
                 for service in list(self._services.values()):
                     if service.process is not None and not service.alive() and not self._stop.is_set():
-                        on_death(service.name)
+                        try:
+                            on_death(service.name)
+                        except Exception as exc:  # keep supervising the others
+                            print(f"miles: handling the death of {service.name!r} failed: {exc}", file=sys.stderr)
+                            service.process = None  # do not report the same death again
 
         self._watch = threading.Thread(target=watch, name="miles-supervisor", daemon=True)
         self._watch.start()

@@ -45,3 +45,12 @@ def miles_register_commands(register: Register) -> None:
     register("models pull", Command(help="fetch a known model and convert it to safetensors in the cache",
                                     run=_pull, add_arguments=_pull_args))
     register("models list", Command(help="list known models and what is cached", run=_list))
+
+
+@hookimpl
+def miles_resolve_model(name: str):
+    """Known model names resolve to the cache, pulled on first use; other names are not ours."""
+    from miles_models.catalog import CATALOG
+    from miles_models.pull import pull
+
+    return pull(name) if name in CATALOG else None

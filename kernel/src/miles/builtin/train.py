@@ -1,0 +1,65 @@
+"""Built-in plugin ``train``: the ``miles train`` command (the main job)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from miles.cli.command import Command
+from miles.errors import MilesError
+from miles.hookspecs import hookimpl
+from miles.registry import Register
+
+DESCRIPTION = """\
+Run RL training. With no config, runs the embedded default: SmolLM2-135M-Instruct (fetched on
+first use), a synthetic arithmetic task, GRPO, a few steps on CPU.
+
+  miles train                                   # embedded default
+  miles train examples/arithmetic/config.yaml   # a config file
+  miles train rollout.temperature=0.8 run.steps=20
+  miles train --resume runs/miles-20261129-101500 [run.steps=20]
+"""
+
+
+def _split(args: argparse.Namespace) -> tuple[Path | None, list[str]]:
+    items = list(args.items)
+    config = None
+    if items and "=" not in items[0]:
+        config = Path(items.pop(0))
+    bad = [i for i in items if "=" not in i]
+    if bad:
+        raise MilesError(f"expected section.key=value overrides after the config, got {bad}")
+    return config, items
+
+
+def _train(args: argparse.Namespace) -> int:
+    from miles.config import load_config
+    from miles.loop.run_dir import new_run_dir
+    from miles.loop.runner import run_training
+
+    config_path, overrides = _split(args)
+    if args.resume:
+        run_dir = Path(args.resume)
+        if config_path is not None:
+            raise MilesError("--resume takes the config from the run folder; give only overrides")
+        if not (run_dir / "config.yaml").is_file():
+            raise MilesError(f"{run_dir} is not a run folder (no config.yaml); runs live under run.output_dir")
+        config = load_config(run_dir / "config.yaml", overrides)
+        (run_dir / "config.yaml").write_text(config.to_yaml())
+        status = run_training(config, run_dir, resume=True)
+    else:
+        config = load_config(config_path, overrides)
+        status = run_training(config, new_run_dir(config))
+    return 0 if status == "completed" else 1
+
+
+def _args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("items", nargs="*", metavar="[CONFIG] [section.key=value ...]",
+                   help="a YAML config (optional) followed by overrides")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+
+
+@hookimpl
+def miles_register_commands(register: Register) -> None:
+    register("train", Command(help="run RL training (the embedded default when no config is given)",
+                              run=_train, add_arguments=_args, description=DESCRIPTION))

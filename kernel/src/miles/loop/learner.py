@@ -1,0 +1,49 @@
+"""One training step on a batch of scored samples: log-prob passes, advantages, optimiser step.
+
+The learner orchestrates; the math lives in the registered advantage estimator and the train
+backend (which applies the registered policy loss and mismatch correction).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from miles_contracts import Sample, TrainBatch
+
+from miles.config import MilesConfig
+from miles.kernel import Kernel
+
+
+class Learner:
+    def __init__(self, config: MilesConfig, kernel: Kernel, backend: Any, pad_token_id: int) -> None:
+        self.config = config
+        self.backend = backend
+        self.pad_token_id = pad_token_id
+        self.estimator = kernel.advantages().get(config.algorithm.advantage)
+
+    def train(self, samples: list[Sample]) -> dict[str, float]:
+        """Train on ``samples`` (trainable ones only); returns namespaced metrics."""
+        timings: dict[str, float] = {}
+        start = time.perf_counter()
+        batch = TrainBatch.from_samples(samples, self.pad_token_id)
+        # The proximal policy: with one optimiser step per RL step it equals the current policy,
+        # so the backend takes it from the training forward (ratio exactly 1) and we save a pass.
+        if self.config.train.updates_per_step > 1:
+            batch.old_logprobs = self.backend.compute_logprobs(batch, model="actor")
+        if self.config.train.use_reference:
+            batch.ref_logprobs = self.backend.compute_logprobs(batch, model="ref")
+        if getattr(self.estimator, "needs_critic", False):
+            batch.values = self.backend.compute_values(batch)
+        timings["time/logprobs"] = time.perf_counter() - start
+
+        result = self.estimator(batch, self.config.algorithm)
+        batch.advantages, batch.returns = result.advantages, result.returns
+
+        start = time.perf_counter()
+        metrics = {f"train/{k}": float(v) for k, v in self.backend.train_step(batch).items()}
+        timings["time/optimizer"] = time.perf_counter() - start
+        metrics.update({f"advantage/{k}": float(v) for k, v in result.metrics.items()})
+        metrics["train/tokens"] = float(batch.num_tokens)
+        metrics["train/samples"] = float(batch.size)
+        return {**metrics, **timings}

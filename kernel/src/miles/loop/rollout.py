@@ -1,0 +1,179 @@
+"""Collect one step's training groups: prompts -> generator -> reward -> filters, over-sampling
+until the step has ``rollout.prompts_per_step`` kept groups (or gives up after a few rounds)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles_contracts import GenerateContext, Sample, Status
+from miles_contracts.wire.engine import SamplingParams
+
+from miles.config import MilesConfig
+from miles.filtering import apply_filters
+from miles.kernel import Kernel
+from miles.rewards import score_samples
+
+MAX_ROUNDS = 4  # over-sampling rounds before a step trains on fewer groups than asked
+
+
+@dataclass
+class StepRollout:
+    groups: list[list[Sample]]  # kept groups
+    all_samples: list[Sample]  # everything generated this step (for dumps and metrics)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def train_samples(self) -> list[Sample]:
+        return [s for g in self.groups for s in g if s.trainable]
+
+
+class RolloutManager:
+    def __init__(self, config: MilesConfig, kernel: Kernel, data: Any, engine: Any, tokenizer: Any,
+                 session_url: str | None = None) -> None:
+        self.config = config
+        self.kernel = kernel
+        self.data = data
+        self.generator = kernel.generators().get(config.rollout.generator)
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.session_url = session_url
+        self._next_group = 0
+        self._next_index = 0
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, int]:
+        return {"next_group": self._next_group, "next_index": self._next_index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._next_group, self._next_index = state["next_group"], state["next_index"]
+
+    # ------------------------------------------------------------------ training rollouts
+
+    def sampling_params(self, *, evaluation: bool = False) -> SamplingParams:
+        r = self.config.rollout
+        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                top_k=r.top_k, stop=r.stop or None)
+        if evaluation:
+            e = self.config.eval
+            params = params.model_copy(update={
+                "max_new_tokens": e.max_new_tokens or r.max_new_tokens,
+                **({"temperature": 0.0, "top_p": 1.0, "top_k": -1} if e.greedy else {}),
+            })
+        return params
+
+    def context(self, *, evaluation: bool = False) -> GenerateContext:
+        return GenerateContext(
+            engine=self.engine, tokenizer=self.tokenizer, sampling_params=self.sampling_params(evaluation=evaluation),
+            max_context_len=self.config.rollout.max_context_len, session_server_url=self.session_url,
+            evaluation=evaluation, resources={"kernel": self.kernel, "config": self.config},
+        )
+
+    def make_groups(self, prompts: Sequence[Sample], n: int) -> list[list[Sample]]:
+        groups = []
+        for prompt in prompts:
+            group = []
+            for _ in range(n):
+                s = copy.deepcopy(prompt)
+                s.group_index, s.index = self._next_group, self._next_index
+                self._next_index += 1
+                group.append(s)
+            self._next_group += 1
+            groups.append(group)
+        return groups
+
+    async def generate(self, samples: list[Sample], ctx: GenerateContext,
+                       on_done: Callable[[int], None] | None = None) -> None:
+        limit = asyncio.Semaphore(self.config.rollout.concurrency)
+        done = 0
+
+        async def one(sample: Sample) -> None:
+            nonlocal done
+            async with limit:
+                try:
+                    await self.generator(sample, ctx)
+                except Exception as exc:  # a generator bug costs the sample, not the run
+                    from miles_contracts import ExitReason
+
+                    sample.finish(Status.FAILED, ExitReason.ENGINE_ERROR, f"generator raised {type(exc).__name__}: {exc}")
+            done += 1
+            if on_done:
+                on_done(done)
+
+        await asyncio.gather(*(one(s) for s in samples))
+
+    async def collect(self, step: int, progress: Callable[[int, int], None] | None = None) -> StepRollout:
+        r = self.config.rollout
+        wanted = r.prompts_per_step
+        kept: list[list[Sample]] = []
+        everything: list[Sample] = []
+        drops: Counter[str] = Counter()
+        generated_groups = 0
+        start = time.perf_counter()
+        ctx = self.context()
+        for _ in range(MAX_ROUNDS):
+            missing = wanted - len(kept)
+            if missing <= 0:
+                break
+            draw = math.ceil(missing * r.over_sampling)
+            groups = self.make_groups(self.data.next_prompts(draw), r.samples_per_prompt)
+            samples = [s for g in groups for s in g]
+            base = len(everything)
+            await self.generate(samples, ctx, (lambda d: progress(base + d, base + len(samples))) if progress else None)
+            await score_samples(samples, self.kernel, self.config.reward)
+            everything += samples
+            generated_groups += len(groups)
+            survivors, dropped = apply_filters(groups, r.filters, self.kernel)
+            kept += survivors
+            drops.update(dropped)
+        surplus = max(0, len(kept) - wanted)
+        kept = kept[:wanted]
+        elapsed = time.perf_counter() - start
+        metrics = rollout_metrics(everything, kept, drops, generated_groups, surplus, elapsed)
+        return StepRollout(kept, everything, metrics)
+
+    # ------------------------------------------------------------------ evaluation
+
+    async def evaluate(self, prompts: Sequence[Sample]) -> tuple[list[Sample], dict[str, float]]:
+        from miles.evaluation import evaluation_metrics
+
+        k = self.config.eval.samples_per_prompt
+        groups = self.make_groups(prompts, k)
+        samples = [s for g in groups for s in g]
+        await self.generate(samples, self.context(evaluation=True))
+        await score_samples(samples, self.kernel, self.config.reward)
+        return samples, {f"eval/{name}": value for name, value in evaluation_metrics(groups, k).items()}
+
+
+def rollout_metrics(samples: list[Sample], kept: list[list[Sample]], drops: Counter[str],
+                    generated_groups: int, surplus: int, seconds: float) -> dict[str, float]:
+    rewards = [s.reward for s in samples if s.reward is not None and not math.isnan(s.reward)]
+    lengths = [s.response_length for s in samples]
+    statuses = Counter(s.status.value for s in samples)
+    tokens = sum(lengths)
+    m: dict[str, float] = {
+        "rollout/samples": float(len(samples)),
+        "rollout/groups_generated": float(generated_groups),
+        "rollout/groups_kept": float(len(kept)),
+        "rollout/groups_surplus": float(surplus),
+        "rollout/reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
+        "rollout/accuracy": sum(r > 0.5 for r in rewards) / len(rewards) if rewards else float("nan"),
+        "rollout/response_len_mean": tokens / len(lengths) if lengths else 0.0,
+        "rollout/response_len_max": float(max(lengths, default=0)),
+        "rollout/truncated_frac": statuses.get(Status.TRUNCATED.value, 0) / max(len(samples), 1),
+        "perf/rollout_tokens": float(tokens),
+        "perf/rollout_tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "time/rollout": seconds,
+    }
+    for status, count in statuses.items():
+        m[f"rollout/status_{status}"] = float(count)
+    for reason, count in drops.items():
+        m[f"filter/drop_{reason}"] = float(count)
+    return m

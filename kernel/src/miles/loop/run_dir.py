@@ -1,0 +1,80 @@
+"""The run folder ``<output_dir>/<name>/`` and its checkpoints.
+
+    config.yaml              the resolved config the run started with
+    metrics.jsonl            one line per step (the jsonl tracker)
+    logs/<service>.log       engine, router and session-server output
+    samples/step_000003.jsonl  every sample of a step (prompt, response, reward, status)
+    checkpoints/step_000004/   backend state + miles-state.json (written last: its presence marks
+                               a complete checkpoint)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from miles_contracts import Sample
+
+from miles.config import MilesConfig
+from miles.errors import MilesError
+
+STATE_FILE = "miles-state.json"
+
+
+def new_run_dir(config: MilesConfig) -> Path:
+    name = config.run.name or time.strftime("miles-%Y%m%d-%H%M%S")
+    run_dir = config.run.output_dir / name
+    if (run_dir / "checkpoints").exists() and any((run_dir / "checkpoints").iterdir()):
+        raise MilesError(
+            f"run folder {run_dir} already holds checkpoints; continue it with `miles train --resume {run_dir}` "
+            f"or choose another run.name"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(config.to_yaml())
+    return run_dir
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:06d}"
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    root = run_dir / "checkpoints"
+    complete = sorted(p for p in root.glob("step_*") if (p / STATE_FILE).is_file()) if root.is_dir() else []
+    return complete[-1] if complete else None
+
+
+def write_state(path: Path, state: dict[str, Any]) -> None:
+    tmp = path / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(state, indent=2))
+    tmp.rename(path / STATE_FILE)
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    return json.loads((path / STATE_FILE).read_text())
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> None:
+    root = run_dir / "checkpoints"
+    complete = sorted(p for p in root.glob("step_*") if (p / STATE_FILE).is_file())
+    for old in complete[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def dump_samples(run_dir: Path, step: int, samples: list[Sample], kind: str = "samples") -> Path:
+    folder = run_dir / kind
+    folder.mkdir(exist_ok=True)
+    path = folder / f"step_{step:06d}.jsonl"
+    with path.open("w") as f:
+        for s in samples:
+            row = {
+                "index": s.index, "group": s.group_index, "prompt": s.prompt, "label": s.label,
+                "response": s.response, "reward": s.reward, "status": s.status.value,
+                "exit_reason": s.exit_reason.value if s.exit_reason else None, "exit_detail": s.exit_detail,
+                "response_tokens": s.response_length, "weight_versions": s.weight_versions,
+            }
+            f.write(json.dumps(row) + "\n")
+    return path

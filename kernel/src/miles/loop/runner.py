@@ -1,0 +1,240 @@
+"""`run_training`: the RL loop of ARCHITECTURE §1 on the configured executor.
+
+    prompts -> generator -> reward -> filters -> advantages -> train step -> weight sync -> next
+
+``sync`` mode generates step k, then trains on it. ``one_step_off`` generates step k+1 while
+training on step k (the next rollout uses weights one step old; samples record the version).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from miles.config import MilesConfig
+from miles.engine_client import HttpEngineClient
+from miles.kernel import Kernel
+from miles.loop.learner import Learner
+from miles.loop.progress import Progress
+from miles.loop.rollout import RolloutManager, StepRollout
+from miles.loop.run_dir import (
+    checkpoint_dir,
+    dump_samples,
+    latest_checkpoint,
+    prune_checkpoints,
+    read_state,
+    write_state,
+)
+from miles.loop.services import Services, start_services
+
+
+def load_tokenizer(model_path: Path) -> Any:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:  # the kernel alone has no model stack
+        raise ImportError("miles train needs transformers: pip install miles-engine miles-fsdp") from exc
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+class Run:
+    """State of one training run; :meth:`main` drives it."""
+
+    def __init__(self, config: MilesConfig, run_dir: Path, resume: bool) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.resume = resume
+        self.kernel = Kernel.load(config.plugin_selection)
+        self.progress = Progress(config.run.steps)
+        self.step = 0
+        self.version = 0
+        self.services: Services | None = None
+        self.backend: Any = None
+        self.transport: Any = None
+        self.trackers: list[Any] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def main(self) -> str:
+        status = "failed"
+        try:
+            await self._start()
+            await self._loop()
+            status = "completed"
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            status = "interrupted"
+            raise
+        finally:
+            self._stop()
+            self.kernel.run_end(self.run_dir, status)
+            self.progress.message(f"run {status}: {self.run_dir}")
+        return status
+
+    async def _start(self) -> None:
+        cfg, kernel = self.config, self.kernel
+        kernel.configure(cfg)
+        random.seed(cfg.run.seed)
+        model_path = kernel.resolve_model(cfg.model.name)
+        self.progress.message(f"model {cfg.model.name} -> {model_path}")
+        tokenizer = load_tokenizer(model_path)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.trackers = [kernel.trackers().get(name)(cfg, self.run_dir) for name in cfg.tracking.trackers]
+        data = kernel.data_sources().get(cfg.data.source)(cfg.data)
+        self.progress.message(f"starting {cfg.rollout.num_engines} {cfg.rollout.engine} engine(s) and the router")
+        self.services = start_services(cfg, kernel, model_path, self.run_dir)
+        self.progress.message(f"building the {cfg.train.backend} train backend")
+        self.backend = kernel.train_backends().get(cfg.train.backend)(cfg)
+        self.transport = kernel.weight_transports().get(cfg.weights.transport)(cfg)
+        self.engine = HttpEngineClient(self.services.router_url)
+        self.rollout = RolloutManager(cfg, kernel, data, self.engine, tokenizer, self.services.session_url)
+        self.learner = Learner(cfg, kernel, self.backend, pad)
+        self.eval_prompts = self._eval_prompts(data)
+        if self.resume:
+            self._restore()
+        if self.resume or cfg.weights.check:
+            self._sync_weights(bump=False)  # engines start from the base model; bring them to ours
+        kernel.run_start(cfg, self.run_dir)
+
+    def _stop(self) -> None:
+        for closer in (self.backend, self.transport):
+            if closer is not None and hasattr(closer, "close"):
+                closer.close()
+        if self.services is not None:
+            self.services.executor.shutdown()
+        for tracker in self.trackers:
+            tracker.close()
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _loop(self) -> None:
+        cfg = self.config
+        overlap = cfg.run.mode == "one_step_off"
+        pending: asyncio.Task[StepRollout] | None = None
+        unsynced = False
+        while self.step < cfg.run.steps:
+            self.step += 1
+            step = self.step
+            rollout = await (pending if pending is not None else self._collect(step))
+            pending = None
+            metrics = dict(rollout.metrics)
+            if unsynced:  # one_step_off: the previous update waited for this rollout to finish
+                metrics.update(self._sync_weights())
+                unsynced = False
+            if overlap and step < cfg.run.steps:
+                pending = asyncio.create_task(self._collect(step + 1))
+            dump_samples(self.run_dir, step, rollout.all_samples)
+            metrics.update(await self._train(rollout))
+            if overlap and pending is not None:
+                unsynced = True
+            else:
+                metrics.update(self._sync_weights())
+            if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.run.steps):
+                if pending is not None:  # let the next rollout finish: evaluation shares the engines
+                    await asyncio.wait([pending])
+                metrics.update(await self._evaluate(step))
+            if (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.run.steps:
+                metrics["time/checkpoint"] = self._save()
+            self._log(step, metrics)
+
+    async def _collect(self, step: int) -> StepRollout:
+        return await self.rollout.collect(step, progress=lambda d, t: self.progress.rollout(step, d, t))
+
+    async def _train(self, rollout: StepRollout) -> dict[str, float]:
+        samples = rollout.train_samples
+        if not samples:
+            self.progress.message(f"step {self.step}: no trainable samples (all groups filtered); skipping the update")
+            return {"train/skipped": 1.0}
+        start = time.perf_counter()
+        if self.config.run.mode == "one_step_off":  # keep the event loop generating meanwhile
+            metrics = await asyncio.to_thread(self.learner.train, samples)
+        else:
+            metrics = self.learner.train(samples)
+        metrics["time/train"] = time.perf_counter() - start
+        return metrics
+
+    def _sync_weights(self, *, bump: bool = True) -> dict[str, float]:
+        """Push the trainer's weights to every engine as the next version (or the current one)."""
+        assert self.services is not None
+        restarted = self.services.take_stale()
+        if bump:
+            self.version += 1
+        start = time.perf_counter()
+        report = self.transport.push(self.backend.named_weights(),
+                                     targets=list(self.services.engine_urls.values()), version=self.version)
+        self.kernel.weights_synced(self.version)
+        return {
+            "time/sync": time.perf_counter() - start,
+            "perf/sync_gb_per_s": report.gbps,
+            "weights/version": float(self.version),
+            "weights/engines_restarted": float(len(restarted)),
+        }
+
+    async def _evaluate(self, step: int) -> dict[str, float]:
+        if not self.eval_prompts:
+            return {}
+        start = time.perf_counter()
+        samples, metrics = await self.rollout.evaluate(self.eval_prompts)
+        dump_samples(self.run_dir, step, samples, kind="eval")
+        metrics["time/eval"] = time.perf_counter() - start
+        return metrics
+
+    def _eval_prompts(self, data: Any) -> list[Any]:
+        if not self.config.eval.every:
+            return []
+        from miles.data import eval_prompts
+
+        return eval_prompts(self.config.data, self.kernel, limit=self.config.eval.num_prompts)
+
+    # ------------------------------------------------------------------ checkpoints and metrics
+
+    def _save(self) -> float:
+        start = time.perf_counter()
+        path = checkpoint_dir(self.run_dir, self.step)
+        path.mkdir(parents=True, exist_ok=True)
+        extra = {"data": self.rollout.data.state_dict(), "rollout": self.rollout.state_dict(),
+                 "python_random": _jsonable_random_state()}
+        self.backend.save_checkpoint(path, extra)
+        write_state(path, {"step": self.step, "weight_version": self.version, "saved_at": time.time()})
+        prune_checkpoints(self.run_dir, self.config.run.keep_checkpoints)
+        return time.perf_counter() - start
+
+    def _restore(self) -> None:
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            self.progress.message(f"no complete checkpoint in {self.run_dir}; starting from step 0")
+            self.resume = False
+            return
+        state = read_state(path)
+        extra = self.backend.load_checkpoint(path)
+        self.rollout.data.load_state_dict(extra["data"])
+        self.rollout.load_state_dict(extra["rollout"])
+        random.setstate(_random_state_from_json(extra["python_random"]))
+        self.step, self.version = int(state["step"]), int(state["weight_version"])
+        self.progress.message(f"resumed from {path} (step {self.step}, weight version {self.version})")
+
+    def _log(self, step: int, metrics: dict[str, float]) -> None:
+        metrics = {k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))}
+        self.kernel.step_end(step, metrics)
+        for tracker in self.trackers:
+            tracker.log(metrics, step)
+        self.progress.step(step, metrics)
+
+
+def _jsonable_random_state() -> list[Any]:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def _random_state_from_json(state: list[Any]) -> tuple[Any, ...]:
+    return (state[0], tuple(state[1]), state[2])
+
+
+def run_training(config: MilesConfig, run_dir: Path, *, resume: bool = False) -> str:
+    """Run (or resume) training in ``run_dir``; returns ``completed`` (or raises)."""
+    return asyncio.run(Run(config, run_dir, resume).main())
+
+
+__all__ = ["Run", "run_training"]

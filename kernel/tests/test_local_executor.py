@@ -1,0 +1,92 @@
+"""The local executor: health-checked start, death detection, restart, and no orphans ever."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from miles.executor.local import LocalExecutor, ServiceError, free_port
+
+SERVER = [sys.executable, "-m", "http.server", "--bind", "127.0.0.1"]
+
+
+def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        # a zombie still answers kill(0); treat a reaped-or-zombie child as gone
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_start_waits_for_health_and_shutdown_stops(tmp_path: Path) -> None:
+    executor = LocalExecutor(tmp_path, startup_timeout=30)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/"
+    executor.start("web", [*SERVER, str(port)], health_url=url)
+    assert httpx.get(url).status_code == 200
+    pid = executor.services()["web"].process.pid
+    executor.shutdown()
+    assert _wait_gone(pid)
+    assert (tmp_path / "logs" / "web.log").is_file()
+
+
+def test_service_that_dies_at_start_up_reports_its_log(tmp_path: Path) -> None:
+    executor = LocalExecutor(tmp_path, startup_timeout=30)
+    argv = [sys.executable, "-c", "import sys; print('config is broken: no model'); sys.exit(3)"]
+    with pytest.raises(ServiceError, match="exited with code 3 during start-up(.|\n)*config is broken: no model"):
+        executor.start("bad", argv, health_url=f"http://127.0.0.1:{free_port()}/")
+    executor.shutdown()
+
+
+def test_death_is_detected_and_restart_brings_it_back(tmp_path: Path) -> None:
+    executor = LocalExecutor(tmp_path, startup_timeout=30)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/"
+    executor.start("web", [*SERVER, str(port)], health_url=url)
+    died = threading.Event()
+    executor.supervise(lambda name: (died.set(), executor.restart(name)), interval=0.2)
+    first = executor.services()["web"].process.pid
+    os.kill(first, signal.SIGKILL)
+    assert died.wait(10)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and executor.services()["web"].process.pid == first:
+        time.sleep(0.1)
+    assert executor.services()["web"].restarts >= 1
+    assert httpx.get(url, timeout=10).status_code == 200
+    executor.shutdown()
+
+
+def test_children_die_when_the_driver_is_killed(tmp_path: Path) -> None:
+    port = free_port()
+    driver = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from miles.executor.local import LocalExecutor
+        ex = LocalExecutor(Path({str(tmp_path)!r}), startup_timeout=30)
+        ex.start("web", {SERVER + [str(port)]!r}, health_url="http://127.0.0.1:{port}/")
+        print(ex.services()["web"].process.pid, flush=True)
+        time.sleep(120)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
+    child = int(proc.stdout.readline())
+    proc.send_signal(signal.SIGKILL)  # no cleanup code runs in the driver
+    proc.wait()
+    assert _wait_gone(child), "the service outlived its killed driver"
