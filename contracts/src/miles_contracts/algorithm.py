@@ -40,6 +40,10 @@ class AlgorithmParams(BaseModel):
     correction_low: float = Field(default=0.0, ge=0.0)
     correction_high: float = Field(default=2.0, gt=0.0)
     opd_coef: float = Field(default=0.0, ge=0.0, description="on-policy distillation: weight of (teacher - student) log-prob")
+    normalize_advantages: bool = Field(
+        default=False,
+        description="whiten advantages over the batch's trainable tokens (mean 0, std 1) after any estimator",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmParams:

@@ -245,7 +245,14 @@ class ModelBridge(Protocol):
     def to_hf(self, mcore_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any]) -> dict[str, torch.Tensor]: ...
 
     def megatron_config(self, hf_config: Mapping[str, Any]) -> dict[str, Any]:
-        """Keyword arguments for megatron-core's ``TransformerConfig`` / ``GPTModel``."""
+        """Keyword arguments for megatron-core's ``TransformerConfig`` / ``GPTModel``.
+
+        Shape: ``{"transformer_config": {...}, "gpt_model": {...}, "layer_spec": {"function": name,
+        "kwargs": {...}}}`` -- kwargs of ``TransformerConfig`` (model only: no parallelism,
+        precision or fusion settings), of ``GPTModel`` besides config and spec, and the function of
+        ``megatron.core.models.gpt.gpt_layer_specs`` (with its kwargs) whose layer spec has the
+        parameter names ``to_megatron`` produces.
+        """
         ...
 
 
@@ -276,7 +283,8 @@ class Executor(Protocol):
 class ForwardContext:
     """What a forward-pass wrapper sees (see ``miles_forward`` in the hook specs).
 
-    :ivar phase: ``old_logprobs`` | ``ref_logprobs`` | ``teacher_logprobs`` | ``values`` | ``train``.
+    :ivar phase: ``old_logprobs`` | ``ref_logprobs`` | ``teacher_logprobs`` | ``values`` | ``train``
+        | ``critic_train`` (the critic's forward with gradient; ``train`` is always the actor's).
     :ivar model: the module about to run (an ``nn.Module``).
     :ivar batch: the (micro-)batch it runs on.
     :ivar backend: registered name of the train backend.

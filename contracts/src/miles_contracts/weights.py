@@ -45,13 +45,18 @@ def bucketize(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) ->
 
 @dataclass(slots=True)
 class TransferReport:
-    """What a transport did in one sync."""
+    """What a transport did in one sync.
+
+    :ivar seconds: wall time of the whole sync.
+    :ivar paused_seconds: the part of it during which engines did not generate.
+    """
 
     version: int
     num_tensors: int
     num_bytes: int
     seconds: float
     num_buckets: int = 1
+    paused_seconds: float = 0.0
 
     @property
     def gbps(self) -> float:

@@ -185,6 +185,8 @@ def _cross_section_errors(cfg: MilesConfig, kernel: Kernel) -> list[str]:
             errors.append(
                 f"algorithm.advantage {cfg.algorithm.advantage!r} needs a critic: set train.use_critic: true"
             )
+    if cfg.algorithm.opd_coef > 0 and cfg.train.teacher_model is None:
+        errors.append("algorithm.opd_coef > 0 needs a teacher: set train.teacher_model to a model name or folder")
     if cfg.rollout.generator == "agentic" and cfg.rollout.agent is None:
         errors.append("rollout.generator 'agentic' needs rollout.agent: the name of a registered agent")
     if cfg.rollout.max_new_tokens >= cfg.rollout.max_context_len:

@@ -119,7 +119,9 @@ def miles_register_advantages(register: Register) -> None:
 
     An estimator satisfies :class:`miles_contracts.AdvantageEstimator`:
     ``(batch: TrainBatch, params: AlgorithmParams) -> AdvantageResult``, with a class attribute
-    ``needs_critic``.
+    ``needs_critic``. Optional class attributes: ``zero_sum_groups`` (the conformance suite
+    ``miles_contracts.testing.advantage`` then checks that a prompt group's advantages sum to
+    zero) and ``policy_loss`` (the policy loss the estimator is meant for, e.g. ``gspo``).
 
     :param register: ``register(name, estimator)``.
     """
@@ -129,8 +131,12 @@ def miles_register_advantages(register: Register) -> None:
 def miles_register_policy_losses(register: Register) -> None:
     """Register policy losses (``train.policy_loss``; default ``ppo_clip``).
 
-    A policy loss is ``(logprobs, batch, params) -> (per_token_loss [B, T], metrics)``; the backend
-    applies the mismatch correction and the reduction.
+    A policy loss is ``(logprobs [B, T], batch, params) -> (per_token_loss [B, T], token_metrics)``:
+    the loss is 0 off-mask; ``token_metrics`` maps names to ``[B, T]`` per-token values (e.g.
+    ``pg_clipfrac``: 1.0 where the clip was active) that are averaged over trainable tokens.
+    ``batch.old_logprobs`` is always set when it is called (the detached current log-probs when
+    the backend skipped the old-policy pass). ``miles_algorithms.objective.actor_loss`` applies
+    the mismatch correction, the entropy and KL terms and the loss reduction.
 
     :param register: ``register(name, loss_fn)``.
     """
@@ -140,8 +146,10 @@ def miles_register_policy_losses(register: Register) -> None:
 def miles_register_mismatch_corrections(register: Register) -> None:
     """Register train/rollout mismatch corrections (``algorithm.correction``: none, tis, mis).
 
-    A correction is ``(old_logprobs, rollout_logprobs, loss_mask, params) -> (weights [B, T],
-    metrics)``; weights multiply the per-token policy loss (0 masks a token out).
+    A correction is ``(proximal_logprobs, rollout_logprobs, loss_mask, params) -> (weights [B, T],
+    token_metrics)``; weights are detached and 0 off-mask, and multiply the per-token policy loss
+    (0 masks a token out); ``token_metrics`` as for policy losses. ``proximal_logprobs`` are the
+    trainer's old-policy log-probs (or the detached current ones when there was no old pass).
 
     :param register: ``register(name, correction_fn)``.
     """

@@ -126,14 +126,14 @@ def load_plugins(selection: PluginSelection) -> LoadedPlugins:
         except Exception as exc:  # any import-time failure of third-party code
             raise PluginError(
                 f"plugin {ep.name!r} (entry point '{ep.name} = {ep.value}' of distribution {dist} {version}) "
-                f"failed to import: {type(exc).__name__}: {exc}\n"
-                f"  fix the package, uninstall it, or disable it: MILES_DISABLE_PLUGINS={ep.name} "
-                f"(or plugins.disable: [{ep.name}] in the config)"
+                f"failed to import: {type(exc).__name__}: {exc}\n{_disable_hint(ep.name)}"
             ) from exc
         try:
             pm.register(module, name=ep.name)
         except pluggy.PluginValidationError as exc:
-            raise PluginError(f"plugin {ep.name!r} ({dist} {version}) is invalid: {exc}") from exc
+            raise PluginError(
+                f"plugin {ep.name!r} ({dist} {version}) is invalid: {exc}\n{_disable_hint(ep.name)}"
+            ) from exc
         hooks = tuple(sorted(h.name for h in pm.get_hookcallers(module) or ()))
         loaded.infos.append(PluginInfo(ep.name, dist, version, ep.value, hooks, status))
 
@@ -144,6 +144,23 @@ def load_plugins(selection: PluginSelection) -> LoadedPlugins:
         dist, version = loaded.distribution_of(plugin_name or "")
         raise PluginError(
             f"plugin {plugin_name!r} ({dist} {version}) implements a hook Miles does not define: {exc}; "
-            f"hooks are listed in docs/plugins/hooks.md"
+            f"hooks are listed in docs/plugins/hooks.md{_closest_hooks(pm)}\n{_disable_hint(plugin_name or '?')}"
         ) from exc
     return loaded
+
+
+def _disable_hint(name: str) -> str:
+    return (
+        f"  fix the package, uninstall it, or disable it: MILES_DISABLE_PLUGINS={name} "
+        f"(or plugins.disable: [{name}] in the config)"
+    )
+
+
+def _closest_hooks(pm: pluggy.PluginManager) -> str:
+    """' (did you mean ...?)' for implementations whose name matches no hook spec."""
+    import difflib
+
+    specs = [n for n, c in vars(pm.hook).items() if isinstance(c, pluggy.HookCaller) and c.spec is not None]
+    unknown = [n for n, c in vars(pm.hook).items() if isinstance(c, pluggy.HookCaller) and c.spec is None and c.get_hookimpls()]
+    guesses = [f"{n} -> {m[0]}" for n in unknown if (m := difflib.get_close_matches(n, specs, n=1))]
+    return f" (did you mean: {', '.join(guesses)}?)" if guesses else ""

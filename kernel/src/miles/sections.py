@@ -43,6 +43,8 @@ class RunSection(Section):
     mode: Literal["sync", "one_step_off"] = Field(default="sync", description="one_step_off overlaps the next rollout with training")
     save_every: int = Field(default=0, ge=0, description="checkpoint every N steps; 0 = only at the end")
     keep_checkpoints: int = Field(default=1, ge=1)
+    export_hf: bool = Field(default=False, description="write the final model as a Hugging Face folder to <run>/hf")
+    dump_tokens: bool = Field(default=False, description="also write token ids, loss masks and log-probs to <run>/samples")
 
 
 class ModelSection(Section):
@@ -72,8 +74,11 @@ class RolloutSection(Section):
     num_engines: int = Field(default=1, ge=1)
     prompts_per_step: int = Field(default=4, ge=1, description="prompt groups trained per step")
     samples_per_prompt: int = Field(default=4, ge=1)
-    over_sampling: float = Field(default=1.5, ge=1.0, description="draw this many times the groups when filters drop some")
-    max_new_tokens: int = Field(default=64, ge=1)
+    over_sampling: float = Field(
+        default=1.0, ge=1.0,
+        description="draw at least this many times the groups needed; raised automatically when filters drop more",
+    )
+    max_new_tokens: int = Field(default=32, ge=1)
     max_context_len: int = Field(default=1024, ge=2)
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -109,6 +114,9 @@ class TrainSection(Section):
     use_reference: bool = Field(default=False, description="keep a reference model (needed for a KL term)")
     use_critic: bool = False
     critic_lr: float = Field(default=1e-5, gt=0)
+    teacher_model: str | None = Field(
+        default=None, description="teacher for on-policy distillation (a model name or folder; same tokenizer)",
+    )
 
 
 class WeightsSection(Section):
@@ -138,8 +146,8 @@ class ExecutorSection(Section):
 
 class RouterSection(Section):
     middlewares: list[Annotated[str, Choice("router_middleware")]] = Field(default_factory=list)
-    health_interval: float = Field(default=5.0, gt=0)
-    failure_threshold: int = Field(default=3, ge=1)
+    health_interval: float = Field(default=5.0, gt=0, description="seconds between health probes of each worker")
+    failure_threshold: int = Field(default=3, ge=1, description="failures in a row that quarantine a worker")
     middleware_options: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="options per middleware name, passed to its factory"
     )

@@ -8,6 +8,8 @@ lazily. Available suites (one module each):
 - :mod:`miles_contracts.testing.filter` -- ``check_filter(fn)``
 - :mod:`miles_contracts.testing.advantage` -- ``check_advantage(estimator)``
 - :mod:`miles_contracts.testing.bridge` -- ``check_model_bridge(bridge, hf_model_dir)``
-- :mod:`miles_contracts.testing.transport` -- ``check_weight_transport(transport, engine)``
+- :mod:`miles_contracts.testing.megatron` -- ``check_against_megatron(bridge, hf_model_dir)`` (optional:
+  builds the megatron-core ``GPTModel`` on CPU and compares names, shapes and logits)
+- :mod:`miles_contracts.testing.transport` -- ``check_weight_transport(transport, engine_urls, tensors)``
 - :mod:`miles_contracts.testing.backend` -- ``check_train_backend(factory)``
 """

@@ -92,7 +92,7 @@ class FinishReason(_Response):
     ``{"type": "abort", "message": "..."}``."""
 
     type: Literal["stop", "length", "abort"]
-    matched: int | str | None = None
+    matched: int | str | list[int] | None = None  # SGLang may report several matched token ids
     length: int | None = None
     message: str | None = None
 

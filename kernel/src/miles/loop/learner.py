@@ -33,6 +33,8 @@ class Learner:
             batch.old_logprobs = self.backend.compute_logprobs(batch, model="actor")
         if self.config.train.use_reference:
             batch.ref_logprobs = self.backend.compute_logprobs(batch, model="ref")
+        if self.config.algorithm.opd_coef > 0:
+            batch.teacher_logprobs = self.backend.compute_logprobs(batch, model="teacher")
         if getattr(self.estimator, "needs_critic", False):
             batch.values = self.backend.compute_values(batch)
         timings["time/logprobs"] = time.perf_counter() - start
@@ -44,6 +46,5 @@ class Learner:
         metrics = {f"train/{k}": float(v) for k, v in self.backend.train_step(batch).items()}
         timings["time/optimizer"] = time.perf_counter() - start
         metrics.update({f"advantage/{k}": float(v) for k, v in result.metrics.items()})
-        metrics["train/tokens"] = float(batch.num_tokens)
         metrics["train/samples"] = float(batch.size)
         return {**metrics, **timings}

@@ -40,7 +40,7 @@ class Progress:
             f"reward {g('rollout/reward_mean')}",
             f"acc {g('rollout/accuracy', '.2f')}",
             f"groups {g('rollout/groups_kept', '.0f')}/{g('rollout/groups_generated', '.0f')}",
-            f"lp_diff {g('train/train_rollout_logprob_abs_diff', '.4f')}",
+            f"lp_diff {g('train/train_rollout_logprob_abs_diff', '.1e')}",
             f"loss {g('train/loss', '.4f')}",
             f"{g('perf/rollout_tokens_per_s', '.1f')} tok/s",
             f"time rollout {g('time/rollout', '.1f')}s train {g('time/train', '.1f')}s sync {g('time/sync', '.1f')}s",

@@ -16,9 +16,10 @@ from miles_contracts import GenerateContext, Sample, Status
 from miles_contracts.wire.engine import SamplingParams
 
 from miles.config import MilesConfig
-from miles.filtering import apply_filters
+from miles.filtering import apply_filters, over_sampler_for
 from miles.kernel import Kernel
 from miles.rewards import score_samples
+from miles.data.source import source_metrics
 
 MAX_ROUNDS = 4  # over-sampling rounds before a step trains on fewer groups than asked
 
@@ -44,16 +45,19 @@ class RolloutManager:
         self.engine = engine
         self.tokenizer = tokenizer
         self.session_url = session_url
+        self.over_sampler = over_sampler_for(config.rollout.over_sampling)
         self._next_group = 0
         self._next_index = 0
 
     # ------------------------------------------------------------------ state
 
-    def state_dict(self) -> dict[str, int]:
-        return {"next_group": self._next_group, "next_index": self._next_index}
+    def state_dict(self) -> dict[str, Any]:
+        return {"next_group": self._next_group, "next_index": self._next_index,
+                "over_sampler": self.over_sampler.state_dict()}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self._next_group, self._next_index = state["next_group"], state["next_index"]
+        self.over_sampler.load_state_dict(state["over_sampler"])
 
     # ------------------------------------------------------------------ training rollouts
 
@@ -115,28 +119,32 @@ class RolloutManager:
         kept: list[list[Sample]] = []
         everything: list[Sample] = []
         drops: Counter[str] = Counter()
+        reward_metrics: Counter[str] = Counter()
         generated_groups = 0
         start = time.perf_counter()
         ctx = self.context()
         for _ in range(MAX_ROUNDS):
-            missing = wanted - len(kept)
-            if missing <= 0:
+            draw = self.over_sampler.groups_to_draw(wanted - len(kept))
+            if draw == 0:
                 break
-            draw = math.ceil(missing * r.over_sampling)
             groups = self.make_groups(self.data.next_prompts(draw), r.samples_per_prompt)
             samples = [s for g in groups for s in g]
             base = len(everything)
             await self.generate(samples, ctx, (lambda d: progress(base + d, base + len(samples))) if progress else None)
-            await score_samples(samples, self.kernel, self.config.reward)
+            report = await score_samples(samples, self.kernel, self.config.reward)
+            reward_metrics.update(report.metrics())
             everything += samples
             generated_groups += len(groups)
             survivors, dropped = apply_filters(groups, r.filters, self.kernel)
+            self.over_sampler.observe(drawn=len(groups), kept=len(survivors))
             kept += survivors
             drops.update(dropped)
         surplus = max(0, len(kept) - wanted)
         kept = kept[:wanted]
-        elapsed = time.perf_counter() - start
-        metrics = rollout_metrics(everything, kept, drops, generated_groups, surplus, elapsed)
+        metrics = rollout_metrics(everything, kept, drops, generated_groups, surplus, time.perf_counter() - start)
+        metrics.update(reward_metrics)
+        metrics.update(self.over_sampler.metrics())
+        metrics.update(source_metrics(self.data))
         return StepRollout(kept, everything, metrics)
 
     # ------------------------------------------------------------------ evaluation

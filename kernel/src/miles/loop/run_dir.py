@@ -64,7 +64,7 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def dump_samples(run_dir: Path, step: int, samples: list[Sample], kind: str = "samples") -> Path:
+def dump_samples(run_dir: Path, step: int, samples: list[Sample], kind: str = "samples", *, tokens: bool = False) -> Path:
     folder = run_dir / kind
     folder.mkdir(exist_ok=True)
     path = folder / f"step_{step:06d}.jsonl"
@@ -76,5 +76,7 @@ def dump_samples(run_dir: Path, step: int, samples: list[Sample], kind: str = "s
                 "exit_reason": s.exit_reason.value if s.exit_reason else None, "exit_detail": s.exit_detail,
                 "response_tokens": s.response_length, "weight_versions": s.weight_versions,
             }
+            if tokens:
+                row.update(tokens=s.tokens, loss_mask=s.loss_mask, rollout_logprobs=s.rollout_logprobs)
             f.write(json.dumps(row) + "\n")
     return path

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from miles.config import MilesConfig
+from miles.data.source import eval_prompts, open_data_source
 from miles.engine_client import HttpEngineClient
+from miles.errors import MilesError
 from miles.kernel import Kernel
 from miles.loop.learner import Learner
 from miles.loop.progress import Progress
@@ -30,6 +32,7 @@ from miles.loop.run_dir import (
     write_state,
 )
 from miles.loop.services import Services, start_services
+from miles.tracking import open_trackers
 
 
 def load_tokenizer(model_path: Path) -> Any:
@@ -54,7 +57,7 @@ class Run:
         self.services: Services | None = None
         self.backend: Any = None
         self.transport: Any = None
-        self.trackers: list[Any] = []
+        self.metrics_logger: Any = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -81,8 +84,8 @@ class Run:
         self.progress.message(f"model {cfg.model.name} -> {model_path}")
         tokenizer = load_tokenizer(model_path)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.trackers = [kernel.trackers().get(name)(cfg, self.run_dir) for name in cfg.tracking.trackers]
-        data = kernel.data_sources().get(cfg.data.source)(cfg.data)
+        self.metrics_logger = open_trackers(cfg, self.run_dir, kernel)
+        data = open_data_source(cfg.data, kernel)
         self.progress.message(f"starting {cfg.rollout.num_engines} {cfg.rollout.engine} engine(s) and the router")
         self.services = start_services(cfg, kernel, model_path, self.run_dir)
         self.progress.message(f"building the {cfg.train.backend} train backend")
@@ -104,12 +107,18 @@ class Run:
                 closer.close()
         if self.services is not None:
             self.services.executor.shutdown()
-        for tracker in self.trackers:
-            tracker.close()
+        if self.metrics_logger is not None:
+            self.metrics_logger.close()
 
     # ------------------------------------------------------------------ the loop
 
     async def _loop(self) -> None:
+        await self._steps()
+        if self.config.run.export_hf:
+            self.backend.export_hf(self.run_dir / "hf")
+            self.progress.message(f"exported the trained model to {self.run_dir / 'hf'}")
+
+    async def _steps(self) -> None:
         cfg = self.config
         overlap = cfg.run.mode == "one_step_off"
         pending: asyncio.Task[StepRollout] | None = None
@@ -125,7 +134,7 @@ class Run:
                 unsynced = False
             if overlap and step < cfg.run.steps:
                 pending = asyncio.create_task(self._collect(step + 1))
-            dump_samples(self.run_dir, step, rollout.all_samples)
+            dump_samples(self.run_dir, step, rollout.all_samples, tokens=cfg.run.dump_tokens)
             metrics.update(await self._train(rollout))
             if overlap and pending is not None:
                 unsynced = True
@@ -140,6 +149,8 @@ class Run:
             self._log(step, metrics)
 
     async def _collect(self, step: int) -> StepRollout:
+        assert self.services is not None
+        await asyncio.to_thread(self.services.wait_ready, self.config.executor.startup_timeout)
         return await self.rollout.collect(step, progress=lambda d, t: self.progress.rollout(step, d, t))
 
     async def _train(self, rollout: StepRollout) -> dict[str, float]:
@@ -158,18 +169,26 @@ class Run:
     def _sync_weights(self, *, bump: bool = True) -> dict[str, float]:
         """Push the trainer's weights to every engine as the next version (or the current one)."""
         assert self.services is not None
-        restarted = self.services.take_stale()
         if bump:
             self.version += 1
         start = time.perf_counter()
-        report = self.transport.push(self.backend.named_weights(),
-                                     targets=list(self.services.engine_urls.values()), version=self.version)
+        targets = list(self.services.engine_urls.values())
+        waited = self.services.wait_ready(self.config.executor.startup_timeout)
+        try:
+            report = self.transport.push(self.backend.named_weights(), targets=targets, version=self.version)
+        except MilesError as exc:
+            # an engine may have died during the push: once the supervisor has it back, push again
+            self.progress.message(f"weight sync of version {self.version} failed ({exc}); retrying once engines are healthy")
+            waited += self.services.wait_ready(self.config.executor.startup_timeout)
+            report = self.transport.push(self.backend.named_weights(), targets=targets, version=self.version)
+        restarted = self.services.take_stale()
         self.kernel.weights_synced(self.version)
         return {
             "time/sync": time.perf_counter() - start,
             "perf/sync_gb_per_s": report.gbps,
             "weights/version": float(self.version),
             "weights/engines_restarted": float(len(restarted)),
+            "time/wait_engines": waited,
         }
 
     async def _evaluate(self, step: int) -> dict[str, float]:
@@ -184,9 +203,7 @@ class Run:
     def _eval_prompts(self, data: Any) -> list[Any]:
         if not self.config.eval.every:
             return []
-        from miles.data import eval_prompts
-
-        return eval_prompts(self.config.data, self.kernel, limit=self.config.eval.num_prompts)
+        return eval_prompts(self.config.data, self.kernel, limit=self.config.eval.num_prompts, source=data)
 
     # ------------------------------------------------------------------ checkpoints and metrics
 
@@ -218,8 +235,7 @@ class Run:
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         metrics = {k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))}
         self.kernel.step_end(step, metrics)
-        for tracker in self.trackers:
-            tracker.log(metrics, step)
+        self.metrics_logger.log(metrics, step)
         self.progress.step(step, metrics)
 
 

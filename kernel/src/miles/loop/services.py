@@ -7,8 +7,10 @@ the next weight sync gives it the current weights; the router keeps it out of ro
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 from miles_contracts import EngineSpec
 
 from miles.config import MilesConfig
+from miles.errors import MilesError
 from miles.executor.local import free_port
 from miles.kernel import Kernel
 
@@ -27,6 +30,7 @@ class Services:
     """URLs of the running inference services."""
 
     executor: Any
+    run_dir: Path
     engine_urls: dict[str, str]  # service name -> base URL
     router_url: str
     session_url: str | None = None
@@ -40,6 +44,37 @@ class Services:
             self.stale_engines.clear()
             return names
 
+    def wait_ready(self, timeout: float = 600.0) -> float:
+        """Block until every engine process is alive and healthy (the supervisor may be restarting
+        one); returns the seconds waited. Raises :class:`MilesError` after ``timeout``."""
+        import httpx
+
+        start = time.monotonic()
+        pending = dict(self.engine_urls)
+        while pending:
+            for name, url in list(pending.items()):
+                if self.executor.alive(name):
+                    try:
+                        if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
+                            del pending[name]
+                    except httpx.HTTPError:
+                        pass
+            if pending:
+                if time.monotonic() - start > timeout:
+                    raise MilesError(f"engine(s) {', '.join(pending)} not healthy after {timeout:.0f} s; see {self.run_dir}/logs")
+                time.sleep(0.5)
+        return time.monotonic() - start
+
+    def write_manifest(self, run_dir: Path) -> None:
+        """``<run>/services.json``: name, pid, URL and restarts of every service (for operators)."""
+        urls = {**self.engine_urls, "router": self.router_url, "session": self.session_url}
+        rows = [{"name": name, "pid": svc.process.pid if svc.process else None, "url": urls.get(name),
+                 "restarts": svc.restarts, "log": str(svc.log_path)}
+                for name, svc in self.executor.services().items()]
+        tmp = run_dir / "services.json.tmp"
+        tmp.write_text(json.dumps(rows, indent=2))
+        tmp.rename(run_dir / "services.json")
+
     def mark_stale(self, name: str) -> None:
         with self._lock:
             self.stale_engines.add(name)
@@ -48,6 +83,16 @@ class Services:
 
 def _miles_cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "miles.cli.main", *args]
+
+
+def _optional(module: str, name: str, distribution: str) -> Any:
+    """A function of a sibling package the loop needs, with an install hint when it is missing."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError as exc:
+        raise MilesError(f"miles train needs {distribution}: pip install {distribution} ({exc})") from exc
 
 
 def start_services(config: MilesConfig, kernel: Kernel, model_path: Path, run_dir: Path) -> Services:
@@ -62,16 +107,11 @@ def start_services(config: MilesConfig, kernel: Kernel, model_path: Path, run_di
             executor.start(name, engine.command(spec), health_url=f"{spec.url}/health")
             engine_urls[name] = spec.url
 
+        router_command = _optional("miles_router", "router_command", "miles-router")
         router_port = free_port(HOST)
-        router_argv = _miles_cli("serve", "router", "--host", HOST, "--port", str(router_port),
-                                 "--health-interval", str(config.router.health_interval),
-                                 "--failure-threshold", str(config.router.failure_threshold))
-        for url in engine_urls.values():
-            router_argv += ["--worker", url]
-        for middleware in config.router.middlewares:
-            router_argv += ["--middleware", middleware]
         router_url = f"http://{HOST}:{router_port}"
-        executor.start("router", router_argv, health_url=f"{router_url}/health")
+        argv = router_command(list(engine_urls.values()), port=router_port, host=HOST, section=config.router)
+        executor.start("router", argv, health_url=f"{router_url}/health")
 
         session_url = None
         if config.rollout.generator == "agentic":
@@ -84,11 +124,13 @@ def start_services(config: MilesConfig, kernel: Kernel, model_path: Path, run_di
         executor.shutdown()
         raise
 
-    services = Services(executor, engine_urls, router_url, session_url)
+    services = Services(executor, run_dir, engine_urls, router_url, session_url)
+    services.write_manifest(run_dir)
     if config.executor.restart_engines:
         def on_death(name: str) -> None:
+            executor.restart(name)
             if name in engine_urls:
-                executor.restart(name)
                 services.mark_stale(name)
+            services.write_manifest(run_dir)
         executor.supervise(on_death)
     return services

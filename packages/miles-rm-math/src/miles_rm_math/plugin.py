@@ -1,1 +1,16 @@
-"""Miles plugin entry point of miles-rm-math (hook implementations live here)."""
+"""Miles plugin ``rm_math``: registers the ``math`` reward (math-verify in worker processes).
+
+Light on purpose: math-verify and sympy are imported only inside the worker processes.
+"""
+
+from __future__ import annotations
+
+from miles import hookimpl
+from miles.registry import Register
+
+from miles_rm_math.reward import MathReward
+
+
+@hookimpl
+def miles_register_rewards(register: Register) -> None:
+    register("math", MathReward())

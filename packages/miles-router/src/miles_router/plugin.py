@@ -1,1 +1,59 @@
-"""Miles plugin entry point of miles-router (hook implementations live here)."""
+"""Plugin ``router``: the ``miles serve router`` command and the router middlewares ``metrics``,
+``access_log`` and ``concurrency_limit``. Light on purpose: FastAPI and httpx load only when the
+router runs."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from miles import hookimpl
+from miles.cli import Command
+from miles.registry import Register
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    from miles_router.cli import add_arguments
+
+    add_arguments(parser)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from miles_router.cli import run
+
+    return run(args)
+
+
+def _metrics(options: dict[str, Any]) -> Any:
+    from miles_router.middlewares.metrics import metrics
+
+    return metrics(options)
+
+
+def _access_log(options: dict[str, Any]) -> Any:
+    from miles_router.middlewares.access_log import access_log
+
+    return access_log(options)
+
+
+def _concurrency_limit(options: dict[str, Any]) -> Any:
+    from miles_router.middlewares.concurrency import concurrency_limit
+
+    return concurrency_limit(options)
+
+
+@hookimpl
+def miles_register_commands(register: Register) -> None:
+    register("serve router", Command(
+        help="HTTP router in front of engines: least-in-flight, affinity, health checks, failover, fan-out",
+        run=_run, add_arguments=_add_arguments,
+        description="Route SGLang-native engine requests over the engines given with --worker "
+                    "(more can join with POST /add_worker).",
+    ))
+
+
+@hookimpl
+def miles_register_router_middlewares(register: Register) -> None:
+    register("metrics", _metrics)
+    register("access_log", _access_log)
+    register("concurrency_limit", _concurrency_limit)

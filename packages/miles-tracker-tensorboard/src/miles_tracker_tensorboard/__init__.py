@@ -1,0 +1,1 @@
+"""miles-tracker-tensorboard: log a Miles run's metrics as TensorBoard scalars."""

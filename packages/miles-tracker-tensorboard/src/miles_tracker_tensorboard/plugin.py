@@ -1,1 +1,13 @@
-"""Miles plugin entry point of miles-tracker-tensorboard (hook implementations live here)."""
+"""Miles plugin ``tensorboard``: the ``tensorboard`` tracker (tensorboardX is imported on use)."""
+
+from __future__ import annotations
+
+from miles import hookimpl
+from miles.registry import Register
+
+from miles_tracker_tensorboard.tracker import tensorboard_tracker
+
+
+@hookimpl
+def miles_register_trackers(register: Register) -> None:
+    register("tensorboard", tensorboard_tracker)

@@ -1,1 +1,22 @@
-"""Miles plugin entry point of miles-tracker-wandb (hook implementations live here)."""
+"""Miles plugin ``wandb``: the ``wandb`` tracker and the ``wandb`` config section.
+
+wandb itself is imported only when a run starts the tracker.
+"""
+
+from __future__ import annotations
+
+from miles import hookimpl
+from miles.registry import Register
+
+from miles_tracker_wandb.config import WandbSection
+from miles_tracker_wandb.tracker import wandb_tracker
+
+
+@hookimpl
+def miles_register_trackers(register: Register) -> None:
+    register("wandb", wandb_tracker)
+
+
+@hookimpl
+def miles_register_config_sections(register: Register) -> None:
+    register("wandb", WandbSection)

@@ -1,1 +1,59 @@
-"""Miles plugin entry point of miles-weights (hook implementations live here)."""
+"""Plugin ``weights``: the ``disk``, ``shared_memory`` and ``broadcast`` weight transports, the
+``weight_transport`` config section and the ``miles bench weights`` command.
+
+Transports are imported inside their factories, so loading this plugin costs nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from miles import hookimpl
+from miles.cli import Command
+from miles.registry import Register
+
+from miles_weights.settings import WeightTransportSection
+
+if TYPE_CHECKING:
+    from miles.config import MilesConfig
+    from miles_contracts import WeightTransport
+
+
+def disk(config: MilesConfig) -> WeightTransport:
+    from miles_weights.disk import DiskTransport
+
+    return DiskTransport.from_config(config)
+
+
+def shared_memory(config: MilesConfig) -> WeightTransport:
+    from miles_weights.shared_memory import SharedMemoryTransport
+
+    return SharedMemoryTransport.from_config(config)
+
+
+def broadcast(config: MilesConfig) -> WeightTransport:
+    from miles_weights.broadcast import BroadcastTransport
+
+    return BroadcastTransport.from_config(config)
+
+
+@hookimpl
+def miles_register_weight_transports(register: Register) -> None:
+    register("disk", disk)
+    register("shared_memory", shared_memory)
+    register("broadcast", broadcast)
+
+
+@hookimpl
+def miles_register_config_sections(register: Register) -> None:
+    register("weight_transport", WeightTransportSection)
+
+
+@hookimpl
+def miles_register_commands(register: Register) -> None:
+    from miles_weights.bench import add_arguments, run
+
+    register("bench weights", Command(
+        help="GB/s of a full weight sync trainer -> engine per transport, against a memory copy",
+        run=run, add_arguments=add_arguments,
+    ))

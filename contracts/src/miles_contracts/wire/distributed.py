@@ -1,0 +1,119 @@
+"""A standalone process group for weight broadcast, for ``/update_weights_from_distributed``.
+
+The trainer (rank 0) and every engine (ranks ``rank_offset ...``) call :func:`create_weight_group`
+with the same address, port, world size and group name; the trainer then runs
+``torch.distributed.broadcast(tensor, src=0, group=group)`` for each tensor, in the order of the
+request's ``names``, and each engine receives with the same call.
+
+The group never touches the default process group: a trainer that already runs FSDP under
+``torch.distributed.init_process_group`` keeps its world, and an engine needs no world at all. It is
+built like ``torch.distributed.new_group`` builds one (a ``ProcessGroup`` over a gloo or NCCL
+backend, on a ``TCPStore`` of its own) and registered so that the public collectives accept it;
+``src`` / ``group_src`` are ranks inside this group (the mapping is the identity).
+
+torch is imported inside functions; importing this module is free.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+BACKENDS = ("gloo", "nccl")
+_DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+def create_weight_group(
+    backend: str,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    timeout: timedelta = _DEFAULT_TIMEOUT,
+) -> dist.ProcessGroup:
+    """Join (rank 0: host) a process group of ``world_size`` ranks; blocks until all joined.
+
+    :param backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors; call
+        ``torch.cuda.set_device`` first).
+    :param master_address: host of rank 0, which serves the group's TCP store on ``master_port``.
+    :param rank: this process's rank in the group (the trainer is 0).
+    :param group_name: distinguishes groups sharing one store; also the name torch reports.
+    :returns: a group for ``torch.distributed.broadcast(tensor, src=0, group=group)``.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown weight-group backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside the group of world_size {world_size}")
+    store = dist.TCPStore(
+        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False,
+    )
+    prefix = dist.PrefixStore(f"{group_name}/", store)
+    group = dist.ProcessGroup(prefix, rank, world_size)
+    device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
+    backend_type = dist.ProcessGroup.BackendType.GLOO if backend == "gloo" else dist.ProcessGroup.BackendType.NCCL
+    impl = _backend(backend, dist.PrefixStore(f"{device.type}/", prefix), rank, world_size, timeout, master_address)
+    group._set_default_backend(backend_type)
+    group._register_backend(device, backend_type, impl)
+    if backend == "gloo" and torch.cuda.is_available():
+        # gloo can also carry CUDA tensors (staged through host memory); register it for both.
+        group._register_backend(torch.device("cuda"), backend_type, impl)
+    group._set_group_name(group_name)
+    # What torch.distributed.new_group records, so broadcast(group=...) can map ranks; the
+    # group's own store is kept alive by the reference held here.
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    c10d._world.pg_map[group] = (backend, prefix)
+    c10d._world.pg_names[group] = group_name
+    # Everyone has connected once this returns (gloo and NCCL connect lazily otherwise).
+    _barrier(group, device)
+    return group
+
+
+def _backend(name: str, store: dist.Store, rank: int, world_size: int, timeout: timedelta, address: str):
+    import torch.distributed as dist
+
+    if name == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    # Bind to the interface that reaches the master: on one host that is loopback, which keeps
+    # gloo from picking an address the peers cannot reach.
+    device = dist.ProcessGroupGloo.create_device(hostname=address) if _is_loopback(address) \
+        else dist.ProcessGroupGloo.create_default_device()
+    options._devices = [device]
+    return dist.ProcessGroupGloo(store, rank, world_size, options)
+
+
+def _is_loopback(address: str) -> bool:
+    return address in ("localhost", "::1") or address.startswith("127.")
+
+
+def _barrier(group: dist.ProcessGroup, device) -> None:
+    import torch
+    import torch.distributed as dist
+
+    token = torch.zeros(1, device=device)
+    dist.all_reduce(token, group=group)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def destroy_weight_group(group: dist.ProcessGroup) -> None:
+    """Leave the group and forget it (the next :func:`create_weight_group` may reuse the port)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    for registry in (c10d._world.pg_group_ranks, c10d._world.pg_map, c10d._world.pg_names):
+        registry.pop(group, None)
+    try:
+        group.shutdown()
+    except (AttributeError, RuntimeError):  # older torch without shutdown, or already torn down
+        pass

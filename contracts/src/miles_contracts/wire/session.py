@@ -1,0 +1,111 @@
+"""The session server's records: what ``GET /sessions/{id}`` and ``DELETE /sessions/{id}`` return.
+
+A session records one :class:`TurnRecord` per generated assistant turn. The tokens are exact: each
+record holds the prompt ids the engine was given and the ids it produced, so a trajectory is
+assembled from records without re-tokenizing any text. A turn that a client retried is kept with
+``rolled_back=True`` (never lost) and left out of the trajectory.
+
+``POST /sessions``              :class:`CreateSessionRequest` -> :class:`CreateSessionResponse`
+``GET /sessions/{id}``          -> :class:`SessionView`
+``DELETE /sessions/{id}``       -> :class:`SessionView` (the final state)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class SessionSampling(_Request):
+    """Sampling defaults of a session; a chat request's own values win (OpenAI names)."""
+
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+
+
+class CreateSessionRequest(_Request):
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    sampling: SessionSampling = Field(default_factory=SessionSampling)
+
+
+class CreateSessionResponse(_Response):
+    session_id: str
+    base_url: str = Field(description="OpenAI base URL of the session: <server>/sessions/<id>/v1")
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class TurnRecord(_Response):
+    """One engine call that produced an assistant turn.
+
+    :ivar turn: position of this record in the session (0-based, rolled-back turns included).
+    :ivar message_count: how many request messages this turn answered.
+    :ivar input_ids: ``[prompt_len]`` the exact ids sent to the engine.
+    :ivar output_ids: ``[completion_len]`` the ids the engine sampled.
+    :ivar output_logprobs: ``[completion_len]`` log-prob of each sampled id.
+    :ivar weight_version: engine weight version that produced it (0 when the engine has none).
+    :ivar message: the assistant message returned to the client (content, reasoning, tool calls).
+    :ivar format_error: set when the output held a malformed tool call (returned as text).
+    :ivar rolled_back: a later request retried this turn; it is not part of the trajectory.
+    """
+
+    turn: int
+    message_count: int
+    input_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: FinishReason
+    weight_version: int = 0
+    message: dict[str, Any]
+    format_error: str | None = None
+    rolled_back: bool = False
+    created_at: float
+    latency_s: float = 0.0
+
+
+class RequestFailure(_Response):
+    """A chat request that produced no turn (kept so a collector can tell why a trajectory ended)."""
+
+    at: float
+    status_code: int
+    code: str
+    message: str
+
+
+class SessionView(_Response):
+    """A session's state.
+
+    :ivar token_ids: the conversation so far: the last active turn's ``input_ids + output_ids``.
+    :ivar records: every turn, in order (rolled-back ones included and marked).
+    :ivar failures: requests that produced no turn.
+    :ivar max_trim_tokens: the chat family's limit, needed to assemble the records.
+    """
+
+    session_id: str
+    family: str
+    created_at: float
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    token_ids: list[int] = Field(default_factory=list)
+    records: list[TurnRecord] = Field(default_factory=list)
+    failures: list[RequestFailure] = Field(default_factory=list)
+    max_trim_tokens: int = 0
+    closed: bool = False
+
+    @property
+    def active_records(self) -> list[TurnRecord]:
+        return [r for r in self.records if not r.rolled_back]

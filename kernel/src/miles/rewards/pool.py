@@ -1,0 +1,118 @@
+"""``WorkerPool``: CPU-heavy reward checks in worker processes, with a deadline per batch.
+
+Symbolic checks (sympy) must not run on the event loop, and threads would serialise them on the
+GIL. A worker stuck in C code cannot be interrupted, so when a batch misses its deadline the pool
+is terminated and started again on next use; items of *other* batches that were in flight at that
+moment are resubmitted once to the new pool rather than failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import multiprocessing
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The outcome of an item that raised or missed the deadline."""
+
+    reason: str
+
+
+class _PoolRestarted(Exception):
+    """The pool was terminated while this item was in flight (another batch timed out)."""
+
+
+class WorkerPool:
+    """``await pool.map(fn, items, timeout)`` -> one value or :class:`Failed` per item, in order.
+
+    ``fn`` must be picklable (a module-level function). Processes start lazily with the ``spawn``
+    method (safe with threads and event loops in the parent); ``initializer`` runs once in each.
+    """
+
+    def __init__(
+        self, processes: int | None = None, *, initializer: Callable[[], None] | None = None, start_method: str = "spawn"
+    ) -> None:
+        self.processes = processes or min(4, os.cpu_count() or 1)
+        self._initializer = initializer
+        self._context = multiprocessing.get_context(start_method)
+        self._lock = threading.Lock()
+        self._pool: Any = None
+        self._in_flight: set[concurrent.futures.Future[Any]] = set()
+        self.restarts = 0
+
+    async def map(self, fn: Callable[[Any], Any], items: Sequence[Any], timeout: float) -> list[Any]:
+        results: list[Any] = [None] * len(items)
+        todo = list(range(len(items)))
+        for _attempt in range(2):
+            futures = {i: asyncio.wrap_future(self._submit(fn, items[i])) for i in todo}
+            if not futures:
+                break
+            _, late = await asyncio.wait(futures.values(), timeout=timeout)
+            if late:
+                for future in late:  # nobody will wait for these any more
+                    future.cancel()
+                self.restarts += 1
+                await asyncio.to_thread(self._restart)
+            todo = []
+            for i, future in futures.items():
+                if future in late:
+                    results[i] = Failed(f"not finished within {timeout} s")
+                elif isinstance(future.exception(), _PoolRestarted):
+                    todo.append(i)
+                elif future.exception() is not None:
+                    exc = future.exception()
+                    results[i] = Failed(f"{type(exc).__name__}: {exc}")
+                else:
+                    results[i] = future.result()
+        for i in todo:
+            results[i] = Failed("the worker pool was restarted twice while this item was in flight")
+        return results
+
+    def close(self) -> None:
+        """Stop the worker processes (the pool starts again if used later)."""
+        self._restart()
+
+    # ------------------------------------------------------------------ internals
+
+    def _submit(self, fn: Callable[[Any], Any], item: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            if self._pool is None:
+                self._pool = self._context.Pool(self.processes, initializer=self._initializer)
+            self._in_flight.add(future)
+            self._pool.apply_async(
+                fn, (item,),
+                callback=lambda value: self._settle(future, value, None),
+                error_callback=lambda exc: self._settle(future, None, exc),
+            )
+        return future
+
+    def _settle(self, future: concurrent.futures.Future[Any], value: Any, exc: BaseException | None) -> None:
+        with self._lock:
+            self._in_flight.discard(future)
+        if future.done():
+            return
+        with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled meanwhile by its waiter
+            if exc is None:
+                future.set_result(value)
+            else:
+                future.set_exception(exc)
+
+    def _restart(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+            stranded, self._in_flight = self._in_flight, set()
+        for future in stranded:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # settled or cancelled meanwhile
+                future.set_exception(_PoolRestarted())
+        if pool is not None:
+            pool.terminate()
+            pool.join()

@@ -1,0 +1,169 @@
+"""``score_samples``: what the RL loop calls to fill ``sample.reward`` for a step's samples.
+
+Samples are grouped by reward name (``sample.metadata["reward"]``, else ``reward.name``); each
+reward gets its samples as one batch and the batches run concurrently. Sync rewards run in a worker
+thread so they never block the event loop (and with it the rollout). A reward that raises, times
+out, or returns NaN / inf costs only the samples concerned: they become FAILED with exit reason
+``reward_error`` and ``reward`` stays None. When a batch raises, each of its samples is scored
+alone, so one bad sample does not fail its neighbours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from miles_contracts import ExitReason, RewardFn, Sample, Status
+
+from miles.registry import UnknownNameError
+
+if TYPE_CHECKING:
+    from miles.kernel import Kernel
+    from miles.sections import RewardSection
+
+# Samples that never got a response are not scored.
+UNSCORABLE_STATUSES = frozenset({Status.ABORTED, Status.FAILED})
+# The kernel waits this fraction longer than reward.timeout, so rewards that enforce the timeout
+# themselves (the math reward's worker pool) can still return the scores they finished in time.
+TIMEOUT_GRACE = 0.1
+MAX_REPORTED_ERRORS = 5
+
+
+@runtime_checkable
+class BindableReward(Protocol):
+    """A reward that needs the run's ``reward`` config section (``remote`` needs its URL)."""
+
+    def bind(self, config: RewardSection) -> RewardFn: ...
+
+
+@dataclass(slots=True)
+class ScoreReport:
+    """What one :func:`score_samples` call did. ``metrics()`` is ready for the step's metrics."""
+
+    scored: int = 0
+    failed: int = 0
+    skipped: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)  # the first few failure details
+
+    def metrics(self) -> dict[str, float]:
+        out = {"reward/scored": float(self.scored), "reward/failed": float(self.failed), "reward/skipped": float(self.skipped)}
+        out.update({f"reward/{name}/seconds": s for name, s in self.seconds.items()})
+        return out
+
+
+def reward_name_of(sample: Sample, default: str) -> str:
+    """The reward that scores ``sample``: its ``metadata["reward"]``, else ``default``."""
+    name = sample.metadata.get("reward", default)
+    if not isinstance(name, str):
+        raise TypeError(f'metadata["reward"] of sample {sample.index} is {name!r}; expected the name of a registered reward')
+    return name
+
+
+async def score_samples(samples: Sequence[Sample], kernel: Kernel, config: RewardSection) -> ScoreReport:
+    """Set ``reward`` on every sample that has a response; mark the ones that cannot be scored.
+
+    :param samples: the step's samples (any mix of reward names).
+    :param config: the ``reward`` section (default name, timeout, remote URL).
+    :raises UnknownNameError: a sample's ``metadata["reward"]`` names no registered reward.
+    :raises TypeError: a sample's ``metadata["reward"]`` is not a name.
+    """
+    report = ScoreReport()
+    batches: dict[str, list[Sample]] = {}
+    for sample in samples:
+        if sample.status in UNSCORABLE_STATUSES:
+            report.skipped += 1
+            continue
+        batches.setdefault(reward_name_of(sample, config.name), []).append(sample)
+    rewards = _resolve(kernel, config, batches)
+    outcomes = await asyncio.gather(*(_timed(name, rewards[name], batch, config.timeout) for name, batch in batches.items()))
+    for (name, batch), (seconds, results) in zip(batches.items(), outcomes, strict=True):
+        report.seconds[name] = seconds
+        for sample, (value, error) in zip(batch, results, strict=True):
+            if error is None:
+                sample.reward = value
+                report.scored += 1
+            else:
+                sample.reward = None
+                sample.finish(Status.FAILED, ExitReason.REWARD_ERROR, error)
+                report.failed += 1
+                if len(report.errors) < MAX_REPORTED_ERRORS:
+                    report.errors.append(f"sample {sample.index}: {error}")
+    return report
+
+
+def score_samples_blocking(samples: Sequence[Sample], kernel: Kernel, config: RewardSection) -> ScoreReport:
+    """:func:`score_samples` for callers without an event loop."""
+    return asyncio.run(score_samples(samples, kernel, config))
+
+
+def _resolve(kernel: Kernel, config: RewardSection, batches: dict[str, list[Sample]]) -> dict[str, RewardFn]:
+    registry = kernel.rewards()
+    resolved = {}
+    for name, batch in batches.items():
+        if name not in registry:
+            where = "reward.name" if name == config.name else f'metadata["reward"] of sample {batch[0].index}'
+            raise UnknownNameError(f"{where}: {registry.unknown_message(name)}")
+        reward = registry.get(name)
+        resolved[name] = reward.bind(config) if isinstance(reward, BindableReward) else reward
+    return resolved
+
+
+Result = tuple[float | None, str | None]  # (score, None) or (None, why it failed)
+
+
+async def _timed(name: str, reward: RewardFn, batch: list[Sample], timeout: float) -> tuple[float, list[Result]]:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    results = await _score_batch(name, reward, batch, timeout)
+    return loop.time() - start, results
+
+
+async def _score_batch(name: str, reward: RewardFn, batch: list[Sample], timeout: float) -> list[Result]:
+    try:
+        values = await asyncio.wait_for(_call(reward, batch), timeout * (1 + TIMEOUT_GRACE))
+    except TimeoutError:
+        return [(None, f"reward {name!r} did not finish within {timeout} s (reward.timeout)")] * len(batch)
+    except Exception as exc:  # noqa: BLE001 -- a reward's bug costs its samples, not the run
+        if len(batch) > 1:
+            alone = await asyncio.gather(*(_score_batch(name, reward, [s], timeout) for s in batch))
+            return [results[0] for results in alone]
+        return [(None, f"reward {name!r} raised {type(exc).__name__}: {exc}")]
+    return [
+        (value, None) if math.isfinite(value) else (None, f"reward {name!r} returned {value} (the sample could not be scored)")
+        for value in values
+    ]
+
+
+async def _call(reward: RewardFn, batch: list[Sample]) -> list[float]:
+    if _is_async(reward):
+        result: Any = await reward(batch)  # type: ignore[misc]
+    else:
+        result = await asyncio.to_thread(reward, batch)
+        if inspect.isawaitable(result):
+            result = await result
+    return _as_scores(result, len(batch))
+
+
+def _is_async(fn: object) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+def _as_scores(result: Any, expected: int) -> list[float]:
+    if not isinstance(result, list | tuple) or len(result) != expected:
+        got = f"{len(result)} values" if isinstance(result, list | tuple) else type(result).__name__
+        raise TypeError(f"returned {got} for {expected} samples; a reward returns one float per sample")
+    scores = []
+    for value in result:
+        if value is None:
+            scores.append(math.nan)
+        elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"returned {value!r}; a reward returns floats (NaN for a sample it cannot score)")
+        else:
+            scores.append(float(value))
+    return scores

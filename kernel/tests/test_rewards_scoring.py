@@ -1,0 +1,127 @@
+"""miles.rewards.score_samples: grouping by reward name, concurrency, timeouts and per-sample failures."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+
+import pytest
+from miles import hookimpl
+from miles.kernel import Kernel
+from miles.plugins import PluginSelection, load_plugins
+from miles.registry import Register, UnknownNameError
+from miles.rewards import score_samples, score_samples_blocking
+from miles.sections import RewardSection
+from miles_contracts import ExitReason, Sample, Status
+
+RELEASE = threading.Event()
+
+
+def picky(samples: Sequence[Sample]) -> list[float]:
+    if any(s.response == "boom" for s in samples):
+        raise ValueError("cannot score 'boom'")
+    return [1.0] * len(samples)
+
+
+async def slow(samples: Sequence[Sample]) -> list[float]:
+    if any(s.response == "hang" for s in samples):
+        await asyncio.sleep(30)
+    return [0.5] * len(samples)
+
+
+def waits_for_the_loop(samples: Sequence[Sample]) -> list[float]:
+    """Blocks until a task on the event loop runs: only possible if this runs off the loop."""
+    return [1.0 if RELEASE.wait(timeout=10) else 0.0] * len(samples)
+
+
+class RewardsForTests:
+    @hookimpl
+    def miles_register_rewards(self, register: Register) -> None:
+        register("picky", picky)
+        register("slow", slow)
+        register("waits_for_the_loop", waits_for_the_loop)
+        register("nothing", lambda samples: [])
+        register("nan_for_empty", lambda samples: [float("nan") if not s.response else 1.0 for s in samples])
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Kernel:
+    selection = PluginSelection(enable=("rewards",))
+    kernel = Kernel(load_plugins(selection), selection)
+    kernel.register_plugin(RewardsForTests(), "rewards_for_tests")
+    return kernel
+
+
+def completed(response: str, label: str | None = "4", reward: str | None = None, index: int = 0) -> Sample:
+    metadata = {"reward": reward} if reward else {}
+    return Sample(prompt="2+2?", response=response, label=label, status=Status.COMPLETED, metadata=metadata, index=index)
+
+
+def test_scores_every_sample_with_its_reward(kernel: Kernel) -> None:
+    samples = [completed("4", index=0), completed("5", index=1), completed("anything", reward="picky", index=2)]
+    report = score_samples_blocking(samples, kernel, RewardSection(name="exact_match"))
+    assert [s.reward for s in samples] == [1.0, 0.0, 1.0]
+    assert all(s.status is Status.COMPLETED for s in samples)
+    assert (report.scored, report.failed, report.skipped) == (3, 0, 0)
+    assert set(report.seconds) == {"exact_match", "picky"}
+    assert report.metrics()["reward/scored"] == 3.0
+
+
+def test_a_raising_reward_fails_only_the_sample_it_cannot_score(kernel: Kernel) -> None:
+    samples = [completed("fine", index=0), completed("boom", index=1), completed("also fine", index=2)]
+    report = score_samples_blocking(samples, kernel, RewardSection(name="picky"))
+    assert [s.reward for s in samples] == [1.0, None, 1.0]
+    bad = samples[1]
+    assert bad.status is Status.FAILED and bad.exit_reason is ExitReason.REWARD_ERROR
+    assert "ValueError" in bad.exit_detail and "cannot score 'boom'" in bad.exit_detail
+    assert report.failed == 1 and report.errors == [f"sample 1: {bad.exit_detail}"]
+
+
+def test_a_reward_that_times_out_fails_its_samples_not_the_others(kernel: Kernel) -> None:
+    samples = [completed("hang", reward="slow", index=0), completed("4", index=1)]
+    report = score_samples_blocking(samples, kernel, RewardSection(name="exact_match", timeout=0.2))
+    assert samples[0].status is Status.FAILED
+    assert "did not finish within 0.2 s (reward.timeout)" in samples[0].exit_detail
+    assert samples[1].reward == 1.0 and samples[1].status is Status.COMPLETED
+    assert report.failed == 1 and report.scored == 1
+
+
+def test_nan_and_wrong_shapes_mark_samples(kernel: Kernel) -> None:
+    samples = [completed("", reward="nan_for_empty", index=0), completed("x", reward="nan_for_empty", index=1),
+               completed("x", reward="nothing", index=2)]
+    score_samples_blocking(samples, kernel, RewardSection())
+    assert "returned nan" in samples[0].exit_detail and samples[0].status is Status.FAILED
+    assert samples[1].reward == 1.0
+    assert "returned 0 values for 1 samples" in samples[2].exit_detail
+
+
+def test_samples_without_a_response_are_skipped(kernel: Kernel) -> None:
+    aborted = completed("", index=0).finish(Status.ABORTED, ExitReason.ABORT)
+    report = score_samples_blocking([aborted, completed("4", index=1)], kernel, RewardSection())
+    assert aborted.reward is None and aborted.status is Status.ABORTED and aborted.exit_reason is ExitReason.ABORT
+    assert (report.scored, report.skipped) == (1, 1)
+
+
+def test_unknown_reward_names_are_errors_naming_the_sample(kernel: Kernel) -> None:
+    with pytest.raises(UnknownNameError, match=r'metadata\["reward"\] of sample 7: unknown reward \'exact_mach\'.*exact_match'):
+        score_samples_blocking([completed("4", reward="exact_mach", index=7)], kernel, RewardSection())
+    bad = completed("4", index=8)
+    bad.metadata["reward"] = {"name": "f1"}
+    with pytest.raises(TypeError, match=r'metadata\["reward"\] of sample 8 is \{\'name\': \'f1\'\}; expected the name'):
+        score_samples_blocking([bad], kernel, RewardSection())
+
+
+def test_sync_rewards_run_off_the_event_loop(kernel: Kernel) -> None:
+    RELEASE.clear()
+    samples = [completed("x", reward="waits_for_the_loop")]
+
+    async def main() -> None:
+        async def release() -> None:
+            await asyncio.sleep(0)
+            RELEASE.set()
+
+        await asyncio.gather(score_samples(samples, kernel, RewardSection()), release())
+
+    asyncio.run(main())
+    assert samples[0].reward == 1.0  # 0.0 would mean the reward blocked the loop until its wait gave up

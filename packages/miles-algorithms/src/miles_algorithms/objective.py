@@ -1,0 +1,212 @@
+"""The training objective a backend calls: one entry point per phase of a step.
+
+A backend's step, for the batch of one optimizer step (all data-parallel ranks together)::
+
+    batch = compute_advantages(batch, params, estimator)   # after the old / ref / critic passes
+    batch = prepare_batch(batch)                           # full-batch denominators
+    for micro in split(batch):                             # any partition of the rows
+        loss, metrics = actor_loss(logprobs(micro), micro, params, policy_loss=..., correction=...)
+        loss.backward()                                    # the sum over micro-batches is the batch loss
+
+Every loss and every metric returned by :func:`actor_loss` and :func:`critic_loss` is the
+micro-batch's *share* of the full-batch value: sum them over micro-batches (and over
+data-parallel ranks) to get the batch's loss and metrics. A data-parallel backend whose gradient
+reduction averages over ``W`` ranks must multiply the loss by ``W`` to keep this sum.
+
+Padded ``[B, T]`` and packed ``[1, N]`` batches (see :mod:`miles_algorithms.layout`) are both
+accepted; log-prob, entropy and value tensors come in the batch's own layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+from miles_contracts import AdvantageEstimator, AdvantageResult, AlgorithmParams, TrainBatch
+
+from miles_algorithms.kl import kl_divergence, masked_kl
+from miles_algorithms.layout import Layout
+from miles_algorithms.losses import TokenMetrics, value_loss
+from miles_algorithms.masking import masked, trainable, whiten
+from miles_algorithms.metrics import advantage_metrics, mismatch_metrics
+from miles_algorithms.reductions import loss_statistics, reduce, statistics_of
+
+PolicyLoss = Callable[[torch.Tensor, TrainBatch, AlgorithmParams], tuple[torch.Tensor, TokenMetrics]]
+Correction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AlgorithmParams], tuple[torch.Tensor, TokenMetrics]]
+
+__all__ = [
+    "CompleteEstimator",
+    "actor_loss",
+    "advantage_metrics",
+    "compute_advantages",
+    "critic_loss",
+    "kl_divergence",
+    "mismatch_metrics",
+    "prepare_batch",
+]
+
+
+def prepare_batch(batch: TrainBatch) -> TrainBatch:
+    """Store the full-batch loss denominators in ``batch.extras`` (see :mod:`reductions`).
+
+    Call once on the whole batch of an optimizer step, before splitting it into micro-batches or
+    across data-parallel ranks; ``TrainBatch.select`` carries the ``[B]`` statistics along.
+    """
+    layout = Layout.of(batch)
+    rows = layout.batch_rows(batch)
+    stats = loss_statistics(trainable(rows.loss_mask), rows.rollout_ids)
+    return layout.restore(batch, rows, (), stats)
+
+
+def compute_advantages(batch: TrainBatch, params: AlgorithmParams, estimator: AdvantageEstimator) -> TrainBatch:
+    """Fill ``advantages`` (and ``returns``) with ``estimator``, then the global terms.
+
+    The estimator does reward normalisation and the KL reward penalty; afterwards, in order:
+    batch whitening when ``params.normalize_advantages``, and on-policy distillation
+    ``A_t += opd_coef * (log pi_teacher_t - log pi_student_t)`` (student: ``old_logprobs``, else
+    ``rollout_logprobs``). Advantages are forced to 0 off-mask whatever the estimator returned.
+    """
+    layout = Layout.of(batch)
+    rows = layout.batch_rows(batch)
+    if getattr(estimator, "needs_critic", False) and rows.values is None:
+        raise ValueError(f"{type(estimator).__name__} needs critic values: run the critic pass (train.use_critic: true)")
+    result = estimator(rows, params)
+    mask = trainable(rows.loss_mask)
+    if result.advantages.shape != mask.shape:
+        raise ValueError(
+            f"{type(estimator).__name__} returned advantages of shape {tuple(result.advantages.shape)}, "
+            f"expected {tuple(mask.shape)} ([B, T] like the loss mask)"
+        )
+    advantages = masked(result.advantages.float(), mask)
+    if params.normalize_advantages:
+        advantages = whiten(advantages, mask)
+    if params.opd_coef > 0:
+        advantages = advantages + params.opd_coef * _distillation_term(rows, mask)
+    returns = None if result.returns is None else masked(result.returns.float(), mask)
+    rows = replace(rows, advantages=advantages.detach(), returns=None if returns is None else returns.detach())
+    return layout.restore(batch, rows, ("advantages", "returns"), {})
+
+
+def _distillation_term(batch: TrainBatch, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]``: ``log pi_teacher - log pi_student`` on trainable tokens (reverse-KL reward)."""
+    if batch.teacher_logprobs is None:
+        raise ValueError("algorithm.opd_coef > 0 needs teacher log-probs (batch.teacher_logprobs is None)")
+    student = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
+    return masked(batch.teacher_logprobs.float(), mask) - masked(student.float(), mask)
+
+
+def actor_loss(
+    logprobs: torch.Tensor,
+    batch: TrainBatch,
+    params: AlgorithmParams,
+    *,
+    policy_loss: PolicyLoss,
+    correction: Correction,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Policy loss of one micro-batch: its share of the full-batch loss, and metrics (shares too).
+
+    ``loss = reduce(w * policy_loss) - entropy_coef * reduce(H) + kl_loss_coef * reduce(KL)``
+    with ``w`` the mismatch correction's weights and ``reduce`` = ``params.loss_reduction``.
+
+    :param logprobs: ``[B, T]`` current log-probs of the micro-batch's tokens (with gradient).
+    :param batch: the micro-batch, from a batch that went through :func:`compute_advantages`
+        and :func:`prepare_batch`.
+    :param policy_loss: a registered policy loss (``kernel.policy_losses().get(name)``).
+    :param correction: a registered mismatch correction.
+    :param entropy: ``[B, T]`` per-token entropy; needed when ``params.entropy_coef != 0``.
+    """
+    layout = Layout.of(batch)
+    rows = layout.batch_rows(batch)
+    logprobs, entropy = layout.to_rows(logprobs), layout.to_rows(entropy)
+    _check_shape("logprobs", logprobs, rows)
+    if rows.advantages is None:
+        raise ValueError("batch.advantages is None: call compute_advantages on the full batch first")
+    stats = statistics_of(rows.extras)
+    mask = trainable(rows.loss_mask)
+    proximal = rows.old_logprobs if rows.old_logprobs is not None else logprobs.detach()
+    rows = replace(rows, old_logprobs=proximal)
+
+    def share(values: torch.Tensor, reduction: str = params.loss_reduction) -> torch.Tensor:
+        return reduce(values, mask, stats, reduction)
+
+    per_token, token_metrics = policy_loss(logprobs, rows, params)
+    weights, correction_metrics = correction(proximal, rows.rollout_logprobs, rows.loss_mask, params)
+    pg_loss = share(per_token * weights.detach())
+    loss = pg_loss
+    metrics = {"pg_loss": pg_loss}
+    if entropy is not None:
+        _check_shape("entropy", entropy, rows)
+        entropy_share = share(entropy.float())
+        loss = loss - params.entropy_coef * entropy_share
+        metrics["entropy"] = share(entropy.float(), "token_mean")
+    elif params.entropy_coef != 0:
+        raise ValueError("algorithm.entropy_coef != 0 needs the per-token entropy: pass entropy= to actor_loss")
+    if params.kl_loss_coef > 0:
+        if rows.ref_logprobs is None:
+            raise ValueError("algorithm.kl_loss_coef > 0 needs batch.ref_logprobs: set train.use_reference: true")
+        kl_share = share(masked_kl(logprobs, rows.ref_logprobs, mask, params.kl_loss_estimator))
+        loss = loss + params.kl_loss_coef * kl_share
+        metrics["kl_loss"] = kl_share
+    elif rows.ref_logprobs is not None:  # observed, not trained on
+        metrics["kl_loss"] = share(masked_kl(logprobs.detach(), rows.ref_logprobs, mask, params.kl_loss_estimator))
+    for name, values in {**token_metrics, **correction_metrics}.items():
+        metrics[name] = share(values.detach(), "token_mean")
+    metrics["loss"] = loss
+    return loss, {name: float(value.detach()) for name, value in metrics.items()}
+
+
+def critic_loss(values: torch.Tensor, batch: TrainBatch, params: AlgorithmParams) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped value loss of one micro-batch (its share), ``value_loss_coef * reduce(...)``.
+
+    :param values: ``[B, T]`` current critic values (with gradient); ``batch.values`` holds the
+        values the advantages were computed with, ``batch.returns`` the targets.
+    """
+    layout = Layout.of(batch)
+    rows = layout.batch_rows(batch)
+    values = layout.to_rows(values)
+    _check_shape("values", values, rows)
+    if rows.values is None or rows.returns is None:
+        raise ValueError("critic_loss needs batch.values (old values) and batch.returns: use an estimator with a critic (ppo)")
+    stats = statistics_of(rows.extras)
+    mask = trainable(rows.loss_mask)
+    per_token, token_metrics = value_loss(values, rows.values, rows.returns, mask, params.value_clip)
+    unscaled = reduce(per_token, mask, stats, params.loss_reduction)
+    loss = params.value_loss_coef * unscaled
+    metrics = {"value_loss": unscaled, "value_mean": reduce(values.float().detach(), mask, stats, "token_mean")}
+    metrics |= {name: reduce(v, mask, stats, "token_mean") for name, v in token_metrics.items()}
+    return loss, {name: float(value.detach()) for name, value in metrics.items()}
+
+
+def _check_shape(name: str, tensor: torch.Tensor, batch: TrainBatch) -> None:
+    if tensor.shape != batch.loss_mask.shape:
+        raise ValueError(
+            f"{name} has shape {tuple(tensor.shape)} but the batch's loss mask is {tuple(batch.loss_mask.shape)}; "
+            f"pass {name} aligned with batch.tokens (entry [b, t] for token t)"
+        )
+
+
+
+class CompleteEstimator:
+    """What the plugin registers: an estimator plus the batch-global terms of
+    :func:`compute_advantages` (whitening, distillation), as one
+    ``(batch, params) -> AdvantageResult`` callable.
+
+    The RL loop (in the kernel, which cannot import this package) only sees the registry, so the
+    registered object must be the whole advantage computation, not just the estimator's core.
+    """
+
+    def __init__(self, estimator: AdvantageEstimator) -> None:
+        self.estimator = estimator
+        self.needs_critic = getattr(estimator, "needs_critic", False)
+        self.zero_sum_groups = getattr(estimator, "zero_sum_groups", False)
+        self.policy_loss = getattr(estimator, "policy_loss", None)
+
+    def __call__(self, batch: TrainBatch, params: AlgorithmParams) -> AdvantageResult:
+        done = compute_advantages(batch, params, self.estimator)
+        assert done.advantages is not None  # compute_advantages always fills them
+        return AdvantageResult(done.advantages, done.returns, advantage_metrics(done))
+
+    def __repr__(self) -> str:
+        return f"CompleteEstimator({type(self.estimator).__name__})"

@@ -1,0 +1,39 @@
+"""The plugin registers every name through the hooks, stays light, and checks the GSPO pairing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+from miles.errors import ConfigError
+from miles.kernel import Kernel
+from miles.sections import AlgorithmSection, TrainSection
+from miles_algorithms import plugin
+
+
+def test_every_name_is_registered():
+    kernel = Kernel.load()
+    assert kernel.advantages().names() == ["grpo", "gspo", "ppo", "reinforce_pp", "reinforce_pp_baseline"]
+    assert kernel.policy_losses().names() == ["ppo_clip", "gspo"]
+    assert kernel.mismatch_corrections().names() == ["none", "tis", "mis"]
+    assert kernel.advantages().get("ppo").needs_critic is True
+    assert kernel.advantages().get("grpo").needs_critic is False
+
+
+def test_importing_the_plugin_does_not_import_torch():
+    code = "import sys, miles_algorithms.plugin; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def config(advantage: str, policy_loss: str) -> SimpleNamespace:
+    return SimpleNamespace(algorithm=AlgorithmSection(advantage=advantage), train=TrainSection(policy_loss=policy_loss))
+
+
+def test_gspo_advantage_needs_the_gspo_loss():
+    with pytest.raises(ConfigError, match="algorithm.advantage 'gspo' needs train.policy_loss: gspo"):
+        plugin.miles_configure(config=config("gspo", "ppo_clip"))
+    plugin.miles_configure(config=config("gspo", "gspo"))
+    plugin.miles_configure(config=config("grpo", "gspo"))  # GRPO advantages with sequence ratios: allowed

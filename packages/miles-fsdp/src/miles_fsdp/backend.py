@@ -1,0 +1,294 @@
+"""`FSDPBackend`: the ``fsdp`` train backend (FSDP2 over Hugging Face causal LMs).
+
+SPMD contract: with several ranks, every rank constructs the backend and calls every method with
+the *same* arguments (the full batch, the same paths); the backend splits work over ranks itself
+and every rank gets the full result back. Methods run collectives, so no rank may skip a call.
+
+One ``train_step`` is ``train.updates_per_step`` optimiser steps. The batch (which already carries
+advantages) is split into that many mini-batches, rows of one rollout staying together; each
+mini-batch goes through ``miles_algorithms.objective.prepare_batch`` (its loss denominators), is
+spread over ranks and micro-batches by token budget, and its gradient is accumulated, clipped and
+applied. With a critic, the critic takes the same steps on the same mini-batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from miles_fsdp.checkpoint import TrainedModule, load_checkpoint, save_checkpoint
+from miles_fsdp.config import FSDPSection
+from miles_fsdp.distributed import all_reduce_sum, release_distributed, setup_distributed
+from miles_fsdp.models import (
+    PolicyModel,
+    ValueModel,
+    load_causal_lm,
+    load_value_model,
+    prepare_and_shard,
+    resolve_precision,
+)
+from miles_fsdp.optim import LRMultiplier, build_optimizer, build_scheduler
+from miles_fsdp.packing import row_lengths, split_rows_evenly
+from miles_fsdp.passes import PassRunner, sum_over_ranks
+from miles_fsdp.weights import export_hf, gather_named_weights
+
+if TYPE_CHECKING:
+    from miles.config import MilesConfig
+    from miles.kernel import Kernel
+    from miles_contracts import TrainBatch
+
+NAME = "fsdp"
+_PHASES = {"actor": "old_logprobs", "ref": "ref_logprobs", "teacher": "teacher_logprobs"}
+
+
+class FSDPBackend:
+    """Actor (+ optional reference, teacher, critic) sharded with FSDP2; satisfies ``TrainBackend``.
+
+    :param config: the run config (``model``, ``train``, ``algorithm``, ``rollout.temperature``,
+        ``run.seed``/``run.steps`` and the ``fsdp`` section are read).
+    :param actor: an already built HF causal LM to train instead of loading ``config.model.name``
+        (benchmarks, tests); the reference, if any, is then a copy of it.
+    :param kernel: the kernel whose plugins wrap forwards and provide losses; default: the
+        config's plugin selection.
+    """
+
+    def __init__(self, config: MilesConfig, *, actor: torch.nn.Module | None = None, kernel: Kernel | None = None) -> None:
+        from miles.kernel import Kernel
+
+        self.config = config
+        self.options = config.section(NAME, FSDPSection)
+        self.kernel = kernel or Kernel.load(config.plugin_selection)
+        self.dist = setup_distributed(config.model.device)
+        try:
+            self._build(config, actor)
+        except BaseException:
+            release_distributed(self.dist)  # a failed start must not leave a process group behind
+            raise
+
+    def _build(self, config: MilesConfig, actor: torch.nn.Module | None) -> None:
+        self.precision = resolve_precision(config.model.dtype, self.dist.device, self.options.reduce_dtype)
+        torch.manual_seed(config.run.seed)  # same on every rank: identical critic head init before sharding
+        attn = self.options.attn_implementation
+
+        self.model_dir: Path | None = None
+        if actor is None:
+            from miles_models import resolve_model
+
+            self.model_dir = Path(resolve_model(config.model.name, auto_pull=True))
+            actor = load_causal_lm(self.model_dir, attn)
+        reference = copy.deepcopy(actor) if config.train.use_reference and self.model_dir is None else None
+        self.hf_config: dict[str, Any] = actor.config.to_dict()
+        self.bridge = self.kernel.find_model_bridge(self.hf_config)
+
+        train = config.train
+        self.actor = self._shard(PolicyModel(actor), trainable=True)
+        self.ref: PolicyModel | None = None
+        if train.use_reference:
+            self.ref = self._shard(PolicyModel(reference or load_causal_lm(self.model_dir, attn)), trainable=False)
+        self.teacher: PolicyModel | None = None
+        if train.teacher_model:
+            from miles_models import resolve_model
+
+            teacher_dir = resolve_model(train.teacher_model, auto_pull=True)
+            self.teacher = self._shard(PolicyModel(load_causal_lm(teacher_dir, attn)), trainable=False)
+        self.critic: ValueModel | None = None
+        if train.use_critic:
+            source = self.options.critic_model or self.model_dir
+            if source is None:
+                raise ValueError("train.use_critic with an in-memory actor needs fsdp.critic_model (a model folder)")
+            self.critic = self._shard(load_value_model(source, attn, self.options.value_head_std), trainable=True)
+
+        total = config.run.steps * train.updates_per_step
+        self.trained = [self._trained("actor", self.actor, train.lr, total)]
+        if self.critic is not None:
+            self.trained.append(self._trained("critic", self.critic, train.critic_lr, total))
+        self.runner = PassRunner(
+            kernel=self.kernel, dist=self.dist, bridge=self.bridge, packing=self.options.packing,
+            token_budget=train.micro_batch_tokens, chunk=self.options.logprob_chunk_size,
+            temperature=self._temperature(), backend_name=NAME,
+        )
+        self.optimizer_steps = 0
+        self.skipped_steps = 0
+
+    # ------------------------------------------------------------------ construction helpers
+
+    def _shard(self, module: torch.nn.Module, *, trainable: bool) -> Any:
+        return prepare_and_shard(
+            module, mesh=self.dist.mesh, precision=self.precision, trainable=trainable,
+            gradient_checkpointing=self.config.train.gradient_checkpointing,
+            compile_layers=self.options.compile, reshard_after_forward=self.options.reshard_after_forward,
+        )
+
+    def _trained(self, name: str, module: torch.nn.Module, lr: float, total_steps: int) -> TrainedModule:
+        train = self.config.train
+        fused = self.options.fused_optimizer if self.options.fused_optimizer is not None else self.dist.device.type == "cuda"
+        optimizer = build_optimizer(
+            module.parameters(), lr=lr, betas=tuple(train.betas), weight_decay=train.weight_decay, fused=fused,
+        )
+        scheduler = build_scheduler(optimizer, LRMultiplier(train.lr_schedule, train.warmup_steps, total_steps))
+        return TrainedModule(name, module, optimizer, scheduler)
+
+    def _temperature(self) -> float:
+        if self.options.logprob_temperature is not None:
+            return self.options.logprob_temperature
+        # greedy rollouts (temperature 0) are scored with the plain softmax
+        return self.config.rollout.temperature or 1.0
+
+    # ------------------------------------------------------------------ scoring
+
+    def compute_logprobs(self, batch: TrainBatch, *, model: Literal["actor", "ref", "teacher"] = "actor") -> torch.Tensor:
+        """``[B, T]`` log-probs of ``batch.tokens`` at ``loss_mask`` positions (0 elsewhere); no grad."""
+        return self.compute_logprobs_and_entropy(batch, model=model, with_entropy=False)[0]
+
+    def compute_logprobs_and_entropy(
+        self, batch: TrainBatch, *, model: Literal["actor", "ref", "teacher"] = "actor", with_entropy: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``([B, T] log-probs, [B, T] entropy of the full next-token distribution or None)``."""
+        module = self._scoring_module(model)
+        outputs = self.runner.score(_PHASES[model], module, batch, with_entropy=with_entropy)
+        return outputs[0], (outputs[1] if with_entropy else None)
+
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        """``[B, T]`` critic values ``V(tokens[:t])`` at ``loss_mask`` positions (0 elsewhere)."""
+        if self.critic is None:
+            raise RuntimeError("this backend has no critic: set train.use_critic: true to train one")
+        return self.runner.score("values", self.critic, batch)[0]
+
+    def _scoring_module(self, model: str) -> PolicyModel:
+        modules = {"actor": self.actor, "ref": self.ref, "teacher": self.teacher}
+        if model not in modules:
+            raise ValueError(f"unknown model {model!r}; choose one of {', '.join(modules)}")
+        module = modules[model]
+        if module is None:
+            switch = {"ref": "train.use_reference: true", "teacher": "train.teacher_model: <model>"}[model]
+            raise RuntimeError(f"this backend has no {model} model; set {switch}")
+        return module
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """``train.updates_per_step`` optimiser steps on ``batch`` (which carries advantages)."""
+        from miles_algorithms import objective
+
+        if batch.advantages is None:
+            raise ValueError("train_step needs batch.advantages: run the advantage estimator (compute_advantages) first")
+        if self.critic is not None and batch.returns is None:
+            raise ValueError("train_step with a critic needs batch.returns (and batch.values): use a critic estimator (ppo)")
+        params = self.config.algorithm
+        policy_loss = self.kernel.policy_losses().get(self.config.train.policy_loss)
+        correction = self.kernel.mismatch_corrections().get(params.correction)
+        # the entropy's gradient is computed only when it enters the loss (entropy_coef != 0)
+        with_entropy = self.options.log_entropy or params.entropy_coef != 0
+
+        def actor_loss(micro: TrainBatch, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, dict[str, float]]:
+            logprobs, entropy = outputs[0], (outputs[1] if with_entropy else None)
+            if entropy is not None and params.entropy_coef == 0:
+                entropy = entropy.detach()
+            return objective.actor_loss(logprobs, micro, params, policy_loss=policy_loss, correction=correction, entropy=entropy)
+
+        def critic_loss(micro: TrainBatch, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, dict[str, float]]:
+            return objective.critic_loss(outputs[0], micro, params)
+
+        minis = self._mini_batches(batch)
+        if batch.old_logprobs is None and len(minis) > 1:
+            # after the first update the current policy is no longer the proximal one: without
+            # these, every later mini-batch would see ratio 1 and never clip
+            batch = replace(batch, old_logprobs=self.compute_logprobs(batch))
+        totals: dict[str, float] = {}
+        mismatch: dict[str, float] = {}
+        for index, rows in enumerate(minis):
+            mini = objective.prepare_batch(batch.select(rows))
+            first_without_old = index == 0 and batch.old_logprobs is None
+            shares, kept = self.runner.accumulate(
+                "train", self.actor, mini, actor_loss, with_entropy=with_entropy, keep_outputs=first_without_old,
+            )
+            step_metrics = sum_over_ranks(shares, self.dist)
+            step_metrics |= self._apply(self.trained[0])
+            if kept is not None:  # the trainer's pre-update log-probs of this mini-batch
+                mismatch = objective.mismatch_metrics(all_reduce_sum(kept).to(mini.tokens.device), mini)
+            if self.critic is not None:
+                critic_shares, _ = self.runner.accumulate("critic_train", self.critic, mini, critic_loss)
+                critic_metrics = sum_over_ranks(critic_shares, self.dist) | self._apply(self.trained[1])
+                step_metrics |= {f"critic/{k}": v for k, v in critic_metrics.items()}
+            for name, value in step_metrics.items():
+                totals[name] = totals.get(name, 0.0) + value / len(minis)
+        if batch.old_logprobs is not None:
+            mismatch = objective.mismatch_metrics(batch.old_logprobs, batch)
+        totals.update(mismatch)
+        totals["optimizer_steps"] = float(self.optimizer_steps)
+        totals["skipped_steps"] = float(self.skipped_steps)
+        totals["train_tokens"] = float(batch.num_tokens)
+        return totals
+
+    def _mini_batches(self, batch: TrainBatch) -> list[list[int]]:
+        updates = self.config.train.updates_per_step
+        rollouts = len(set(batch.rollout_ids.tolist()))
+        if updates > rollouts:
+            raise ValueError(
+                f"train.updates_per_step ({updates}) exceeds the rollouts in the batch ({rollouts}); "
+                f"lower updates_per_step or train on more rollouts per step"
+            )
+        lengths = row_lengths(batch.attention_mask)
+        return split_rows_evenly(lengths, updates, keys=batch.rollout_ids.tolist())
+
+    def _apply(self, trained: TrainedModule) -> dict[str, float]:
+        """Clip, step (unless the gradient is not finite), advance the schedule, clear gradients."""
+        params = [p for p in trained.module.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.config.train.grad_clip)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        lr = trained.optimizer.param_groups[0]["lr"]
+        finite = torch.isfinite(torch.tensor(norm)).item()
+        if finite or not self.options.skip_nonfinite_grads:
+            trained.optimizer.step()
+            if trained.name == "actor":
+                self.optimizer_steps += 1
+        elif trained.name == "actor":
+            self.skipped_steps += 1
+        trained.scheduler.step()
+        trained.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": norm, "lr": lr}
+
+    # ------------------------------------------------------------------ weights
+
+    def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full actor weights with HF names, one tensor at a time (collective: iterate to the end on every rank).
+
+        :param dtype: of the yielded tensors; default the compute dtype (bf16 on CUDA, fp32 on CPU),
+            which is what an engine serves.
+        """
+        return gather_named_weights(self.actor.hf, dtype or self.precision.compute)
+
+    def export_hf(self, path: Path) -> None:
+        """An HF folder of the actor (dtype of the source checkpoint), tokenizer files copied along."""
+        export_hf(self.actor.hf, Path(path), source_dir=self.model_dir, dtype=self._export_dtype(), dist_ctx=self.dist)
+
+    def _export_dtype(self) -> torch.dtype:
+        """The dtype the source checkpoint was stored in (weights are held in fp32 while training)."""
+        if self.model_dir is not None and (self.model_dir / "config.json").is_file():
+            stored = json.loads((self.model_dir / "config.json").read_text())
+            name = stored.get("dtype") or stored.get("torch_dtype")
+            if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
+        return self.precision.compute
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, path: Path, extra_state: Mapping[str, Any]) -> None:
+        save_checkpoint(Path(path), self.trained, self.optimizer_steps, extra_state, self.dist)
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        self.optimizer_steps, extra = load_checkpoint(Path(path), self.trained, self.dist)
+        return extra
+
+    def close(self) -> None:
+        """Free the models and leave the process group (destroyed if this backend created it)."""
+        for name in ("actor", "ref", "teacher", "critic"):
+            setattr(self, name, None)
+        self.trained = []
+        release_distributed(self.dist)

@@ -1,0 +1,228 @@
+"""``miles bench train``: tokens/s and MFU of the fsdp backend's training step, against plain HF.
+
+Model FLOPs of one sequence of ``L`` tokens (forward + backward, recomputation not counted)::
+
+    6 * P * L  +  6 * n_layers * (n_heads * head_dim) * L^2
+
+``P`` counts the weights of every matrix multiply (all linear layers and the output head; the
+embedding lookup is not a multiply). The second term is causal attention: ``Q K^T`` and ``P V``,
+``2 * L^2 * d`` FLOPs each over the causal half, times 3 for forward and backward. MFU is achieved
+model FLOPs per second over the device peak: 989 TFLOP/s dense bf16 on H100/H200 SXM, or, on CPU,
+an fp32 matmul measured in the same run.
+
+The baseline, measured in the same run on the same model and batch: a plain transformers training
+loop (fp32 weights, bf16 autocast on CUDA, ``labels=`` loss over full logits, fused AdamW), one
+sequence per forward like the fsdp run.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+H200_BF16_DENSE_TFLOPS = 989.0
+
+# random-weight model configs (transformers config kwargs); names say which public model they copy
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": dict(
+        model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, rope_theta=1_000_000.0,
+    ),
+    "llama-1b": dict(
+        model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        max_position_embeddings=131072, rope_theta=500_000.0,
+    ),
+    "tiny": dict(
+        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=1024, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        max_position_embeddings=4096, rope_theta=10_000.0,
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FlopCounter:
+    matmul_params: int
+    layers: int
+    attention_width: int  # n_heads * head_dim
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> FlopCounter:
+        cfg = model.config
+        params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cls(params, cfg.num_hidden_layers, cfg.num_attention_heads * head_dim)
+
+    def sequence(self, length: int) -> float:
+        return 6.0 * self.matmul_params * length + 6.0 * self.layers * self.attention_width * length**2
+
+
+def build_model(preset: str, seed: int = 0) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = dict(PRESETS[preset])
+    config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+
+
+def make_batch(rows: int, length: int, vocab: int, seed: int = 0):
+    """``rows`` full sequences of ``length`` random tokens, every position after the first trained."""
+    from miles_contracts import TrainBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (rows, length), generator=gen)
+    loss_mask = torch.ones(rows, length)
+    loss_mask[:, 0] = 0
+    advantages = torch.where(torch.rand(rows, 1, generator=gen) > 0.5, 1.0, -1.0) * loss_mask
+    return TrainBatch(
+        tokens=tokens, attention_mask=torch.ones(rows, length, dtype=torch.long), loss_mask=loss_mask,
+        rollout_logprobs=torch.zeros(rows, length), rewards=torch.zeros(rows), group_ids=torch.zeros(rows, dtype=torch.long),
+        rollout_ids=torch.arange(rows), advantages=advantages,
+    )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_steps(step: Callable[[], None], device: torch.device, warmup: int, steps: int) -> float:
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    return (time.perf_counter() - start) / steps
+
+
+def _memory_gb(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def measure_cpu_peak_tflops(size: int = 1024, repeats: int = 5) -> float:
+    """fp32 matmul throughput of this CPU (the CPU stand-in for a datasheet peak)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e12
+
+
+def run_miles(preset: str, batch, *, device: str, options: dict[str, Any], gradient_checkpointing: bool,
+              micro_batch_tokens: int, warmup: int, steps: int) -> dict[str, Any]:
+    from miles.config import MilesConfig
+    from miles.sections import ModelSection, RunSection, TrainSection
+
+    from miles_fsdp.backend import FSDPBackend
+    from miles_fsdp.config import FSDPSection
+
+    config = MilesConfig(
+        model=ModelSection(device=device),
+        run=RunSection(steps=warmup + steps),
+        train=TrainSection(lr=1e-6, micro_batch_tokens=micro_batch_tokens, gradient_checkpointing=gradient_checkpointing),
+        extra={"fsdp": FSDPSection(**options)},
+    )
+    backend = FSDPBackend(config, actor=build_model(preset))
+    dev = backend.dist.device
+    try:
+        seconds = _time_steps(lambda: backend.train_step(batch), dev, warmup, steps)
+        return {"step_s": seconds, "peak_memory_gb": _memory_gb(dev)}
+    finally:
+        backend.close()
+        _free(dev)
+
+
+def run_baseline(preset: str, batch, *, device: torch.device, gradient_checkpointing: bool, warmup: int, steps: int) -> dict[str, Any]:
+    """Plain transformers: fp32 weights, bf16 autocast on CUDA, full-logits loss, AdamW."""
+    from miles_fsdp.models import enable_activation_checkpointing
+
+    model = build_model(preset).to(device)
+    if gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    model.train()
+    cuda = device.type == "cuda"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, **({"fused": True} if cuda else {"foreach": True}))
+
+    def step() -> None:
+        for row in range(batch.size):
+            ids = batch.tokens[row : row + 1].to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss / batch.size
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    seconds = _time_steps(step, device, warmup, steps)
+    return {"step_s": seconds, "peak_memory_gb": _memory_gb(device)}
+
+
+def _rates(result: dict[str, Any], tokens: int, flops: float, peak_tflops: float) -> dict[str, Any]:
+    achieved = flops / result["step_s"] / 1e12
+    return {**result, "tokens_per_s": tokens / result["step_s"], "tflops": achieved, "mfu": achieved / peak_tflops}
+
+
+def run_benchmark(
+    *, preset: str, seq_lens: list[int], tokens_per_step: int, warmup: int, steps: int, device: str,
+    gradient_checkpointing: bool, options: dict[str, Any], baseline: bool, peak_tflops: float | None,
+) -> dict[str, Any]:
+    """Every sequence length: the fsdp step and (optionally) the baseline; returns the JSON report."""
+    from miles_fsdp.distributed import pick_device
+
+    dev = pick_device(device)
+    probe = build_model(preset)
+    counter = FlopCounter.of(probe)
+    vocab = probe.config.vocab_size
+    total_params = sum(p.numel() for p in probe.parameters())
+    del probe
+    if peak_tflops is None:
+        peak_tflops = H200_BF16_DENSE_TFLOPS if dev.type == "cuda" else measure_cpu_peak_tflops()
+    report: dict[str, Any] = {
+        "benchmark": "train",
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "dtype": "bf16 compute, fp32 master weights" if dev.type == "cuda" else "fp32",
+        "torch": torch.__version__,
+        "model": {"preset": preset, "parameters": total_params, "matmul_parameters": counter.matmul_params,
+                  "layers": counter.layers, "attention_width": counter.attention_width},
+        "peak_tflops": peak_tflops,
+        "peak_source": "H100/H200 SXM dense bf16 datasheet" if dev.type == "cuda" else "fp32 matmul measured in this run",
+        "flops_formula": "6 * matmul_parameters * L + 6 * layers * attention_width * L^2 per sequence of L tokens",
+        "gradient_checkpointing": gradient_checkpointing,
+        "fsdp_options": options,
+        "goal_mfu": 0.35,
+        "results": [],
+    }
+    for length in seq_lens:
+        rows = max(1, tokens_per_step // length)
+        batch = make_batch(rows, length, vocab)
+        flops = rows * counter.sequence(length)
+        entry: dict[str, Any] = {"seq_len": length, "rows": rows, "tokens_per_step": rows * length}
+        miles = run_miles(preset, batch, device=device, options=options, gradient_checkpointing=gradient_checkpointing,
+                          micro_batch_tokens=length, warmup=warmup, steps=steps)
+        entry["miles"] = _rates(miles, rows * length, flops, peak_tflops)
+        if baseline:
+            plain = run_baseline(preset, batch, device=dev, gradient_checkpointing=gradient_checkpointing,
+                                 warmup=warmup, steps=steps)
+            _free(dev)  # the baseline's model and optimizer died with its frame
+            entry["baseline"] = _rates(plain, rows * length, flops, peak_tflops)
+            entry["speedup_vs_baseline"] = entry["baseline"]["step_s"] / entry["miles"]["step_s"]
+        report["results"].append(entry)
+    return report

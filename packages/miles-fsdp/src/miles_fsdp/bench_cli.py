@@ -1,0 +1,66 @@
+"""Arguments of ``miles bench train`` (the measuring lives in :mod:`miles_fsdp.bench`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from miles.cli import Command
+from miles.errors import MilesError
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="qwen3-0.6b", help="random-weight preset: qwen3-0.6b, llama-1b, tiny")
+    p.add_argument("--tiny", action="store_true", help="CPU-sized run: tiny model, 128/256-token sequences, 2 steps")
+    p.add_argument("--seq-lens", default="4096,16384", help="comma-separated tokens per sequence")
+    p.add_argument("--tokens-per-step", type=int, default=65536, help="tokens per optimiser step (rows = this / seq len)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (allocator, autotuning, compile)")
+    p.add_argument("--steps", type=int, default=4, help="timed steps")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    p.add_argument("--logprob-chunk", type=int, default=4096, help="positions per log-prob chunk")
+    p.add_argument("--no-baseline", action="store_true", help="skip the plain transformers baseline")
+    p.add_argument("--peak-tflops", type=float, default=None, help="device peak; default 989 on CUDA, measured on CPU")
+    p.add_argument("--output", type=Path, default=None, help="also write the JSON here")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from miles_fsdp.bench import PRESETS, run_benchmark
+
+    if args.tiny:
+        args.model, args.seq_lens, args.tokens_per_step, args.steps, args.warmup = "tiny", "128,256", 512, 2, 1
+    if args.model not in PRESETS:
+        raise MilesError(f"unknown --model {args.model!r}; presets: {', '.join(PRESETS)}")
+    try:
+        seq_lens = [int(x) for x in args.seq_lens.split(",") if x.strip()]
+    except ValueError:
+        raise MilesError(f"--seq-lens must be comma-separated integers, got {args.seq_lens!r}") from None
+    if not seq_lens or min(seq_lens) < 2:
+        raise MilesError("--seq-lens needs at least one length >= 2")
+    report = run_benchmark(
+        preset=args.model, seq_lens=seq_lens, tokens_per_step=args.tokens_per_step, warmup=args.warmup,
+        steps=args.steps, device=args.device, gradient_checkpointing=args.gradient_checkpointing,
+        options={"compile": args.compile, "logprob_chunk_size": args.logprob_chunk}, baseline=not args.no_baseline,
+        peak_tflops=args.peak_tflops,
+    )
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text + "\n")
+    return 0
+
+
+BENCH_TRAIN = Command(
+    help="tokens/s and MFU of an fsdp training step (bf16 on CUDA) against a plain transformers loop",
+    run=_run,
+    add_arguments=_add_arguments,
+    description=(
+        "Trains a random-weight model (default: a Qwen3-0.6B config) on full random sequences of each --seq-lens "
+        "length and prints JSON: step time, tokens/s, TFLOP/s and MFU for the fsdp backend and for a plain "
+        "transformers loop measured in the same run. FLOPs = 6 * matmul params * L + 6 * layers * heads * head_dim "
+        "* L^2 per sequence."
+    ),
+)

@@ -1,0 +1,48 @@
+"""The ``fsdp`` config section: options only this backend has.
+
+Everything a second backend would share (learning rate, schedule, micro-batch token budget,
+reference/critic switches) lives in the kernel's ``train`` section; this section holds the FSDP2
+knobs. Imports pydantic only, so ``miles config show`` stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class FSDPSection(BaseModel):
+    """Options of the ``fsdp`` train backend."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    packing: bool = Field(
+        default=True,
+        description="pack the rows of a micro-batch into one sequence (no padding); false = padded [b, t] rows",
+    )
+    logprob_chunk_size: int = Field(
+        default=1024, ge=1,
+        description="response positions per log-prob chunk; peak logits memory is chunk x vocab, never B x T x vocab",
+    )
+    logprob_temperature: float | None = Field(
+        default=None, gt=0.0,
+        description="divide logits by this before log-softmax; null = rollout.temperature (1.0 when that is 0)",
+    )
+    log_entropy: bool = Field(
+        default=True, description="report the policy entropy every step (its gradient is computed only if entropy_coef != 0)",
+    )
+    reshard_after_forward: bool = Field(
+        default=True, description="free gathered layer weights after forward (less memory, one more all-gather)",
+    )
+    attn_implementation: str = Field(default="sdpa", description="transformers attention implementation")
+    compile: bool = Field(default=False, description="torch.compile each decoder layer (CUDA)")
+    fused_optimizer: bool | None = Field(default=None, description="fused AdamW; null = on for CUDA, off for CPU")
+    critic_model: str | None = Field(default=None, description="critic initialisation; null = model.name")
+    value_head_std: float = Field(default=0.0, ge=0.0, description="init std of the critic's value head (0 = zeros)")
+    skip_nonfinite_grads: bool = Field(
+        default=True, description="skip an optimiser step whose gradient norm is NaN/inf (counted in metrics)",
+    )
+    reduce_dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32", description="dtype of gradient reduce-scatter under bf16 compute",
+    )

@@ -1,0 +1,190 @@
+"""Splitting a batch over ranks and micro-batches, and packing a micro-batch into one sequence.
+
+Every rank receives the same full batch, so every rank computes the same plan without talking to
+the others. FSDP runs collectives inside each forward and backward, so all ranks must run the same
+number of micro-batches: ranks with less work split their micro-batches further, or, when they run
+out of rows, run an empty one (a one-token dummy whose loss is multiplied by zero).
+
+Packing puts the ``n_r`` real tokens of each row ``r`` one after the other in a ``[1, N]`` sequence
+with position ids restarting at 0 for each row. transformers turns restarting position ids (with
+``attention_mask=None``) into a block-diagonal causal mask, so rows never attend to each other; the
+packed and padded paths give the same log-probs (tested).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from miles_contracts import TrainBatch
+
+RankPlan = list[list[int]]  # micro-batches of one rank, each a list of row indices ([] = dummy)
+
+
+def row_lengths(attention_mask: torch.Tensor) -> list[int]:
+    """Real tokens per row of a right-padded ``[B, T]`` mask; rejects masks with holes."""
+    lengths = attention_mask.sum(dim=1)
+    width = attention_mask.shape[1]
+    expected = (attention_mask.new_ones(width).cumsum(0)[None, :] <= lengths[:, None]).to(attention_mask.dtype)
+    if not bool((expected == attention_mask).all()):
+        raise ValueError(
+            "attention_mask must be right-padded (1s then 0s in every row); "
+            "build the batch with TrainBatch.from_samples, which pads on the right"
+        )
+    return [int(n) for n in lengths.tolist()]
+
+
+def split_rows_evenly(lengths: Sequence[int], parts: int, keys: Sequence[int] | None = None) -> list[list[int]]:
+    """Split row indices into ``parts`` groups of similar token count, keeping equal ``keys`` together.
+
+    Rows that share a key (pieces of one rollout) stay in one group, so a reduction that counts a
+    rollout once still sees all of it. Greedy largest-first onto the lightest group; deterministic.
+    """
+    units: dict[int, list[int]] = {}
+    for row in range(len(lengths)):
+        units.setdefault(keys[row] if keys is not None else row, []).append(row)
+    ordered = sorted(units.values(), key=lambda rows: (-sum(lengths[r] for r in rows), rows[0]))
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for rows in ordered:
+        target = min(range(parts), key=lambda g: (loads[g], g))
+        groups[target].extend(rows)
+        loads[target] += sum(lengths[r] for r in rows)
+    return [sorted(g) for g in groups]
+
+
+def pack_by_budget(rows: Sequence[int], lengths: Sequence[int], token_budget: int) -> RankPlan:
+    """First-fit-decreasing of ``rows`` into micro-batches of at most ``token_budget`` tokens.
+
+    A row longer than the budget gets a micro-batch of its own (it cannot be split: its tokens
+    attend to each other).
+    """
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for row in sorted(rows, key=lambda r: (-lengths[r], r)):
+        for i, load in enumerate(loads):
+            if load + lengths[row] <= token_budget:
+                bins[i].append(row)
+                loads[i] += lengths[row]
+                break
+        else:
+            bins.append([row])
+            loads.append(lengths[row])
+    return [sorted(b) for b in bins]
+
+
+def _split_to_count(plan: RankPlan, lengths: Sequence[int], count: int) -> RankPlan:
+    """Split the heaviest splittable micro-batch until there are ``count``; pad with dummies."""
+    plan = [list(b) for b in plan]
+    while len(plan) < count:
+        splittable = [i for i, b in enumerate(plan) if len(b) > 1]
+        if not splittable:
+            plan.append([])
+            continue
+        i = max(splittable, key=lambda j: (sum(lengths[r] for r in plan[j]), -j))
+        halves = split_rows_evenly([lengths[r] for r in plan[i]], 2)
+        rows = plan[i]
+        plan[i : i + 1] = [[rows[k] for k in half] for half in halves]
+    return plan
+
+
+def plan_micro_batches(lengths: Sequence[int], token_budget: int, world_size: int) -> list[RankPlan]:
+    """``plan[rank]``: the micro-batches (row lists) of each rank; every rank gets the same count."""
+    if token_budget < 1:
+        raise ValueError(f"micro-batch token budget must be >= 1, got {token_budget}")
+    per_rank = split_rows_evenly(lengths, world_size)
+    plans = [pack_by_budget(rows, lengths, token_budget) for rows in per_rank]
+    count = max(1, max(len(p) for p in plans))
+    return [_split_to_count(p, lengths, count) for p in plans]
+
+
+@dataclass(slots=True)
+class ModelInputs:
+    """What one forward pass of a micro-batch needs, on the model's device.
+
+    :ivar input_ids: ``[1, N]`` packed tokens, or ``[b, t]`` padded rows.
+    :ivar position_ids: same shape; restarts at 0 for each packed row.
+    :ivar attention_mask: ``[b, t]`` for the padded layout, None when packed.
+    :ivar hidden_index: ``[K]`` flat index into the ``[*, H]`` hidden states (flattened over the
+        leading dims) of the position that predicts each wanted token.
+    :ivar target_ids: ``[K]`` the wanted tokens.
+    :ivar rows: ``[K]`` row (in the micro-batch) of each wanted token.
+    :ivar cols: ``[K]`` column ``t`` of each wanted token (its position in its row).
+    :ivar shape: ``(b, t)`` of the micro-batch, for scattering results back to ``[b, t]``.
+    :ivar cu_seqlens: ``[b + 1]`` start offsets of packed rows (packed layout only), for plugins.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    hidden_index: torch.Tensor
+    target_ids: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    shape: tuple[int, int]
+    cu_seqlens: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel()) if self.attention_mask is None else int(self.attention_mask.sum())
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """``[K]`` per-wanted-token values -> ``[b, t]`` (zero elsewhere); keeps autograd."""
+        out = values.new_zeros(self.shape)
+        return out.index_put((self.rows, self.cols), values)
+
+
+def build_inputs(micro: TrainBatch, *, packed: bool, device: torch.device) -> ModelInputs:
+    """Model inputs that predict every ``loss_mask`` position of ``micro`` (a padded batch).
+
+    Entry ``[r, t]`` of the batch is token ``t`` predicted from tokens ``:t``, so its logit comes
+    from the hidden state at position ``t - 1``; column 0 is never predicted.
+    """
+    import torch
+
+    if bool((micro.loss_mask[:, 0] > 0).any()):
+        raise ValueError("loss_mask[:, 0] must be 0: the first token of a row has no context to be predicted from")
+    if bool(((micro.loss_mask > 0) & (micro.attention_mask == 0)).any()):
+        raise ValueError("loss_mask is non-zero on padding (attention_mask 0); the loss mask must lie inside each row")
+    lengths = row_lengths(micro.attention_mask)
+    b, t = micro.tokens.shape
+    rows, cols = torch.nonzero(micro.loss_mask > 0, as_tuple=True)  # row-major order
+    target_ids = micro.tokens[rows, cols]
+    if packed:
+        starts = torch.tensor([0, *lengths], dtype=torch.long).cumsum(0)
+        input_ids = torch.cat([micro.tokens[r, :n] for r, n in enumerate(lengths)])[None, :]
+        position_ids = torch.cat([torch.arange(n) for n in lengths])[None, :]
+        hidden_index = starts[rows] + cols - 1
+        attention_mask = None
+        cu_seqlens = starts
+    else:
+        input_ids = micro.tokens
+        position_ids = torch.arange(t)[None, :].expand(b, t)
+        hidden_index = rows * t + cols - 1
+        attention_mask = micro.attention_mask
+        cu_seqlens = None
+
+    def dev(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.to(device, non_blocking=True)
+
+    return ModelInputs(
+        input_ids=dev(input_ids), position_ids=dev(position_ids), attention_mask=dev(attention_mask),
+        hidden_index=dev(hidden_index), target_ids=dev(target_ids), rows=dev(rows), cols=dev(cols),
+        shape=(b, t), cu_seqlens=cu_seqlens,
+    )
+
+
+def dummy_inputs(device: torch.device, token_id: int = 0) -> ModelInputs:
+    """A one-row, two-token input with one wanted token: keeps an idle rank in FSDP's lockstep."""
+    import torch
+
+    ids = torch.full((1, 2), token_id, dtype=torch.long, device=device)
+    one = torch.ones(1, dtype=torch.long, device=device)
+    return ModelInputs(
+        input_ids=ids, position_ids=torch.arange(2, device=device)[None, :], attention_mask=None,
+        hidden_index=one - 1, target_ids=one * token_id, rows=one - 1, cols=one, shape=(1, 2),
+        cu_seqlens=torch.tensor([0, 2]),
+    )

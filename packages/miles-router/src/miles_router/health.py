@@ -1,0 +1,110 @@
+"""Periodic health probes: ``GET /health``, then the weight version from ``GET /get_model_info``.
+
+What a probe means is decided by :class:`~miles_router.fleet.Fleet`; this module only talks HTTP.
+A worker that comes back (or answers for the first time) is first brought to the fleet's pause
+state -- it may have missed a ``/pause_generation`` or ``/continue_generation`` while it was away --
+and then admitted, or held back if its weights are stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from miles_router.fleet import Fleet
+from miles_router.versions import as_version
+from miles_router.workers import Worker
+
+log = logging.getLogger(__name__)
+
+
+class ProbeFailed(Exception):
+    """A probe got no usable answer; the message says what happened."""
+
+
+def describe_error(exc: BaseException) -> str:
+    """``ConnectError: [Errno 111] Connection refused`` -- short and specific, for people."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class HealthMonitor:
+    def __init__(self, fleet: Fleet, client: httpx.AsyncClient, *, interval: float, timeout: float) -> None:
+        self.fleet = fleet
+        self.client = client
+        self.interval = interval
+        self.timeout = timeout
+
+    async def run(self) -> None:
+        """Probe every worker each ``interval`` seconds until cancelled."""
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.check_all()
+            except Exception:  # a bug here must not stop health checking for good
+                log.exception("health check round failed")
+
+    async def check_all(self) -> None:
+        workers = list(self.fleet)
+        probes = await asyncio.gather(*(self._probe_or_failure(worker) for worker in workers))
+        self.fleet.seed_version([p for p in probes if isinstance(p, str)])
+        await asyncio.gather(*(self._apply(w, p) for w, p in zip(workers, probes, strict=True)))
+
+    async def check(self, worker: Worker) -> None:
+        await self._apply(worker, await self._probe_or_failure(worker))
+
+    async def _probe_or_failure(self, worker: Worker) -> str | None | ProbeFailed:
+        """The worker's weight version (None: not reported), or why the probe failed."""
+        try:
+            return await self._probe(worker)
+        except ProbeFailed as exc:
+            return exc
+
+    async def _apply(self, worker: Worker, probe: str | None | ProbeFailed) -> None:
+        if isinstance(probe, ProbeFailed):
+            if worker in self.fleet:
+                self.fleet.record_failure(worker, str(probe))
+            return
+        version = probe
+        if worker not in self.fleet.reachable() and self.fleet.pause_known:
+            # Back from quarantine (or new): it missed the fan-outs meanwhile. Held back or not,
+            # from now on it gets every fan-out, so this is the one catch-up it needs.
+            try:
+                await self._sync_pause(worker)
+            except ProbeFailed as exc:
+                self.fleet.record_failure(worker, f"could not bring it to the fleet's pause state: {exc}")
+                return
+        if self.fleet.record_alive(worker, version):
+            self.fleet.admit(worker)
+        log.info("worker %s admitted (weight_version %s)", worker.url, worker.weight_version)
+
+    async def _probe(self, worker: Worker) -> str | None:
+        health = await self._call("GET", worker, "/health")
+        if health.status_code != 200:
+            raise ProbeFailed(f"GET /health answered HTTP {health.status_code}")
+        info = await self._call("GET", worker, "/get_model_info")
+        if info.status_code == 404:  # an engine without the endpoint: versions are not checked
+            return None
+        if info.status_code != 200:
+            raise ProbeFailed(f"GET /get_model_info answered HTTP {info.status_code}")
+        try:
+            return as_version(info.json().get("weight_version"))
+        except (ValueError, AttributeError):
+            raise ProbeFailed("GET /get_model_info did not answer a JSON object") from None
+
+    async def _sync_pause(self, worker: Worker) -> None:
+        request = self.fleet.pause_request
+        if request is None:
+            response = await self._call("POST", worker, "/continue_generation", {})
+        else:
+            response = await self._call("POST", worker, "/pause_generation", request)
+        if response.status_code >= 400:
+            raise ProbeFailed(f"answered HTTP {response.status_code}: {response.text[:200]}")
+
+    async def _call(self, method: str, worker: Worker, path: str, body: dict | None = None) -> httpx.Response:
+        try:
+            return await self.client.request(method, worker.url + path, json=body, timeout=self.timeout)
+        except httpx.HTTPError as exc:
+            raise ProbeFailed(f"{method} {path}: {describe_error(exc)}") from None

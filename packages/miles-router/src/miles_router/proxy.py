@@ -1,0 +1,189 @@
+"""Sends one request to one engine, failing over to another when the engine did not answer.
+
+Failover happens only when the engine cannot have produced an answer the caller would miss: the
+connection was refused, reset or closed before the full response arrived, or the engine said 503.
+The request is then tried on the next worker (never one already tried) up to ``max_attempts``
+engines; after that, or when no worker serves, the router answers with an abort that says why
+(:mod:`miles_router.aborts`). A request that outlives ``request_timeout`` is not retried (the
+engine may still be working on it): it ends as an abort too. Engine answers of any other status
+are passed through unchanged -- a 400 would be a 400 on every engine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, NoReturn
+
+import httpx
+from miles_contracts import RouterRequest, RouterResponse
+from miles_contracts.wire.engine import ROUTING_KEY_HEADER
+
+from miles_router.aborts import GENERATE_PATH, abort_event, router_abort
+from miles_router.fleet import Fleet
+from miles_router.health import describe_error
+from miles_router.middleware import STATE_ATTEMPTS, STATE_QUERY, STATE_TRIED
+from miles_router.selection import LeastInFlight
+from miles_router.versions import as_version
+from miles_router.workers import Worker
+
+log = logging.getLogger(__name__)
+
+WORKER_HEADER = "X-Miles-Worker"
+ATTEMPTS_HEADER = "X-Miles-Attempts"
+
+# The engine is gone or never got the request: safe to send it elsewhere.
+_FAILOVER_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError,
+                    httpx.WriteTimeout, httpx.RemoteProtocolError, httpx.CloseError)
+_HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
+               "trailer", "upgrade", "proxy-authorization", "proxy-authenticate", "accept-encoding"}
+
+
+class _Retry(Exception):
+    """This attempt failed before the engine answered; try another worker."""
+
+
+class Forwarder:
+    def __init__(self, fleet: Fleet, policy: LeastInFlight, client: httpx.AsyncClient, *,
+                 max_attempts: int, request_timeout: float, connect_timeout: float) -> None:
+        self.fleet = fleet
+        self.policy = policy
+        self.client = client
+        self.max_attempts = max_attempts
+        self.timeout = httpx.Timeout(request_timeout, connect=connect_timeout, pool=None)
+
+    async def forward(self, request: RouterRequest) -> RouterResponse:
+        tried: list[str] = []
+        failures: list[str] = []
+        request.state[STATE_TRIED] = tried
+        while len(tried) < self.max_attempts:
+            worker = self.policy.choose(self.fleet.serving(), request.routing_key, exclude=tried)
+            if worker is None:
+                break
+            tried.append(worker.url)
+            request.state[STATE_ATTEMPTS] = len(tried)
+            try:
+                response = await self._attempt(worker, request)
+            except _Retry as exc:
+                failures.append(f"{worker.url}: {exc}")
+                log.warning("%s %s failed on %s (%s); failing over", request.method, request.path, worker.url, exc)
+                continue
+            response.headers[ATTEMPTS_HEADER] = str(len(tried))
+            return response
+        request.state[STATE_ATTEMPTS] = len(tried)
+        if failures:
+            return router_abort(request, "attempts_exhausted",
+                                f"no engine answered after {len(tried)} attempt(s): " + "; ".join(failures))
+        return router_abort(request, "no_worker", self._no_worker_reason())
+
+    def _no_worker_reason(self) -> str:
+        if not len(self.fleet):
+            return "no engine is registered with the router (add one with POST /add_worker?url=...)"
+        states = ", ".join(f"{w.url} {w.state.value}" + (f" ({w.reason})" if w.reason else "") for w in self.fleet)
+        return f"no healthy engine to serve the request: {states}"
+
+    async def _attempt(self, worker: Worker, request: RouterRequest) -> RouterResponse:
+        worker.in_flight += 1
+        worker.dispatched += 1
+        handed_to_stream = False
+        try:
+            outgoing = self.client.build_request(
+                request.method, worker.url + request.path, params=request.state.get(STATE_QUERY) or None,
+                headers=_forwarded_headers(request), content=_payload(request.body), timeout=self.timeout,
+            )
+            try:
+                upstream = await self.client.send(outgoing, stream=True)
+            except _FAILOVER_ERRORS as exc:
+                self._connection_failed(worker, exc)
+            except httpx.TimeoutException as exc:
+                return self._timed_out(worker, request, exc)
+            if upstream.status_code == 503:
+                await upstream.aclose()
+                raise _Retry("engine answered HTTP 503 (unavailable)")
+            if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                handed_to_stream = True
+                return self._stream(worker, upstream)
+            try:
+                content = await upstream.aread()
+            except _FAILOVER_ERRORS as exc:
+                self._connection_failed(worker, exc)
+            except httpx.TimeoutException as exc:
+                return self._timed_out(worker, request, exc)
+            finally:
+                await upstream.aclose()
+        finally:
+            if not handed_to_stream:
+                worker.in_flight -= 1
+        self.fleet.record_success(worker)
+        body = _decode(content, upstream.headers.get("content-type", ""))
+        if request.path == GENERATE_PATH and upstream.status_code == 200:
+            self._observe_version(worker, body)
+        return RouterResponse(
+            status_code=upstream.status_code, body=body, worker_url=worker.url,
+            headers={"content-type": upstream.headers.get("content-type", "application/json"),
+                     WORKER_HEADER: worker.url},
+        )
+
+    def _connection_failed(self, worker: Worker, exc: Exception) -> NoReturn:
+        worker.failed_requests += 1
+        if worker in self.fleet:
+            self.fleet.record_failure(worker, describe_error(exc))
+        raise _Retry(describe_error(exc))
+
+    def _timed_out(self, worker: Worker, request: RouterRequest, exc: Exception) -> RouterResponse:
+        worker.failed_requests += 1
+        reason = (f"engine {worker.url} did not answer within {self.timeout.read:g}s ({describe_error(exc)}); "
+                  "not retried, it may still be running")
+        response = router_abort(request, "timeout", reason)
+        response.worker_url = worker.url
+        return response
+
+    def _stream(self, worker: Worker, upstream: httpx.Response) -> RouterResponse:
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            except _FAILOVER_ERRORS as exc:  # the engine died mid-stream: end it with an abort event
+                worker.failed_requests += 1
+                if worker in self.fleet:
+                    self.fleet.record_failure(worker, describe_error(exc))
+                yield abort_event(f"engine {worker.url} failed mid-stream: {describe_error(exc)}")
+            finally:
+                worker.in_flight -= 1
+                await upstream.aclose()
+
+        return RouterResponse(
+            status_code=upstream.status_code, body=relay(), worker_url=worker.url,
+            headers={"content-type": upstream.headers["content-type"], WORKER_HEADER: worker.url},
+        )
+
+    def _observe_version(self, worker: Worker, body: Any) -> None:
+        first = body[0] if isinstance(body, list) and body else body
+        meta = first.get("meta_info") if isinstance(first, dict) else None
+        if isinstance(meta, dict) and "weight_version" in meta and worker in self.fleet:
+            self.fleet.observe_version(worker, as_version(meta["weight_version"]))
+
+
+def _forwarded_headers(request: RouterRequest) -> dict[str, str]:
+    # The routing key and content type are re-set from the request (a middleware may change them).
+    replaced = _HOP_BY_HOP | {ROUTING_KEY_HEADER.lower(), "content-type"}
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in replaced}
+    if request.routing_key:
+        headers[ROUTING_KEY_HEADER] = request.routing_key
+    if request.body is not None:
+        headers["content-type"] = "application/json"
+    return headers
+
+
+def _payload(body: dict[str, Any] | None) -> bytes | None:
+    return None if body is None else json.dumps(body).encode()
+
+
+def _decode(content: bytes, content_type: str) -> Any:
+    if "json" in content_type:
+        try:
+            return json.loads(content)
+        except ValueError:
+            pass
+    return content

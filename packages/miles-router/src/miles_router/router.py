@@ -1,0 +1,137 @@
+"""`Router`: the fleet, health checks, forwarding, fan-out and the middleware chain, without HTTP
+serving (``miles_router.app`` puts FastAPI in front of it)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+from miles.sections import RouterSection
+from miles_contracts import RouterRequest, RouterResponse
+
+from miles_router.fanout import FANOUT_PATHS, Broadcaster
+from miles_router.fleet import Fleet
+from miles_router.health import HealthMonitor
+from miles_router.middleware import NamedMiddleware, compose
+from miles_router.proxy import Forwarder
+from miles_router.selection import AffinityTable, LeastInFlight
+from miles_router.workers import Worker, normalize_worker_url
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT = 5.0  # a dead host must fail over quickly, whatever the request timeout
+
+
+class Router:
+    """Routes engine-protocol requests over a fleet of workers.
+
+    ``await router.start()`` probes the initial workers once (so it routes from the first request)
+    and starts the health loop; ``await router.close()`` stops it.
+    """
+
+    def __init__(self, section: RouterSection, workers: Sequence[str] = (),
+                 middlewares: Sequence[NamedMiddleware] = ()) -> None:
+        self.section = section
+        self.fleet = Fleet(failure_threshold=section.failure_threshold,
+                           check_weight_version=section.check_weight_version)
+        for url in workers:
+            self.fleet.add(url)
+        self.policy = LeastInFlight(AffinityTable(section.affinity_capacity))
+        self.middlewares = list(middlewares)
+        self._chain = compose(self.middlewares, self._dispatch)
+        self._client: httpx.AsyncClient | None = None
+        self._health_task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        # Keep-alive shorter than uvicorn's 5 s so an engine never closes a connection we reuse.
+        self._client = httpx.AsyncClient(limits=httpx.Limits(max_connections=4096, max_keepalive_connections=1024,
+                                                             keepalive_expiry=2.0))
+        timeouts = {"connect_timeout": min(CONNECT_TIMEOUT, self.section.request_timeout)}
+        self.monitor = HealthMonitor(self.fleet, self._client, interval=self.section.health_interval,
+                                     timeout=self.section.health_timeout)
+        self.forwarder = Forwarder(self.fleet, self.policy, self._client, max_attempts=self.section.max_attempts,
+                                   request_timeout=self.section.request_timeout, **timeouts)
+        self.broadcaster = Broadcaster(self.fleet, self._client, request_timeout=self.section.request_timeout,
+                                       probe_timeout=self.section.health_timeout, **timeouts)
+        await self.monitor.check_all()
+        self._health_task = asyncio.create_task(self.monitor.run(), name="miles-router-health")
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self._client is not None:
+            await self._client.aclose()
+
+    # ------------------------------------------------------------------ requests
+
+    async def handle(self, request: RouterRequest) -> RouterResponse:
+        """Run ``request`` through the middleware chain to an engine (or to every engine)."""
+        return await self._chain(request)
+
+    async def _dispatch(self, request: RouterRequest) -> RouterResponse:
+        if request.path in FANOUT_PATHS:
+            return await self.broadcaster.broadcast(request)
+        return await self.forwarder.forward(request)
+
+    # ------------------------------------------------------------------ workers
+
+    async def add_worker(self, url: str) -> tuple[Worker, bool]:
+        """Register ``url`` and probe it at once; returns the worker and whether it is new.
+
+        An engine that does not answer yet stays ``pending`` and joins when it does.
+        """
+        worker, added = self.fleet.add(url)
+        if added:
+            log.info("worker %s added", worker.url)
+            await self.monitor.check(worker)
+        return worker, added
+
+    def remove_worker(self, url: str) -> Worker:
+        worker = self.fleet.remove(normalize_worker_url(url))
+        log.info("worker %s removed (%d requests still in flight finish there)", worker.url, worker.in_flight)
+        return worker
+
+    def list_workers(self) -> dict[str, Any]:
+        workers = [w.describe() for w in self.fleet]
+        return {"workers": workers, "urls": [w["url"] for w in workers], **self.fleet.describe()}
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        serving = len(self.fleet.serving())
+        body: dict[str, Any] = {"status": "ok" if serving else "unavailable", "healthy_workers": serving,
+                                "workers": len(self.fleet), **self.fleet.describe()}
+        if not serving:
+            body["message"] = (f"no healthy worker among {len(self.fleet)}: {self.fleet.counts()}" if len(self.fleet)
+                               else "no worker is registered; add one with POST /add_worker?url=...")
+        return bool(serving), body
+
+    def metrics(self) -> dict[str, Any]:
+        gauges = {"in_flight": sum(w.in_flight for w in self.fleet), "affinity_keys": len(self.policy.affinity),
+                  **self.fleet.describe(),
+                  "workers": {w.url: {"state": w.state.value, "in_flight": w.in_flight, "dispatched": w.dispatched,
+                                      "failed_requests": w.failed_requests, "weight_version": w.weight_version}
+                              for w in self.fleet}}
+        snapshot: dict[str, Any] = {"router": gauges}
+        for link in self.middlewares:
+            report = getattr(link.middleware, "snapshot", None)
+            if callable(report):
+                snapshot[link.name] = report()
+        return snapshot
+
+    def prometheus(self) -> str:
+        lines = ["# TYPE miles_router_worker_in_flight gauge"]
+        lines += [f'miles_router_worker_in_flight{{worker="{w.url}"}} {w.in_flight}' for w in self.fleet]
+        lines.append("# TYPE miles_router_worker_healthy gauge")
+        lines += [f'miles_router_worker_healthy{{worker="{w.url}"}} {int(w.serving)}' for w in self.fleet]
+        for link in self.middlewares:
+            render = getattr(link.middleware, "prometheus", None)
+            if callable(render):
+                lines.append(render().rstrip("\n"))
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,114 @@
+"""Running the router: as a process (:func:`router_command` gives its argv), in the foreground
+(:func:`serve`), or on a background thread of this process (:class:`RouterServer`)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from miles.sections import RouterSection
+
+from miles_router.middleware import NamedMiddleware
+
+
+def router_command(workers: Sequence[str], *, port: int, host: str = "127.0.0.1",
+                   section: RouterSection | None = None, python: str | None = None) -> list[str]:
+    """argv of a process serving the router on ``host:port`` in front of ``workers``.
+
+    It runs ``python -m miles_router`` (``miles serve router`` without the rest of the CLI); every
+    setting of ``section`` is spelled out, so the process needs no config file.
+    """
+    section = section or RouterSection()
+    argv = [python or sys.executable, "-m", "miles_router", "--host", host, "--port", str(port)]
+    for url in workers:
+        argv += ["--worker", url]
+    for name in section.middlewares:
+        argv += ["--middleware", name]
+    if section.middleware_options:
+        import json
+
+        argv += ["--middleware-options", json.dumps(section.middleware_options)]
+    argv += [
+        "--health-interval", repr(section.health_interval),
+        "--failure-threshold", str(section.failure_threshold),
+        "--health-timeout", repr(section.health_timeout),
+        "--request-timeout", repr(section.request_timeout),
+        "--max-attempts", str(section.max_attempts),
+        "--affinity-capacity", str(section.affinity_capacity),
+    ]
+    if not section.check_weight_version:
+        argv.append("--no-weight-version-check")
+    return argv
+
+
+def serve(workers: Sequence[str], *, port: int, host: str = "127.0.0.1", section: RouterSection | None = None,
+          log_level: str = "info") -> None:
+    """Serve the router until interrupted (what ``miles serve router`` runs)."""
+    import uvicorn
+
+    from miles_router.app import create_app
+
+    app = create_app(section, workers)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5)
+
+
+class RouterServer:
+    """The router on a background thread of this process, for notebooks and tests::
+
+        with RouterServer(["http://127.0.0.1:30001"], port=0) as router:
+            httpx.post(router.url + "/generate", json=...)
+
+    ``port=0`` picks a free port. ``router.router`` is the live :class:`~miles_router.router.Router`.
+    """
+
+    def __init__(self, workers: Sequence[str] = (), *, port: int = 0, host: str = "127.0.0.1",
+                 section: RouterSection | None = None, middlewares: Sequence[NamedMiddleware] | None = None,
+                 log_level: str = "warning") -> None:
+        import uvicorn
+
+        from miles_router.app import create_app
+
+        self.app = create_app(section, workers, middlewares)
+        self.router = self.app.state.router
+        self._server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
+                                                     timeout_keep_alive=5))
+        self._thread = threading.Thread(target=self._run, name="miles-router", daemon=True)
+        self.host = host
+        self.port = port
+        self._error: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._server.serve())
+        except BaseException as exc:  # reported to the starting thread
+            self._error = exc
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> RouterServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"router failed to start on {self.host}:{self.port}: {self._error!r}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"router did not start on {self.host}:{self.port} within {timeout}s")
+            time.sleep(0.02)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> RouterServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,40 @@
+"""``miles serve router`` as a real process, started from :func:`miles_router.router_command`
+(what the RL loop's local executor runs). The engine behind it is a stand-in on a thread of the
+test process (router_support.StandinEngine); real engines are in test_reliability.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from miles.cli.main import main
+from miles.sections import RouterSection
+from miles_router import router_command
+from router_support import ManagedProcess, StandinEngine, free_port
+
+
+def test_serve_router_process_routes_and_reports_metrics(engines: list[StandinEngine], tmp_path: Path) -> None:
+    port = free_port()
+    section = RouterSection(middlewares=["metrics"], health_interval=0.2)
+    argv = router_command([engines[0].url], port=port, section=section)
+    with ManagedProcess(argv, tmp_path / "router.log") as router:
+        url = f"http://127.0.0.1:{port}"
+        router.wait_healthy(url, timeout=60)
+        assert httpx.post(url + "/add_worker", params={"url": engines[1].url}).json()["added"] is True
+        answers = [httpx.post(url + "/generate", json={"input_ids": [1, 2]}) for _ in range(4)]
+        assert {a.headers["x-miles-worker"] for a in answers} == {e.url for e in engines}
+        metrics = httpx.get(url + "/metrics").json()
+        assert metrics["metrics"]["total"]["requests"] == 4
+    assert router.process.returncode is not None
+
+
+def test_serve_router_rejects_bad_arguments_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
+    cases = [
+        (["--worker", "localhost:1"], "--worker: worker URL 'localhost:1' must start with http://"),
+        (["--failure-threshold", "0"], "router.failure_threshold: Input should be greater than or equal to 1"),
+        (["--middleware", "metrix"], "unknown router middleware 'metrix'"),
+    ]
+    for extra, says in cases:  # the CLI's own entry point, in this process: nothing gets to listen
+        assert main(["serve", "router", "--port", str(free_port()), *extra]) == 2
+        assert says in capsys.readouterr().err

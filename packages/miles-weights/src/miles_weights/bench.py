@@ -1,0 +1,177 @@
+"""``miles bench weights``: GB/s of a full weight sync trainer -> engine, for each transport and
+device, against the memory-copy limit measured in the same run on the same byte count.
+
+::
+
+    miles bench weights                                   # SmolLM2-135M; CPU, plus CUDA when present
+    miles bench weights --devices cuda --random-model 8b  # a random 7.5 B Llama on the GPU(s)
+
+The trainer is this process: it holds the model's tensors (fp32 on CPU, bf16 on CUDA) and pushes
+them with each registered transport into ``embedded`` engines started as child processes. The first
+push of each transport runs in check mode (engine weights filled with noise, then restored
+bit-exactly), then one warm-up push and ``--repeats`` timed pushes. A push is the whole sync: pause,
+every bucket, flush, version bump, continue. Baselines: ``memcpy`` (CPU to CPU), ``device_copy``
+(one GPU to itself), ``p2p_copy`` (GPU 0 to GPU 1). On CUDA, disk and shared_memory (CUDA IPC) use
+an engine on the trainer's GPU; broadcast (NCCL) needs the engine on a second GPU, because NCCL
+refuses two ranks on one device, and is skipped with a note when there is only one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+from itertools import count
+from pathlib import Path
+from typing import Any
+
+TRANSPORTS = ("disk", "shared_memory", "broadcast")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="catalog name or model folder")
+    p.add_argument("--random-model", choices=("1b", "8b"), help="instead: a random-weight Llama of this size (built once)")
+    p.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated registered transports")
+    p.add_argument("--devices", default=None, help="cpu and/or cuda, comma-separated (default: cpu, and cuda when present)")
+    p.add_argument("--bucket-mb", type=int, default=512, help="weights.bucket_mb")
+    p.add_argument("--repeats", type=int, default=5, help="timed pushes per transport")
+    p.add_argument("--work-dir", type=Path, default=None, help="engine logs and disk-transport files (default: a temp dir)")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON to this file")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from miles_models import resolve_model
+
+    if args.repeats < 1 or args.bucket_mb < 1:
+        raise SystemExit("--repeats and --bucket-mb must be at least 1")
+    devices = (args.devices or ("cpu,cuda" if torch.cuda.is_available() else "cpu")).split(",")
+    unknown = [d for d in devices if d not in ("cpu", "cuda")]
+    if unknown or ("cuda" in devices and not torch.cuda.is_available()):
+        raise SystemExit(f"--devices takes cpu and/or cuda (cuda needs a GPU); got {args.devices!r}")
+    transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="miles-bench-weights-"))
+    model_dir = Path(resolve_model(args.model, auto_pull=True))
+    if args.random_model:
+        from miles_models import miles_home
+
+        from miles_weights.bench_models import random_llama
+
+        model_dir = random_llama(args.random_model, model_dir, miles_home() / "bench")
+    result: dict[str, Any] = {
+        "benchmark": "weights",
+        "command": shlex.join(["miles", *sys.argv[1:]]),
+        "model": str(model_dir),
+        "bucket_mb": args.bucket_mb,
+        "repeats": args.repeats,
+        "host": {"cpus": os.cpu_count(), "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]},
+        "runs": [],
+    }
+    versions = count(1)
+    for device in devices:
+        result["runs"].append(_bench_device(device, transports, model_dir, work_dir / device, args, versions))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    failed = any("error" in t for r in result["runs"] for t in r["transports"].values())
+    return 1 if failed else 0
+
+
+def _visible_gpus() -> list[str]:
+    import torch
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else [str(i) for i in range(torch.cuda.device_count())]
+    return ids[: torch.cuda.device_count()]
+
+
+def _bench_device(device: str, transports: list[str], model_dir: Path, work_dir: Path,
+                  args: argparse.Namespace, versions: count) -> dict[str, Any]:
+    import torch
+
+    from miles_weights.bench_baselines import copy_gbps
+    from miles_weights.bench_models import load_tensors
+    from miles_weights.launch import EngineLaunch, running_engines
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    trainer = "cpu" if device == "cpu" else "cuda:0"
+    tensors = load_tensors(model_dir, dtype, trainer)
+    num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    dtype_name = str(dtype).removeprefix("torch.")
+    gpus = _visible_gpus() if device == "cuda" else []
+    small_kv = {"kv_cache_gb": 1.0}  # the engines only load weights here; leave the GPU memory to them
+    if device == "cpu":
+        baselines = {"memcpy": copy_gbps(num_bytes, "cpu", "cpu")}
+        launches = [EngineLaunch("cpu", dtype_name, options=small_kv)]
+    else:
+        baselines = {"device_copy": copy_gbps(num_bytes, "cuda:0", "cuda:0")}
+        launches = [EngineLaunch("cuda", dtype_name, {"CUDA_VISIBLE_DEVICES": gpus[0]}, small_kv)]
+        if len(gpus) > 1:
+            baselines["p2p_copy"] = copy_gbps(num_bytes, "cuda:0", "cuda:1")
+            if "broadcast" in transports:
+                launches.append(EngineLaunch("cuda", dtype_name, {"CUDA_VISIBLE_DEVICES": gpus[1]}, small_kv))
+    out: dict[str, Any] = {"device": device, "dtype": dtype_name, "num_tensors": len(tensors), "num_bytes": num_bytes,
+                           "baselines_gbps": baselines, "transports": {}}
+    work_dir.mkdir(parents=True, exist_ok=True)
+    with running_engines(model_dir, launches, work_dir) as engines:
+        urls = engines.urls
+        for name in transports:
+            if device == "cuda" and name == "broadcast":
+                if len(urls) < 2:
+                    out["transports"][name] = {"skipped": "NCCL needs the engine on a second GPU (two ranks on one "
+                                                          "device are refused); run on a machine with 2 GPUs"}
+                    continue
+                target, baseline = urls[1], "p2p_copy"
+            else:
+                target, baseline = urls[0], "memcpy" if device == "cpu" else "device_copy"
+            try:
+                measured = _measure(name, target, tensors, work_dir, args, versions)
+            except Exception as exc:  # one transport failing must not hide the others' numbers
+                out["transports"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+                continue
+            measured["baseline"] = baseline
+            measured["ratio_to_baseline"] = measured["gbps_best"] / baselines[baseline]
+            out["transports"][name] = measured
+    return out
+
+
+def _measure(name: str, target: str, tensors: list, work_dir: Path, args: argparse.Namespace,
+             versions: count) -> dict[str, Any]:
+    from miles.config import MilesConfig
+    from miles.kernel import Kernel
+    from miles.sections import WeightsSection
+
+    from miles_weights.settings import WeightTransportSection
+
+    factory = Kernel.load().weight_transports().get(name)
+    extra = {"weight_transport": WeightTransportSection(disk_dir=work_dir / "disk")}
+
+    def config(check: bool) -> MilesConfig:
+        return MilesConfig(weights=WeightsSection(transport=name, bucket_mb=args.bucket_mb, check=check), extra=extra)
+
+    checker = factory(config(check=True))
+    try:
+        checker.push(iter(tensors), targets=[target], version=next(versions))  # raises unless bit-exact
+    finally:
+        checker.close()
+    transport = factory(config(check=False))
+    try:
+        transport.push(iter(tensors), targets=[target], version=next(versions))  # warm-up
+        reports = [transport.push(iter(tensors), targets=[target], version=next(versions)) for _ in range(args.repeats)]
+    finally:
+        transport.close()
+    rates = [r.gbps for r in reports]
+    return {
+        "gbps_best": max(rates),
+        "gbps_median": statistics.median(rates),
+        "seconds_median": statistics.median(r.seconds for r in reports),
+        "paused_seconds_median": statistics.median(r.paused_seconds for r in reports),
+        "num_buckets": reports[0].num_buckets,
+        "check": "bit-exact",
+    }

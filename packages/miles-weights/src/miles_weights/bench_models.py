@@ -1,0 +1,110 @@
+"""Models for ``miles bench weights``: the trainer's tensors of a model folder, and larger
+random-weight Llama models built once from SmolLM2's config and tokenizer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaShape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+
+
+RANDOM_MODELS = {
+    "1b": LlamaShape(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8),   # ~1.1 B params
+    "8b": LlamaShape(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8),  # ~7.5 B params
+}
+_SHARD_BYTES = 2 << 30
+
+
+def load_tensors(model_dir: Path, dtype: torch.dtype, device: str) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of the folder's safetensors files, as HF names, in ``dtype`` on ``device``."""
+    from safetensors import safe_open
+
+    out = []
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                out.append((name, handle.get_tensor(name).to(dtype=dtype, device=device).contiguous()))
+    if not out:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    return out
+
+
+def _llama_tensors(shape: LlamaShape, vocab: int) -> list[tuple[str, list[int]]]:
+    head_dim = shape.hidden // shape.heads
+    kv = shape.kv_heads * head_dim
+    names: list[tuple[str, list[int]]] = [("model.embed_tokens.weight", [vocab, shape.hidden])]
+    for i in range(shape.layers):
+        p = f"model.layers.{i}"
+        names += [
+            (f"{p}.input_layernorm.weight", [shape.hidden]),
+            (f"{p}.self_attn.q_proj.weight", [shape.hidden, shape.hidden]),
+            (f"{p}.self_attn.k_proj.weight", [kv, shape.hidden]),
+            (f"{p}.self_attn.v_proj.weight", [kv, shape.hidden]),
+            (f"{p}.self_attn.o_proj.weight", [shape.hidden, shape.hidden]),
+            (f"{p}.post_attention_layernorm.weight", [shape.hidden]),
+            (f"{p}.mlp.gate_proj.weight", [shape.intermediate, shape.hidden]),
+            (f"{p}.mlp.up_proj.weight", [shape.intermediate, shape.hidden]),
+            (f"{p}.mlp.down_proj.weight", [shape.hidden, shape.intermediate]),
+        ]
+    return names + [("model.norm.weight", [shape.hidden])]
+
+
+def random_llama(size: str, base_dir: Path, cache_dir: Path, *, seed: int = 0) -> Path:
+    """A Llama of ``size`` (see :data:`RANDOM_MODELS`) with random bf16 weights and the tokenizer
+    of ``base_dir``; written once under ``cache_dir`` and reused."""
+    import torch
+    from safetensors.torch import save_file
+
+    shape = RANDOM_MODELS[size]
+    final = cache_dir / f"random-llama-{size}-s{seed}"
+    if (final / "model.safetensors.index.json").is_file():
+        return final
+    partial = cache_dir / f".{final.name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    config = json.loads((base_dir / "config.json").read_text())
+    config.update(hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
+                  num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                  head_dim=shape.hidden // shape.heads, dtype="bfloat16")
+    (partial / "config.json").write_text(json.dumps(config, indent=2))
+    for extra in base_dir.iterdir():
+        if extra.suffix != ".safetensors" and extra.name not in ("config.json", "miles-model.json") and extra.is_file():
+            shutil.copy2(extra, partial / extra.name)
+    generator = torch.Generator().manual_seed(seed)
+    weight_map, shard, shard_bytes, index = {}, {}, 0, 1
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes, index
+        file = f"model-{index:05d}.safetensors"
+        save_file(shard, str(partial / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+        shard, shard_bytes, index = {}, 0, index + 1
+
+    for name, dims in _llama_tensors(shape, int(config["vocab_size"])):
+        if name.endswith("norm.weight"):
+            tensor = torch.ones(dims, dtype=torch.bfloat16)
+        else:
+            tensor = (torch.randn(dims, generator=generator) * 0.02).to(torch.bfloat16)
+        shard[name] = tensor
+        shard_bytes += tensor.numel() * 2
+        if shard_bytes >= _SHARD_BYTES:
+            flush()
+    if shard:
+        flush()
+    (partial / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    partial.rename(final)
+    return final

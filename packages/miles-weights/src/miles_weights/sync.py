@@ -1,0 +1,197 @@
+"""The life of one weight sync, shared by every transport in this package.
+
+::
+
+    stage buckets (disk: write safetensors)           engines still generate
+    pause_generation(mode)                            -- engines stop here --
+    [check mode, first sync of an engine: fill_weights_noise, remember its checksums]
+    deliver buckets (disk: one load; shared memory: one call per bucket; broadcast: one collective per tensor)
+    flush_cache                                       KV computed with old weights is void
+    [check mode: every sent tensor's checksum equals the trainer's; nothing left as noise]
+    update_weight_version(version)                    only once every bucket landed
+    continue_generation                               -- engines resume --
+
+Buckets are sent with ``flush_cache: false`` and without ``weight_version``; the cache is flushed
+once after the last one. Generation is paused throughout, so nothing reads a half-updated model,
+and the version is set only after every bucket landed: no generated token carries a version whose
+weights its engine does not fully hold. When a step fails, the engines stay paused (see
+:class:`~miles_weights.errors.WeightSyncError`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from miles_contracts.weights import TransferReport, WeightBucket, bucketize
+
+from miles_weights.checksums import TensorTally, compare_checksums
+from miles_weights.engines import EngineCalls, normalize_targets
+from miles_weights.errors import WeightCheckError
+
+if TYPE_CHECKING:
+    import torch
+    from miles.config import MilesConfig
+
+_MB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class TransportOptions:
+    """What every transport of this package is tuned by (from ``weights`` and ``weight_transport``).
+
+    :ivar bucket_mb: bytes per bucket, in MiB; a larger tensor travels alone.
+    :ivar check: fill engine weights with noise before their first sync and verify every sync.
+    :ivar pause_mode: ``abort`` | ``retract`` | ``in_place``, sent to ``/pause_generation``.
+    :ivar http_timeout: seconds one engine call may take.
+    :ivar check_seed: seed of the noise fill.
+    """
+
+    bucket_mb: int = 512
+    check: bool = False
+    pause_mode: str = "abort"
+    http_timeout: float = 600.0
+    check_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.bucket_mb < 1:
+            raise ValueError(f"bucket_mb must be at least 1, got {self.bucket_mb}")
+        if self.pause_mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause_mode must be abort, retract or in_place, got {self.pause_mode!r}")
+        if self.http_timeout <= 0:
+            raise ValueError(f"http_timeout must be positive, got {self.http_timeout}")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return self.bucket_mb * _MB
+
+    @classmethod
+    def from_config(cls, config: MilesConfig) -> TransportOptions:
+        from miles_weights.settings import WeightTransportSection
+
+        extra = config.section("weight_transport", WeightTransportSection)
+        return cls(bucket_mb=config.weights.bucket_mb, check=config.weights.check, pause_mode=extra.pause_mode,
+                   http_timeout=extra.http_timeout, check_seed=extra.check_seed)
+
+
+def describe_bucket(index: int, bucket: WeightBucket) -> str:
+    """``bucket 3 (12 tensors, 40.0 MB: first.name .. last.name)`` for error messages."""
+    names = bucket.names
+    span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+    return f"bucket {index} ({len(names)} tensors, {bucket.nbytes / 1e6:.1f} MB: {span})"
+
+
+class BucketedTransport(ABC):
+    """A :class:`miles_contracts.WeightTransport` that sends buckets between pause and continue.
+
+    Subclasses say how buckets reach the engines (:meth:`_deliver`) and, optionally, what to
+    prepare before the engines pause (:meth:`_staged`).
+    """
+
+    name: str = "?"
+
+    def __init__(self, options: TransportOptions | None = None) -> None:
+        self.options = options or TransportOptions()
+        self._calls = EngineCalls(timeout=self.options.http_timeout)
+        self._noise: dict[str, dict[str, str]] = {}  # engine -> its checksums right after the noise fill
+        self._closed = False
+
+    # ------------------------------------------------------------------ the protocol
+
+    def push(self, tensors: Iterable[tuple[str, torch.Tensor]], *, targets: Sequence[str] | str,
+             version: int) -> TransferReport:
+        """Deliver ``tensors`` (HF names) to every engine in ``targets``, then set their
+        ``weight_version`` to ``version``. Returns what moved and how long it took; raises
+        :class:`~miles_weights.errors.WeightSyncError` naming the engine and step that failed."""
+        if self._closed:
+            raise RuntimeError(f"the {self.name} weight transport was closed; create a new one")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be a non-negative int, got {version!r}")
+        urls = normalize_targets(targets)
+        self._check_targets(urls)
+        tally = TensorTally(_non_empty(tensors), checksums=self.options.check)
+        buckets = bucketize(tally, self.options.bucket_bytes)
+        start = time.perf_counter()
+        with self._staged(buckets, version) as staged:
+            paused = time.perf_counter()
+            self._calls.post_all(urls, "/pause_generation", {"mode": self.options.pause_mode},
+                                 step=f"version {version}: pause generation")
+            if self.options.check:
+                self._fill_noise([url for url in urls if url not in self._noise], version)
+            num_buckets = self._deliver(staged, urls, version)
+            self._calls.post_all(urls, "/flush_cache", step=f"version {version}: flush cache")
+            if self.options.check:
+                self._verify(urls, tally.checksums, version)
+            self._calls.post_all(urls, "/update_weight_version", {"new_version": str(version)},
+                                 step=f"version {version}: update weight version")
+            self._calls.post_all(urls, "/continue_generation", {}, step=f"version {version}: continue generation")
+            resumed = time.perf_counter()
+        end = time.perf_counter()  # after the staged files are cleaned up
+        return TransferReport(version=version, num_tensors=tally.count, num_bytes=tally.nbytes, seconds=end - start,
+                              num_buckets=num_buckets, paused_seconds=resumed - paused)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._calls.close()
+
+    def __enter__(self) -> BucketedTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ what subclasses decide
+
+    def _check_targets(self, urls: list[str]) -> None:
+        """Reject targets this transport cannot reach (before anything is paused); all are fine by default."""
+        return None
+
+    def _staged(self, buckets: Iterator[WeightBucket], version: int) -> AbstractContextManager[Any]:
+        """Prepare buckets while engines still generate; the default streams them lazily."""
+        return nullcontext(buckets)
+
+    @abstractmethod
+    def _deliver(self, staged: Any, urls: list[str], version: int) -> int:
+        """Move every bucket into every engine (generation is paused); return the bucket count."""
+
+    # ------------------------------------------------------------------ check mode
+
+    def _fill_noise(self, urls: list[str], version: int) -> None:
+        if not urls:
+            return
+        self._calls.post_all(urls, "/fill_weights_noise", {"seed": self.options.check_seed},
+                             step=f"version {version}: check mode, fill weights with noise")
+        answers = self._calls.get_all(urls, "/weights_checksum", step=f"version {version}: check mode, checksums after noise")
+        for url, answer in answers.items():
+            self._noise[url] = dict(answer.get("checksums") or {})
+
+    def _verify(self, urls: list[str], sent: dict[str, str], version: int) -> None:
+        answers = self._calls.get_all(urls, "/weights_checksum", step=f"version {version}: check mode, checksums after sync")
+        mismatches: dict[str, list[str]] = {}
+        lines = []
+        for url, answer in answers.items():
+            diff = compare_checksums(sent, answer.get("checksums") or {}, self._noise.get(url))
+            if not diff.ok:
+                mismatches[url] = diff.names
+                lines.append(f"  - engine {url}: {diff.describe()}")
+        if mismatches:
+            raise WeightCheckError(
+                f"check mode: the {self.name} sync of version {version} is not bit-exact on {len(mismatches)} "
+                f"engine(s) (engines stay paused):\n" + "\n".join(lines)
+                + "\n(a trainer dtype other than the engine's also breaks bit-exactness: send the engine's dtype)",
+                mismatches,
+            )
+
+
+def _non_empty(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    iterator = iter(tensors)
+    first = next(iterator, None)
+    if first is None:
+        raise ValueError("push got no tensors: pass the model's (hf_name, tensor) pairs")
+    return itertools.chain([first], iterator)
