@@ -6,7 +6,7 @@ assembled from records without re-tokenizing any text. A turn that a client retr
 ``rolled_back=True`` (never lost) and left out of the trajectory.
 
 ``POST /sessions``              :class:`CreateSessionRequest` -> :class:`CreateSessionResponse`
-``GET /sessions/{id}``          -> :class:`SessionView`
+``GET /sessions/{id}``          -> :class:`SessionView` (records, and the trajectory they assemble to)
 ``DELETE /sessions/{id}``       -> :class:`SessionView` (the final state)
 """
 
@@ -86,6 +86,25 @@ class RequestFailure(_Response):
     message: str
 
 
+class TrajectoryView(_Response):
+    """The active records assembled into one trajectory (what the agentic generator trains on).
+
+    :ivar tokens: ``[prompt_length + response_length]`` the whole conversation.
+    :ivar loss_mask: ``[response_length]`` 1 on ids a turn sampled, 0 on everything else.
+    :ivar rollout_logprobs: ``[response_length]`` the engine's log-prob of each sampled id, 0.0 elsewhere.
+    :ivar weight_versions: one per turn.
+    """
+
+    tokens: list[int]
+    prompt_length: int
+    response_length: int
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
+    weight_versions: list[int]
+    status: str
+    exit_reason: str | None = None
+
+
 class SessionView(_Response):
     """A session's state.
 
@@ -93,6 +112,8 @@ class SessionView(_Response):
     :ivar records: every turn, in order (rolled-back ones included and marked).
     :ivar failures: requests that produced no turn.
     :ivar max_trim_tokens: the chat family's limit, needed to assemble the records.
+    :ivar trajectory: the active records assembled (None before the first turn).
+    :ivar trajectory_error: why the records could not be assembled, if they could not.
     """
 
     session_id: str
@@ -105,6 +126,8 @@ class SessionView(_Response):
     failures: list[RequestFailure] = Field(default_factory=list)
     max_trim_tokens: int = 0
     closed: bool = False
+    trajectory: TrajectoryView | None = None
+    trajectory_error: str | None = None
 
     @property
     def active_records(self) -> list[TurnRecord]:

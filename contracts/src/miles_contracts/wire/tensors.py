@@ -109,8 +109,9 @@ def read_shm_bucket(bucket: ShmBucket) -> list[tuple[str, torch.Tensor]]:
 def serialize_cuda_ipc(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     """base64 of a ForkingPickler pickle of ``[(name, cuda_tensor)]`` (CUDA IPC handles)."""
     import io
+    from multiprocessing.reduction import ForkingPickler
 
-    from torch.multiprocessing.reductions import ForkingPickler
+    import torch.multiprocessing  # noqa: F401  (registers torch's CUDA IPC reductions with ForkingPickler)
 
     buffer = io.BytesIO()
     ForkingPickler(buffer).dump([(n, t.detach()) for n, t in tensors])

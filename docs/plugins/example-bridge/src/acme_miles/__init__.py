@@ -1,0 +1,1 @@
+"""ACME's Miles plugin: the ``mistral`` model bridge and the ``concise`` reward."""

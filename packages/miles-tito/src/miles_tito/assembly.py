@@ -1,0 +1,126 @@
+"""Trajectory assembly: turn records -> one :class:`Sample` per turn -> one trajectory sample.
+
+A turn sample is what one engine call saw and produced: ``tokens = input_ids + output_ids``,
+``loss_mask = [1] * len(output_ids)``, the engine's log-probs, its weight version, and a status
+from its finish reason. Merging folds the turns of a conversation into a single sample whose
+``tokens`` are the whole conversation (the last turn's prompt plus its output); in its response:
+
+* tokens a turn sampled have ``loss_mask`` 1 and their rollout log-prob;
+* everything between turns (tool results, user messages, template tokens, the splice's closing
+  tokens) has ``loss_mask`` 0 and log-prob 0.0;
+* a turn's trailing sampled tokens that the next turn's prompt replaced (the family's
+  ``trim_trailing``) are dropped, at most ``max_trim_tokens`` per turn and never on the last turn.
+
+Every turn's prompt must be a prefix of the conversation (the token chain); otherwise the merge
+fails with :class:`AssemblyError` naming the turn and token position rather than guessing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from miles_contracts import ExitReason, Sample, Status
+from miles_contracts.wire.session import TurnRecord
+
+_FINISH = {
+    "stop": (Status.COMPLETED, ExitReason.STOP),
+    "tool_calls": (Status.COMPLETED, ExitReason.TOOL_CALLS),
+    "length": (Status.TRUNCATED, ExitReason.LENGTH),
+}
+
+
+class AssemblyError(ValueError):
+    """Records that cannot form one token-exact trajectory."""
+
+
+def turn_sample(record: TurnRecord) -> Sample:
+    """The sample of one engine call (``tokens = input_ids + output_ids``)."""
+    status, reason = _FINISH[record.finish_reason]
+    sample = Sample(
+        tokens=[*record.input_ids, *record.output_ids],
+        response_length=len(record.output_ids),
+        loss_mask=[1] * len(record.output_ids),
+        rollout_logprobs=list(record.output_logprobs),
+        weight_versions=[record.weight_version],
+        metadata={"turn": record.turn},
+    )
+    if record.format_error and status is Status.COMPLETED:
+        return sample.finish(status, ExitReason.FORMAT_ERROR, f"turn {record.turn}: {record.format_error}")
+    return sample.finish(status, reason)
+
+
+def turn_samples(records: Sequence[TurnRecord]) -> list[Sample]:
+    """One sample per turn that is part of the trajectory (rolled-back turns left out)."""
+    return [turn_sample(r) for r in records if not r.rolled_back]
+
+
+def merge_turns(turns: Sequence[Sample], *, max_trim_tokens: int, into: Sample | None = None) -> Sample:
+    """Merge per-turn samples (in order) into one trajectory sample.
+
+    :param turns: turn samples whose prompts chain (each a prefix of the last turn's tokens).
+    :param max_trim_tokens: the chat family's limit on trailing tokens a turn may lose.
+    :param into: sample to fill (prompt, label, ids and metadata are kept); a new one if None.
+    :returns: ``into`` with ``tokens [P + R]``, ``loss_mask [R]``, ``rollout_logprobs [R]``,
+        ``weight_versions [turns]``, status and exit reason set.
+    """
+    if not turns:
+        raise AssemblyError("no turns to merge: the conversation has no generated turn")
+    final = turns[-1].tokens
+    prompt_length = turns[0].prompt_length
+    loss_mask: list[int] = []
+    logprobs: list[float] = []
+    spans: list[list[int]] = []
+    trimmed: list[int] = []
+    cursor = prompt_length
+    for number, turn in enumerate(turns):
+        start = turn.prompt_length
+        if start < cursor:
+            raise AssemblyError(f"turn {number}: its prompt has {start} tokens but the turns before it already cover {cursor}")
+        if turn.tokens[:start] != final[:start]:
+            at = _common_prefix_length(turn.tokens[:start], final)
+            raise AssemblyError(
+                f"turn {number}: its prompt is not a prefix of the conversation: token {at} is {turn.tokens[at]} "
+                f"there but {final[at]} in the last turn"
+            )
+        output = turn.response_tokens
+        keep = _common_prefix_length(output, final[start:])
+        lost = len(output) - keep
+        if lost and (number == len(turns) - 1 or lost > max_trim_tokens):
+            raise AssemblyError(
+                f"turn {number}: {lost} of its sampled tokens are not in the conversation (from token {start + keep}); "
+                f"the chat family allows trimming {max_trim_tokens} trailing tokens of a turn that is not the last"
+            )
+        loss_mask += [0] * (start - cursor) + [1] * keep
+        logprobs += [0.0] * (start - cursor) + list(turn.rollout_logprobs[:keep])
+        spans.append([start - prompt_length, start - prompt_length + keep])
+        trimmed.append(lost)
+        cursor = start + keep
+
+    sample = into if into is not None else Sample()
+    sample.tokens = list(final)
+    sample.response_length = len(final) - prompt_length
+    sample.loss_mask = loss_mask
+    sample.rollout_logprobs = logprobs
+    sample.weight_versions = [v for t in turns for v in t.weight_versions]
+    last = turns[-1]
+    errors = [t.exit_detail for t in turns if t.exit_reason is ExitReason.FORMAT_ERROR]
+    if last.status is Status.COMPLETED and errors:
+        sample.finish(Status.COMPLETED, ExitReason.FORMAT_ERROR, "; ".join(e for e in errors if e))
+    else:
+        sample.finish(last.status, last.exit_reason, last.exit_detail)
+    sample.metadata["tito"] = {"turns": len(turns), "turn_spans": spans, "trimmed": trimmed, "format_errors": len(errors)}
+    return sample
+
+
+def assemble(records: Sequence[TurnRecord], *, max_trim_tokens: int, into: Sample | None = None) -> Sample:
+    """Records of one session -> its trajectory sample (see :func:`merge_turns`)."""
+    return merge_turns(turn_samples(records), max_trim_tokens=max_trim_tokens, into=into)
+
+
+def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+

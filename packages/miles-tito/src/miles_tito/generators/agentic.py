@@ -1,0 +1,157 @@
+"""The ``agentic`` generator: run a user's agent against a session, keep its exact tokens.
+
+Per sample: open a session on the session server, call the registered agent
+``run_agent(base_url, prompt, request_kwargs, metadata)`` under ``rollout.agent_timeout``, then --
+always, whatever the agent did -- delete the session, which returns its records, and assemble them
+into the trajectory sample.
+
+* ``base_url`` is the session's OpenAI base URL (``.../sessions/<id>/v1``): ``AsyncOpenAI(base_url=
+  base_url, api_key="-")`` works as it is.
+* ``prompt`` is the sample's prompt as OpenAI messages; the agent re-sends the whole history each turn.
+* ``request_kwargs`` are the run's sampling settings in OpenAI names (``max_tokens``, ``temperature``,
+  ``top_p``, ``stop``, ``seed``; ``extra_body`` for ``top_k``); the session also uses them as defaults,
+  so an agent that ignores them still samples as the run says.
+* ``metadata`` is the sample's metadata plus ``session_id``, ``index``, ``group_index``,
+  ``max_context_len`` and ``max_turns`` (``rollout.max_turns``). The agent's return value is kept in ``sample.metadata["agent_result"]``.
+
+An agent that raises or times out costs its sample (ABORTED, exit reason ``agent_exception`` /
+``timeout``), never the run; so does a session server that cannot be reached (``engine_error``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import httpx
+from miles_contracts import ExitReason, GenerateContext, Sample, Status
+from miles_contracts.wire.engine import SamplingParams
+from miles_contracts.wire.session import SessionView
+
+from miles_tito.assembly import AssemblyError, assemble
+from miles_tito.generators.settings import GeneratorSettings, prompt_messages, settings_from
+from miles_tito.server.background import BackgroundServer
+from miles_tito.tokenizer import TitoTokenizer
+
+
+class AgenticGenerator:
+    """A :class:`miles_contracts.Generator`."""
+
+    def __init__(self) -> None:
+        self._embedded: dict[tuple[str, int, str], BackgroundServer] = {}
+        self._embedded_lock = threading.Lock()
+
+    async def __call__(self, sample: Sample, ctx: GenerateContext) -> Sample:
+        settings = settings_from(ctx, need_agent=True)
+        server_url = settings.tito.session_server_url or ctx.session_server_url or self._embedded_server(ctx, settings)
+        sampling = request_kwargs(ctx.sampling_params)
+        async with httpx.AsyncClient(base_url=server_url, timeout=settings.tito.collect_timeout) as http:
+            try:
+                created = await http.post("/sessions", json={"metadata": sample.metadata, "sampling": session_sampling(ctx.sampling_params)})
+                created.raise_for_status()
+            except (httpx.HTTPError, TypeError, ValueError) as exc:
+                return sample.finish(Status.ABORTED, ExitReason.ENGINE_ERROR, f"cannot open a session on {server_url}: {exc}")
+            session = created.json()
+            metadata = {
+                **sample.metadata, "session_id": session["session_id"], "index": sample.index,
+                "group_index": sample.group_index, "max_context_len": ctx.max_context_len, "max_turns": settings.max_turns,
+            }
+            outcome: tuple[Status, ExitReason, str] | None = None
+            try:
+                result = await asyncio.wait_for(
+                    settings.agent(session["base_url"], prompt_messages(sample.prompt), sampling, metadata),  # type: ignore[misc]
+                    timeout=settings.agent_timeout,
+                )
+                if result is not None:
+                    sample.metadata["agent_result"] = result
+            except TimeoutError:
+                outcome = (Status.ABORTED, ExitReason.TIMEOUT, f"the agent did not finish within {settings.agent_timeout:g}s")
+            except Exception as exc:
+                outcome = (Status.ABORTED, ExitReason.AGENT_EXCEPTION, f"the agent raised {type(exc).__name__}: {exc}")
+            finally:
+                view = await _collect(http, session["session_id"])
+        return _finish(sample, view, outcome)
+
+    def _embedded_server(self, ctx: GenerateContext, settings: GeneratorSettings) -> str:
+        """A session server in this process, one per engine URL, tokenizer and family."""
+        engine_url = getattr(ctx.engine, "base_url", None)
+        if not engine_url:
+            raise RuntimeError(
+                "the agentic generator needs a session server: set tito.session_server_url, start the run's "
+                "session server (miles serve session), or give it an HTTP engine client"
+            )
+        key = (engine_url, id(ctx.tokenizer), settings.family.name)
+        with self._embedded_lock:
+            server = self._embedded.get(key)
+            if server is None:
+                from miles_tito.server.factory import app_factory
+
+                tito = TitoTokenizer(ctx.tokenizer, settings.family, render_check=settings.tito.render_check)
+                make = app_factory(
+                    engine_url, tito, model_name=str(getattr(ctx.tokenizer, "name_or_path", "model")),
+                    max_context_len=ctx.max_context_len, default_max_tokens=ctx.sampling_params.max_new_tokens,
+                    max_rollback_turns=settings.tito.max_rollback_turns,
+                )
+                server = self._embedded[key] = BackgroundServer(make)
+                server.start()
+            return server.url
+
+    def close(self) -> None:
+        for server in self._embedded.values():
+            server.stop()
+        self._embedded.clear()
+
+
+def request_kwargs(sampling: SamplingParams) -> dict[str, Any]:
+    """The run's sampling as ``chat.completions.create`` keyword arguments."""
+    kwargs: dict[str, Any] = {"max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p}
+    if sampling.stop_strings:
+        kwargs["stop"] = sampling.stop_strings
+    if sampling.sampling_seed is not None:
+        kwargs["seed"] = sampling.sampling_seed
+    if sampling.top_k != -1:
+        kwargs["extra_body"] = {"top_k": sampling.top_k}
+    return kwargs
+
+
+def session_sampling(sampling: SamplingParams) -> dict[str, Any]:
+    """The same settings as session defaults (:class:`SessionSampling`)."""
+    out: dict[str, Any] = {"max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p}
+    if sampling.top_k != -1:
+        out["top_k"] = sampling.top_k
+    if sampling.stop_strings:
+        out["stop"] = sampling.stop_strings
+    if sampling.sampling_seed is not None:
+        out["seed"] = sampling.sampling_seed
+    return out
+
+
+async def _collect(http: httpx.AsyncClient, session_id: str) -> SessionView | str:
+    """Delete the session and return its final state (or why that failed)."""
+    try:
+        response = await http.delete(f"/sessions/{session_id}")
+        response.raise_for_status()
+        return SessionView.model_validate(response.json())
+    except (httpx.HTTPError, ValueError) as exc:
+        return f"could not collect session {session_id}: {type(exc).__name__}: {exc}"
+
+
+def _finish(sample: Sample, view: SessionView | str, outcome: tuple[Status, ExitReason, str] | None) -> Sample:
+    if isinstance(view, str):
+        return sample.finish(Status.ABORTED, ExitReason.ENGINE_ERROR, view if outcome is None else f"{outcome[2]}; {view}")
+    records = view.active_records
+    if records:
+        try:
+            assemble(records, max_trim_tokens=view.max_trim_tokens, into=sample)
+        except AssemblyError as exc:
+            return sample.finish(Status.FAILED, None, f"the session's turns do not form one trajectory: {exc}")
+        sample.response = str(records[-1].message.get("content") or "")
+        sample.metadata["messages"] = view.messages
+    if view.failures:
+        sample.metadata["session_failures"] = [f.model_dump() for f in view.failures]
+    if outcome is not None:
+        return sample.finish(*outcome)
+    if not records:
+        return sample.finish(Status.ABORTED, ExitReason.ABORT, "the agent finished without a single model call")
+    return sample

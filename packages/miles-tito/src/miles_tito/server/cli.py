@@ -1,0 +1,34 @@
+"""``miles serve session --router URL --model NAME_OR_PATH --port N``."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--router", required=True, help="URL of the router (or of a single engine)")
+    parser.add_argument("--model", required=True, help="model the engines serve (name or folder): its tokenizer and chat family")
+    parser.add_argument("--family", help="chat family (default: the one the model's bridge names)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30100)
+    parser.add_argument("--max-context-len", type=int, default=32768, help="prompt + completion limit in tokens")
+    parser.add_argument("--max-tokens", type=int, default=1024, help="completion budget when a request sets none")
+    parser.add_argument("--render-check", choices=["window", "full"], default="window",
+                        help="history rendered around appended messages (full also catches templates that re-render old turns)")
+    parser.add_argument("--max-rollback-turns", type=int, default=1, help="generated turns one request may retry")
+    parser.add_argument("--log-level", default="warning")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from miles_tito.server.factory import app_factory, load_tito
+
+    tito = load_tito(args.model, args.family, args.render_check)
+    make = app_factory(
+        args.router, tito, model_name=str(args.model), max_context_len=args.max_context_len,
+        default_max_tokens=args.max_tokens, max_rollback_turns=args.max_rollback_turns,
+    )
+    print(f"session server: {args.model} (chat family {tito.family.name}) on http://{args.host}:{args.port}, engines at {args.router}", flush=True)
+    uvicorn.run(make(), host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0

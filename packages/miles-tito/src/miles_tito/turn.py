@@ -1,0 +1,135 @@
+"""One assistant turn end to end: check and tokenize, call the engine, parse, record.
+
+Shared by the session server (an agent drives the conversation over HTTP) and the ``multi_turn``
+generator (the built-in tool loop drives it in-process), so both produce identical records.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from miles.engine_client import EngineRequestError, EngineUnavailableError
+from miles_contracts import EngineClient
+from miles_contracts.chat import ParsedTurn, ToolCall
+from miles_contracts.wire.engine import GenerateRequest, GenerateResponse, SamplingParams
+from miles_contracts.wire.session import FinishReason, TurnRecord
+from pydantic import ValidationError
+
+from miles_tito.conversation import Conversation
+from miles_tito.errors import ContextLengthExceeded, EngineAborted, EngineFailed
+from miles_tito.messages import ChatMessage
+
+
+@dataclass(slots=True)
+class TurnRequest:
+    """What to generate.
+
+    :ivar sampling: engine sampling; ``max_new_tokens`` is clipped to the context budget.
+    :ivar parse_tool_calls: False for ``tool_choice: none`` (the text is returned as it is).
+    :ivar template_extra: extra template variables (``chat_template_kwargs``).
+    """
+
+    messages: Sequence[ChatMessage]
+    tools: Sequence[Mapping[str, Any]] | None
+    sampling: SamplingParams
+    parse_tool_calls: bool = True
+    template_extra: Mapping[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class TurnResult:
+    record: TurnRecord
+    message: ChatMessage
+    prompt_tokens: int
+
+
+async def run_turn(
+    conversation: Conversation,
+    engine: EngineClient,
+    request: TurnRequest,
+    *,
+    max_context_len: int,
+    routing_key: str | None = None,
+) -> TurnResult:
+    """Generate the next assistant turn of ``conversation``. Raises :class:`~miles_tito.errors.TitoError`."""
+    tito = conversation.tito
+    prepared = conversation.prepare(request.messages, request.tools, request.template_extra)
+    budget = max_context_len - len(prepared.input_ids)
+    if budget < 1:
+        raise ContextLengthExceeded(
+            f"the prompt is {len(prepared.input_ids)} tokens and the context limit is {max_context_len}: no room to "
+            f"generate; shorten the conversation or raise the limit (--max-context-len / rollout.max_context_len)",
+            param="messages",
+        )
+    stop_ids = sorted(set(request.sampling.stop_token_ids or ()) | set(tito.stop_token_ids))
+    sampling = request.sampling.model_copy(
+        update={"max_new_tokens": min(request.sampling.max_new_tokens, budget), "stop_token_ids": stop_ids}
+    )
+    started = time.perf_counter()
+    response = await _generate(engine, GenerateRequest(input_ids=prepared.input_ids, sampling_params=sampling, return_logprob=True), routing_key)
+    latency = time.perf_counter() - started
+    finish = response.meta_info.finish_reason
+    if finish is None or finish.type == "abort":
+        detail = finish.message if finish is not None and finish.message else "no finish reason"
+        raise EngineAborted(f"the engine aborted the generation ({detail}); retry the request")
+    output_ids = list(response.output_ids)
+    logprobs = response.logprobs()
+    if len(logprobs) != len(output_ids):
+        raise EngineFailed(f"the engine returned {len(logprobs)} log-probs for {len(output_ids)} output ids")
+
+    text = _visible_text(tito.decode(_without_stop_ids(output_ids, tito.stop_token_ids)), finish.matched)
+    parsed = tito.family.parse(text) if request.parse_tool_calls else ParsedTurn(content=text)
+    truncated = finish.type == "length"
+    reason: FinishReason = "length" if truncated else ("tool_calls" if parsed.tool_calls else "stop")
+    calls = tuple(ToolCall(c.name, c.arguments, f"call_{uuid.uuid4().hex[:24]}") for c in parsed.tool_calls)
+    message = ChatMessage(role="assistant", content=parsed.content, reasoning=parsed.reasoning, tool_calls=calls)
+    record = conversation.commit(
+        prepared,
+        output_ids=output_ids,
+        output_logprobs=logprobs,
+        finish_reason=reason,
+        weight_version=_weight_version(response.meta_info.weight_version),
+        message=message,
+        # A turn cut off by the length limit is not a format mistake, even mid tool call.
+        format_error=None if truncated else parsed.format_error,
+        latency_s=latency,
+    )
+    return TurnResult(record, message, len(prepared.input_ids))
+
+
+async def _generate(engine: EngineClient, request: GenerateRequest, routing_key: str | None) -> GenerateResponse:
+    try:
+        return await engine.generate(request, routing_key=routing_key)
+    except EngineRequestError as exc:
+        raise EngineFailed(f"the engine refused the request: {exc}") from exc
+    except EngineUnavailableError as exc:
+        raise EngineFailed(f"the engine could not be reached: {exc}") from exc
+    except httpx.HTTPError as exc:  # engine clients other than miles' own
+        raise EngineFailed(f"the engine could not be reached: {type(exc).__name__}: {exc}") from exc
+    except ValidationError as exc:
+        raise EngineFailed(f"the engine's answer is not a valid generate response: {exc}") from exc
+
+
+def _without_stop_ids(ids: list[int], stop_ids: Sequence[int]) -> list[int]:
+    return ids[:-1] if ids and ids[-1] in stop_ids else ids
+
+
+def _visible_text(text: str, matched: int | str | None) -> str:
+    """OpenAI semantics: a matched stop string is not part of the returned text."""
+    if isinstance(matched, str) and matched and text.endswith(matched):
+        return text[: -len(matched)]
+    return text
+
+
+def _weight_version(value: str | int | None) -> int:
+    """Engines that never had their weights updated report ``None`` or ``"default"``: version 0."""
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return 0

@@ -1,0 +1,59 @@
+"""Shared fixtures: the tiny models' SmolLM2 tokenizer and TITO tokenizers of both families."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="session")
+def tiny_dense() -> Path:
+    from miles_models.testing import tiny_model
+
+    return tiny_model("dense")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_dense: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_dense)
+
+
+@pytest.fixture(scope="session")
+def chatml(tokenizer: Any) -> Any:
+    from miles_tito.families import resolve_family
+    from miles_tito.tokenizer import TitoTokenizer
+
+    return TitoTokenizer(tokenizer, resolve_family("chatml"))
+
+
+@pytest.fixture(scope="session")
+def qwen3(tokenizer: Any) -> Any:
+    from miles_tito.families import resolve_family
+    from miles_tito.tokenizer import TitoTokenizer
+
+    return TitoTokenizer(tokenizer, resolve_family("qwen3"))
+
+
+@pytest.fixture(scope="session")
+def engine_url(tiny_dense: Path) -> Any:
+    """A real embedded engine on the tiny random Llama (subprocess, one per test session)."""
+    from tito_support import engine_process
+
+    with engine_process(str(tiny_dense)) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def router_url(engine_url: str) -> Any:
+    """The real router in front of the engine."""
+    from tito_support import router_process
+
+    with router_process(engine_url) as url:
+        yield url

@@ -1,0 +1,120 @@
+"""Real processes and servers for the integration tests: an engine, a router, a session server.
+
+The engine (``python -m miles_engine``, the embedded engine on the tiny random Llama) and the
+router (``python -m miles_router``) run as subprocesses on free loopback ports; the session server
+runs in a thread of the test process (uvicorn on loopback), so tests can hand it any chat family.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+from miles_contracts.chat import ChatFamily, ParsedTurn, ToolCall
+from miles_model_llama.chat import parse_chatml
+from miles_tito.server.background import BackgroundServer
+from miles_tito.server.factory import app_factory
+from miles_tito.tokenizer import TitoTokenizer
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def process(argv: list[str], *, timeout: float = 180.0) -> Iterator[str]:
+    """Run ``argv + ["--port", P]`` until the block ends; yields its URL once /health answers."""
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([*argv, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{argv} exited with {proc.returncode}: {proc.stderr.read()[-3000:] if proc.stderr else ''}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{argv} did not become healthy within {timeout}s")
+            time.sleep(0.25)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def engine_process(model: str) -> contextlib.AbstractContextManager[str]:
+    return process([sys.executable, "-m", "miles_engine", "--model", model])
+
+
+def router_process(*workers: str) -> contextlib.AbstractContextManager[str]:
+    # A generous health timeout: on the shared 2-core test machine a busy engine answers /health slowly.
+    argv = [sys.executable, "-m", "miles_router", "--log-level", "warning", "--health-timeout", "30"]
+    for worker in workers:
+        argv += ["--worker", worker]
+    return process(argv)
+
+
+@contextlib.contextmanager
+def session_server(upstream: str, tito: TitoTokenizer, **options: Any) -> Iterator[str]:
+    """A session server (real uvicorn on loopback, in a thread) in front of ``upstream``."""
+    options.setdefault("max_context_len", 4096)
+    options.setdefault("default_max_tokens", 16)
+    with BackgroundServer(app_factory(upstream, tito, model_name="tiny", **options)) as server:
+        yield server.url
+
+
+# The tiny random model writes no tool calls of its own. These families read its turns the way the
+# test needs, so the server's tool-call path runs end to end against the real engine.
+
+
+def always_calls(text: str) -> ParsedTurn:
+    """Every turn is a call of the calculator (with the turn's text kept as content)."""
+    return ParsedTurn(content="", tool_calls=(ToolCall("calculator", json.dumps({"expression": "6 * 7"})),))
+
+
+def always_malformed(text: str) -> ParsedTurn:
+    """Every turn reads as an unclosed tool call, through the real ChatML parser."""
+    return parse_chatml("<tool_call>" + text)
+
+
+def family_with_parser(base: ChatFamily, parser: Any, name: str) -> ChatFamily:
+    import dataclasses
+
+    return dataclasses.replace(base, name=name, parse=parser)
+
+
+async def wait_until_generating(engine_url: str, timeout: float = 60.0) -> None:
+    """Return once the engine reports a request running (``GET /get_server_info``)."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=10) as http:
+        while time.monotonic() < deadline:
+            info = (await http.get(f"{engine_url}/get_server_info")).json()
+            if info.get("running", 0) > 0:
+                return
+            await asyncio.sleep(0.02)
+    raise TimeoutError(f"the engine at {engine_url} started no request within {timeout}s")
+
+
+# Long enough (about a second or more on a CPU) that a test can act while it is generating.
+LONG_GENERATION = {"max_tokens": 1500, "min_tokens": 1500}
