@@ -65,7 +65,9 @@ def main() -> None:
         num_iterations=1,
         scale_rewards="group",
         loss_type="dapo",  # token-level mean over the batch, like Miles' token_mean reduction
-        bf16=True,
+        gradient_checkpointing=False,  # Miles does not checkpoint activations by default either
+        bf16=torch.cuda.is_available(),
+        use_cpu=not torch.cuda.is_available(),
         logging_steps=1,
         save_strategy="no",
         report_to=[],
@@ -77,11 +79,13 @@ def main() -> None:
 
     class Timer(TrainerCallback):
         def on_step_begin(self, _args, state, control, **kw):
-            torch.cuda.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             self.start = time.perf_counter()
 
         def on_step_end(self, _args, state, control, **kw):
-            torch.cuda.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             log.append({"step": state.global_step, "seconds": time.perf_counter() - self.start})
 
         def on_log(self, _args, state, control, logs=None, **kw):

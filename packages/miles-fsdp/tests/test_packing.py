@@ -77,3 +77,16 @@ def test_loss_mask_on_the_first_column_or_on_padding_is_refused(tiny_dense) -> N
     batch.loss_mask[1, 3] = 1
     with pytest.raises(ValueError, match="padding"):
         build_inputs(batch, packed=True, device=torch.device("cpu"))
+
+
+def test_micro_batches_are_packed_only_when_padding_would_waste_positions() -> None:
+    import torch
+    from miles_fsdp.passes import worth_packing
+
+    equal = torch.ones(4, 4096, dtype=torch.long)  # long equal rows: padded, fused causal attention
+    assert not worth_packing(equal)
+    ragged = torch.zeros(4, 100, dtype=torch.long)
+    for row, n in enumerate([100, 20, 30, 40]):
+        ragged[row, :n] = 1
+    assert worth_packing(ragged)
+    assert not worth_packing(ragged[:1])  # one row: nothing to pack

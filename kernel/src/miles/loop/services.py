@@ -85,6 +85,13 @@ def _miles_cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "miles.cli.main", *args]
 
 
+def engine_options(config: MilesConfig) -> dict[str, Any]:
+    """``EngineSpec.options`` from the ``engine`` config section, when the engine plugin registers
+    one (the embedded engine does: batch limits, KV budget, ...)."""
+    section = config.extra.get("engine")
+    return section.options() if section is not None and hasattr(section, "options") else {}
+
+
 def _optional(module: str, name: str, distribution: str) -> Any:
     """A function of a sibling package the loop needs, with an install hint when it is missing."""
     import importlib
@@ -99,10 +106,11 @@ def start_services(config: MilesConfig, kernel: Kernel, model_path: Path, run_di
     executor = kernel.executors().get(config.executor.name)(config, run_dir)
     try:
         engine = kernel.inference_engines().get(config.rollout.engine)
+        options = engine_options(config)
         engine_urls = {}
         for i in range(config.rollout.num_engines):
             spec = EngineSpec(model_path=str(model_path), port=free_port(HOST), host=HOST,
-                              device=config.model.device, dtype=config.model.dtype)
+                              device=config.model.device, dtype=config.model.dtype, options=dict(options))
             name = f"engine-{i}"
             executor.start(name, engine.command(spec), health_url=f"{spec.url}/health")
             engine_urls[name] = spec.url

@@ -183,6 +183,7 @@ def _rates(result: dict[str, Any], tokens: int, flops: float, peak_tflops: float
 def run_benchmark(
     *, preset: str, seq_lens: list[int], tokens_per_step: int, warmup: int, steps: int, device: str,
     gradient_checkpointing: bool, options: dict[str, Any], baseline: bool, peak_tflops: float | None,
+    micro_batch_tokens: int | None = None,
 ) -> dict[str, Any]:
     """Every sequence length: the fsdp step and (optionally) the baseline; returns the JSON report."""
     from miles_fsdp.distributed import pick_device
@@ -206,6 +207,7 @@ def run_benchmark(
         "peak_source": "H100/H200 SXM dense bf16 datasheet" if dev.type == "cuda" else "fp32 matmul measured in this run",
         "flops_formula": "6 * matmul_parameters * L + 6 * layers * attention_width * L^2 per sequence of L tokens",
         "gradient_checkpointing": gradient_checkpointing,
+        "micro_batch_tokens": micro_batch_tokens or "seq_len (one row per micro-batch)",
         "fsdp_options": options,
         "goal_mfu": 0.35,
         "results": [],
@@ -216,7 +218,7 @@ def run_benchmark(
         flops = rows * counter.sequence(length)
         entry: dict[str, Any] = {"seq_len": length, "rows": rows, "tokens_per_step": rows * length}
         miles = run_miles(preset, batch, device=device, options=options, gradient_checkpointing=gradient_checkpointing,
-                          micro_batch_tokens=length, warmup=warmup, steps=steps)
+                          micro_batch_tokens=max(length, micro_batch_tokens or length), warmup=warmup, steps=steps)
         entry["miles"] = _rates(miles, rows * length, flops, peak_tflops)
         if baseline:
             plain = run_baseline(preset, batch, device=dev, gradient_checkpointing=gradient_checkpointing,

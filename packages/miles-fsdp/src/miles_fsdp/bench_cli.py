@@ -22,6 +22,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     p.add_argument("--logprob-chunk", type=int, default=4096, help="positions per log-prob chunk")
     p.add_argument("--no-baseline", action="store_true", help="skip the plain transformers baseline")
+    p.add_argument("--micro-batch-tokens", type=int, default=None,
+                   help="train.micro_batch_tokens (default: the sequence length, one row per micro-batch)")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak; default 989 on CUDA, measured on CPU")
     p.add_argument("--output", type=Path, default=None, help="also write the JSON here")
 
@@ -43,7 +45,7 @@ def _run(args: argparse.Namespace) -> int:
         preset=args.model, seq_lens=seq_lens, tokens_per_step=args.tokens_per_step, warmup=args.warmup,
         steps=args.steps, device=args.device, gradient_checkpointing=args.gradient_checkpointing,
         options={"compile": args.compile, "logprob_chunk_size": args.logprob_chunk}, baseline=not args.no_baseline,
-        peak_tflops=args.peak_tflops,
+        peak_tflops=args.peak_tflops, micro_batch_tokens=args.micro_batch_tokens,
     )
     text = json.dumps(report, indent=2)
     print(text)

@@ -1,0 +1,5 @@
+import sys
+
+from miles_engine.serve import main
+
+sys.exit(main())

@@ -1,0 +1,61 @@
+"""Engine options: one dataclass shared by the Python API, ``miles serve engine`` and config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Device = Literal["auto", "cpu", "cuda"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How to run one embedded engine.
+
+    :ivar model_path: a Hugging Face folder (config.json, safetensors, tokenizer).
+    :ivar device: ``auto`` picks CUDA when present, else CPU.
+    :ivar dtype: ``auto`` is bf16 on CUDA and fp32 on CPU (bf16 matmuls are ~20x slower on CPUs
+        without native bf16).
+    :ivar max_running_requests: most requests decoding together (the decode batch size).
+    :ivar context_length: longest prompt + completion; default: the model's
+        ``max_position_embeddings``.
+    :ivar max_kv_tokens: KV-cache capacity in tokens (summed over running requests, counting each
+        at its worst case ``prompt + max_new_tokens``); default from ``kv_cache_gb``.
+    :ivar kv_cache_gb: memory for the KV cache when ``max_kv_tokens`` is not given; default 2 GiB
+        on CPU, 40% of the free GPU memory after loading on CUDA.
+    :ivar prefill_tokens_per_step: prompt tokens prefilled between two decode steps (at least one
+        whole prompt), so arriving requests do not stall running ones for long.
+    :ivar plain_linear: keep transformers' own linear layers on CPU; by default fp32 CPU engines run
+        them through oneDNN with pre-packed weights (~1.5x faster decode, a second copy of the
+        linear weights in memory; see ``cpu_linear.py``).
+    :ivar seed: seeds the sampler of requests that carry no ``sampling_seed``.
+    """
+
+    model_path: str
+    device: Device = "auto"
+    dtype: DType = "auto"
+    max_running_requests: int = 64
+    context_length: int | None = None
+    max_kv_tokens: int | None = None
+    kv_cache_gb: float | None = None
+    prefill_tokens_per_step: int = 2048
+    plain_linear: bool = False
+    seed: int = 0
+    tokenizer_path: str | None = None
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.max_running_requests < 1:
+            errors.append(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.context_length is not None and self.context_length < 2:
+            errors.append(f"context_length must be >= 2, got {self.context_length}")
+        if self.max_kv_tokens is not None and self.max_kv_tokens < 2:
+            errors.append(f"max_kv_tokens must be >= 2, got {self.max_kv_tokens}")
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            errors.append(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if self.prefill_tokens_per_step < 1:
+            errors.append(f"prefill_tokens_per_step must be >= 1, got {self.prefill_tokens_per_step}")
+        if errors:
+            raise ValueError("invalid engine options: " + "; ".join(errors))

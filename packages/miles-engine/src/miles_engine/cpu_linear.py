@@ -1,0 +1,68 @@
+"""Faster fp32 linear layers on CPU: oneDNN with weights pre-packed once.
+
+On this project's CPUs (AVX2, no AVX-512) MKL's sgemm reaches ~15-25 GFLOP/s on the decode
+shapes (``[batch, hidden] x [hidden, out]`` with a batch of 8-64), while oneDNN with a weight
+reordered once into its blocked layout reaches ~40-60 (measured in docs/benchmarks/engine.md).
+Every ``nn.Linear`` of the model (the tied ``lm_head`` included) keeps its weight as is (weight
+updates, checksums and the small-batch path use it) and gains a packed copy used for inputs of at
+least :data:`MIN_ROWS` rows; single-row GEMVs are memory bound and stay on the default path.
+After any in-place weight change, call :meth:`PackedLinears.repack`.
+
+The cost is a second copy of the linear weights in memory.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+MIN_ROWS = 4
+_PACK_HINT = 32  # the batch size oneDNN tunes the blocked layout for
+
+
+def available() -> bool:
+    import torch
+
+    ops = getattr(torch.ops, "mkldnn", None)
+    return bool(torch.backends.mkldnn.is_available() and ops is not None
+                and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
+
+
+class PackedLinears:
+    """Installs packed forwards on every ``nn.Linear`` of ``model`` (fp32, CPU)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from torch import nn
+
+        self.layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        self._packed: dict[int, torch.Tensor] = {}
+        self.repack()
+        for layer in self.layers:
+            layer.forward = self._forward_of(layer)
+
+    def repack(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            for layer in self.layers:
+                self._packed[id(layer)] = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), _PACK_HINT)
+
+    def _forward_of(self, layer: nn.Linear):
+        import torch
+        import torch.nn.functional as F
+
+        packed = self._packed
+        key = id(layer)
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            rows = x.numel() // x.shape[-1]
+            if rows < MIN_ROWS or torch.is_grad_enabled() and layer.weight.requires_grad:
+                return F.linear(x, layer.weight, layer.bias)
+            flat = x.reshape(rows, x.shape[-1]).contiguous()
+            out = torch.ops.mkldnn._linear_pointwise(flat, packed[key], layer.bias, "none", [], "")
+            return out.reshape(*x.shape[:-1], out.shape[-1])
+
+        return forward

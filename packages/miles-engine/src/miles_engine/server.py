@@ -1,0 +1,208 @@
+"""The engine's HTTP API (SGLang's native endpoints, plus two Miles check-mode endpoints).
+
+``create_app(engine)`` serves an :class:`~miles_engine.engine.Engine` it does not own; the caller
+starts and shuts the engine down (``miles serve engine`` does both). Every error is a JSON body
+``{"detail": "<what was wrong and how to fix it>"}``: 400 for a bad request (unknown field,
+negative ``max_new_tokens``, prompt beyond the context, token ids outside the vocabulary ...),
+503 when the engine cannot serve. Weight updates answer ``{"success": bool, "message": str}``
+with 200 or 400, as SGLang does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from miles_contracts.wire.engine import (
+    AbortRequest,
+    GenerateRequest,
+    InitWeightsUpdateGroupRequest,
+    PauseGenerationRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
+    UpdateWeightVersionRequest,
+)
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from miles_engine.engine import BadRequestError, Engine
+from miles_engine.weights import WeightUpdateError
+
+log = logging.getLogger(__name__)
+HEALTH_GENERATE_TIMEOUT_S = 60.0
+_LOOPBACK = ("127.", "::1", "localhost")
+
+
+class FillWeightsNoiseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    seed: int = 0
+
+
+class GroupNameRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    group_name: str = "weight_update_group"
+
+
+def create_app(engine: Engine) -> FastAPI:
+    app = FastAPI(title="miles embedded engine", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"detail": _describe(exc.errors())}, status_code=400)
+
+    @app.exception_handler(BadRequestError)
+    async def _bad(request: Request, exc: BadRequestError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=400)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Any:
+        body = await _parse(request, GenerateRequest)
+        task = asyncio.ensure_future(engine.generate(body))
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=1.0)
+            if done:
+                return task.result().model_dump(mode="json", exclude_none=True)
+            if await request.is_disconnected():
+                task.cancel()  # the engine aborts the request and frees its batch slot
+                return JSONResponse({"detail": "client disconnected"}, status_code=499)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Any:
+        body = await _parse(request, AbortRequest)
+        if not body.abort_all and not body.rid:
+            raise BadRequestError("give a 'rid' to abort, or \"abort_all\": true")
+        count = await engine.abort(None if body.abort_all else body.rid)
+        return {"success": True, "aborted": count}
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> Any:
+        body = await _parse(request, PauseGenerationRequest, allow_empty=True)
+        await engine.pause(body.mode)
+        return {"success": True, "message": f"paused ({body.mode})"}
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> Any:
+        await engine.resume()
+        return {"success": True, "message": "generation continues"}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Any:
+        await engine.flush_cache()
+        return {"success": True, "message": "cache flushed"}
+
+    @app.get("/health")
+    async def health() -> Any:
+        if not engine.scheduler.alive:
+            return JSONResponse({"detail": "the scheduler thread is not running"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/health_generate")
+    async def health_generate() -> Any:
+        if engine.paused:  # generation is held on purpose (weight sync), not broken
+            return {"status": "ok", "paused": True}
+        probe = GenerateRequest(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+        try:
+            await asyncio.wait_for(engine.generate(probe), HEALTH_GENERATE_TIMEOUT_S)
+        except (TimeoutError, RuntimeError) as exc:
+            return JSONResponse({"detail": f"generation probe failed: {exc or 'timeout'}"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> Any:
+        return engine.model_info().model_dump(mode="json")
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> Any:
+        return engine.server_info()
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> Any:
+        body = await _parse(request, UpdateWeightsFromDiskRequest)
+        return await _update(engine, lambda: engine.weights.from_disk(body))
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request) -> Any:
+        if not _is_loopback(request):  # the cuda_ipc payload is a pickle: never from another host
+            return JSONResponse({"success": False, "message": "update_weights_from_tensor is accepted from "
+                                 "loopback clients only; use update_weights_from_distributed across hosts"},
+                                status_code=403)
+        body = await _parse(request, UpdateWeightsFromTensorRequest)
+        return await _update(engine, lambda: engine.weights.from_tensor(body))
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request) -> Any:
+        body = await _parse(request, InitWeightsUpdateGroupRequest)
+        return await _update(engine, lambda: engine.weights.init_group(body), done="joined weight update group")
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request) -> Any:
+        body = await _parse(request, GroupNameRequest)
+        async def destroy() -> None:
+            engine.weights.destroy_group(body.group_name)
+
+        return await _update(engine, destroy, done="weight update group destroyed")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request) -> Any:
+        body = await _parse(request, UpdateWeightsFromDistributedRequest)
+        return await _update(engine, lambda: engine.weights.from_distributed(body))
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> Any:
+        body = await _parse(request, UpdateWeightVersionRequest)
+        return await _update(engine, lambda: engine.weights.set_version(body.new_version, abort_all=body.abort_all_requests),
+                             done="weight version updated")
+
+    @app.post("/fill_weights_noise")
+    async def fill_weights_noise(request: Request) -> Any:
+        body = await _parse(request, FillWeightsNoiseRequest)
+        return await _update(engine, lambda: engine.weights.fill_noise(body.seed), done="weights filled with noise")
+
+    @app.get("/weights_checksum")
+    async def weights_checksum() -> Any:
+        checksums = await engine.weights.checksums()
+        return {"weight_version": engine.weight_version, "checksums": checksums}
+
+    return app
+
+
+async def _parse(request: Request, model: type[BaseModel], *, allow_empty: bool = False) -> Any:
+    """Validate a JSON body ourselves where FastAPI's body binding would not give a clear 400."""
+    raw = await request.body()
+    if not raw.strip() and allow_empty:
+        return model()
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise BadRequestError(_describe(exc.errors())) from None
+
+
+async def _update(engine: Engine, run: Any, done: str = "weights updated") -> Any:
+    try:
+        result = await run()
+    except WeightUpdateError as exc:
+        return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
+    except Exception as exc:  # a failed load or collective: report it, keep serving
+        log.exception("weight operation failed")
+        return JSONResponse({"success": False, "message": f"{type(exc).__name__}: {exc}"}, status_code=500)
+    message = f"{done} ({result} tensors)" if isinstance(result, int) else done
+    return {"success": True, "message": message, "weight_version": engine.weight_version}
+
+
+def _describe(errors: Any) -> str:
+    parts = []
+    for error in errors:
+        where = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
+        kind = error.get("type", "")
+        message = "unknown field; check the spelling against the API" if kind == "extra_forbidden" else error.get("msg", "")
+        parts.append(f"{where}: {message}")
+    return "invalid request: " + "; ".join(parts)
+
+
+def _is_loopback(request: Request) -> bool:
+    host = request.client.host if request.client else ""
+    return host.startswith(_LOOPBACK)

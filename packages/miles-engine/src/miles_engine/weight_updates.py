@@ -1,0 +1,171 @@
+"""Weight updates of a running engine: from disk, same-host tensors, a broadcast group.
+
+Each update runs on the scheduler thread between two forwards (no request ever sees a
+half-copied tensor inside one forward), then sets ``weight_version``: the request's
+``weight_version`` when given, else the previous version plus one. Responses finished after the
+update carry the new version. Bad updates raise :class:`~miles_engine.weights.WeightUpdateError`
+before any tensor is touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from miles_contracts.wire.engine import (
+    InitWeightsUpdateGroupRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
+)
+from miles_contracts.wire.tensors import (
+    CUDA_IPC_FORMAT,
+    SHM_FORMAT,
+    ShmBucket,
+    deserialize_cuda_ipc,
+    read_shm_bucket,
+)
+
+from miles_engine.weights import WeightStore, WeightUpdateError, parse_dtype
+
+if TYPE_CHECKING:
+    from miles_engine.loading import LoadedModel
+    from miles_engine.scheduler import Scheduler
+
+TENSOR_FORMATS = (SHM_FORMAT, CUDA_IPC_FORMAT)
+
+
+class WeightUpdates:
+    def __init__(self, scheduler: Scheduler, loaded: LoadedModel) -> None:
+        self.scheduler = scheduler
+        self.loaded = loaded
+        self.store = WeightStore(loaded.model)
+        self.groups: dict[str, Any] = {}
+
+    async def _run(self, load: Callable[[], int], *, version: str | None, abort_all: bool) -> int:
+        scheduler = self.scheduler
+
+        def job() -> int:
+            if abort_all:
+                scheduler.abort(None, "aborted for a weight update (abort_all_requests)")
+            count = load()
+            scheduler.runner.weights_changed()
+            scheduler.weight_version = version if version is not None else _bumped(scheduler.weight_version)
+            return count
+
+        return await asyncio.wrap_future(scheduler.call(job))
+
+    async def from_disk(self, request: UpdateWeightsFromDiskRequest) -> int:
+        if request.load_format not in (None, "auto", "safetensors"):
+            raise WeightUpdateError(f"load_format {request.load_format!r} is not supported from disk; use 'safetensors'")
+        return await self._run(lambda: self.store.load_from_disk(request.model_path),
+                               version=request.weight_version, abort_all=request.abort_all_requests)
+
+    async def from_tensor(self, request: UpdateWeightsFromTensorRequest) -> int:
+        if len(request.serialized_named_tensors) != 1:
+            raise WeightUpdateError(f"serialized_named_tensors has {len(request.serialized_named_tensors)} payloads; "
+                                    "the embedded engine has one rank and takes exactly one")
+        payload = request.serialized_named_tensors[0]
+        fmt = request.load_format or CUDA_IPC_FORMAT  # SGLang's default payload is the same pickle
+        if fmt not in TENSOR_FORMATS:
+            raise WeightUpdateError(f"load_format {fmt!r} is not supported; use one of {', '.join(TENSOR_FORMATS)}")
+        if fmt == SHM_FORMAT:
+            try:
+                bucket = ShmBucket.from_json(json.loads(payload))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise WeightUpdateError(f"flattened_shm payload is not a ShmBucket JSON: {exc}") from exc
+            named = _read_bucket(bucket)
+        else:
+            try:
+                named = deserialize_cuda_ipc(payload)
+            except Exception as exc:
+                raise WeightUpdateError(f"cannot open the cuda_ipc payload: {type(exc).__name__}: {exc}") from exc
+        self.store.check((n, tuple(t.shape)) for n, t in named)
+        return await self._run(lambda: self.store.load(named), version=request.weight_version,
+                               abort_all=request.abort_all_requests)
+
+    async def init_group(self, request: InitWeightsUpdateGroupRequest) -> None:
+        from miles_contracts.wire.distributed import create_weight_group
+
+        if request.backend == "nccl" and self.loaded.device.type != "cuda":
+            raise WeightUpdateError("backend 'nccl' needs an engine on CUDA; this engine runs on CPU, use 'gloo'")
+        if request.group_name in self.groups:
+            raise WeightUpdateError(f"weight group {request.group_name!r} exists; destroy it first "
+                                    "(/destroy_weights_update_group) or use another group_name")
+        if self.loaded.device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(self.loaded.device)
+        # Joining blocks until the trainer (rank 0) joins too: keep it off the event loop.
+        group = await asyncio.to_thread(
+            create_weight_group, request.backend, request.master_address, request.master_port,
+            request.rank_offset, request.world_size, request.group_name,
+        )
+        self.groups[request.group_name] = (group, request.backend)
+
+    def destroy_group(self, group_name: str) -> None:
+        from miles_contracts.wire.distributed import destroy_weight_group
+
+        entry = self.groups.pop(group_name, None)
+        if entry is None:
+            raise WeightUpdateError(f"no weight group named {group_name!r}")
+        destroy_weight_group(entry[0])
+
+    async def from_distributed(self, request: UpdateWeightsFromDistributedRequest) -> int:
+        entry = self.groups.get(request.group_name)
+        if entry is None:
+            raise WeightUpdateError(f"no weight group named {request.group_name!r}; call /init_weights_update_group first")
+        if not len(request.names) == len(request.dtypes) == len(request.shapes):
+            raise WeightUpdateError(f"names, dtypes and shapes differ in length "
+                                    f"({len(request.names)}, {len(request.dtypes)}, {len(request.shapes)})")
+        dtypes = [parse_dtype(d) for d in request.dtypes]
+        shapes = [tuple(s) for s in request.shapes]
+        self.store.check(zip(request.names, shapes, strict=True))
+        group, backend = entry
+        device = self.loaded.device if backend == "nccl" else "cpu"
+
+        def receive_all() -> int:
+            import torch
+            import torch.distributed as dist
+
+            received = []
+            for name, dtype, shape in zip(request.names, dtypes, shapes, strict=True):
+                buffer = torch.empty(shape, dtype=dtype, device=device)
+                dist.broadcast(buffer, src=0, group=group)
+                received.append((name, buffer))
+            return self.store.load(received)
+
+        return await self._run(receive_all, version=request.weight_version, abort_all=request.abort_all_requests)
+
+    async def set_version(self, version: str, *, abort_all: bool) -> None:
+        await self._run(lambda: 0, version=version, abort_all=abort_all)
+
+    async def fill_noise(self, seed: int) -> int:
+        """Check mode: every weight becomes noise; the version is left as it is, since the noise
+        is replaced by the next sync before the version moves."""
+        def fill() -> int:
+            count = self.store.fill_noise(seed)
+            self.scheduler.runner.weights_changed()
+            return count
+
+        return await asyncio.wrap_future(self.scheduler.call(fill))
+
+    async def checksums(self) -> dict[str, str]:
+        return await asyncio.wrap_future(self.scheduler.call(self.store.checksums))
+
+    def close(self) -> None:
+        for name in list(self.groups):
+            self.destroy_group(name)
+
+
+def _read_bucket(bucket: ShmBucket) -> list:
+    try:
+        return read_shm_bucket(bucket)
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise WeightUpdateError(f"cannot read shared-memory bucket {bucket.path}: {exc}") from exc
+
+
+def _bumped(version: str) -> str:
+    return str(int(version) + 1) if version.isdigit() else f"{version}+1"

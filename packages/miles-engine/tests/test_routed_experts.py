@@ -1,0 +1,66 @@
+"""``return_routed_experts`` on a real server (tiny random Qwen3-MoE: 2 MoE layers, 4 experts,
+top-2): the experts the engine reports for every token equal the router's own top-k on a
+teacher-forced forward of the same tokens."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import numpy as np
+import pytest
+import torch
+from miles_contracts.wire.engine import decode_routed_experts
+from transformers import AutoModelForCausalLM
+
+PROMPTS = [[1, 504, 3458, 282, 4649], [1, 77, 88], [1, 1000, 2000, 3000, 4000, 5000, 6000]]
+
+
+@pytest.fixture(scope="module")
+def reference(moe_path):
+    return AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32).eval()
+
+
+def teacher_forced_experts(model, ids: list[int]) -> np.ndarray:
+    """``[len(ids), layers, top_k]``: each router's top-k for every position."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_router_logits=True)
+    top_k = model.config.num_experts_per_tok
+    per_layer = [logits.reshape(len(ids), -1).topk(top_k, dim=-1).indices for logits in out.router_logits]
+    return torch.stack(per_layer, dim=1).numpy().astype(np.int32)
+
+
+def test_routed_experts_equal_the_routers_top_k(moe, reference):
+    info = moe.get("/get_model_info").json()
+    layers, top_k = info["num_moe_layers"], info["moe_top_k"]
+    assert (layers, top_k) == (2, 2)
+    bodies = [{"input_ids": p, "return_routed_experts": True,
+               "sampling_params": {"max_new_tokens": 10 + i, "ignore_eos": True, "sampling_seed": i}}
+              for i, p in enumerate(PROMPTS)]
+    with cf.ThreadPoolExecutor(len(bodies)) as pool:  # batched decode steps
+        outs = list(pool.map(moe.generate, bodies))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        tokens = prompt + out["output_ids"]
+        raw = decode_routed_experts(out["meta_info"]["routed_experts"])
+        got = np.frombuffer(raw, dtype="<i4").reshape(len(tokens) - 1, layers, top_k)
+        expected = teacher_forced_experts(reference, tokens[:-1])
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_routed_experts_of_an_aborted_request_cover_what_was_fed(moe):
+    with cf.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(moe.generate, {"input_ids": PROMPTS[0], "rid": "cut", "return_routed_experts": True,
+                                             "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}})
+        from engine_support import wait_until
+
+        wait_until(lambda: moe.info()["running"] == 1)
+        moe.post("/abort_request", {"rid": "cut"})
+        out = running.result()
+    raw = decode_routed_experts(out["meta_info"]["routed_experts"])
+    rows = len(raw) // (4 * 2 * 2)
+    assert rows == len(PROMPTS[0]) + len(out["output_ids"]) - 1
+
+
+def test_routed_experts_on_a_dense_model_is_a_clear_400(dense):
+    answer = dense.post("/generate", {"input_ids": [1, 2], "return_routed_experts": True})
+    assert answer.status_code == 400
+    assert "mixture-of-experts" in answer.json()["detail"]

@@ -1,0 +1,179 @@
+"""Weight updates on a real server: disk, flattened_shm, a gloo broadcast group; versions,
+checksums, noise, and updates that must be refused without changing anything.
+
+The engine serves the tiny random Llama of seed 0; the "trained" weights are the same
+architecture with seed 1. Bit-exactness is checked with SHA-256 of each tensor's raw bytes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import json
+import os
+
+import pytest
+import torch
+from engine_support import free_port, serve_engine
+from miles_contracts.wire.distributed import create_weight_group, destroy_weight_group
+from miles_contracts.wire.tensors import write_shm_bucket
+from miles_models.testing import tiny_model
+from transformers import AutoModelForCausalLM
+
+PROMPT = [1, 504, 3458, 282]
+
+
+def sha256(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def trained_path():
+    return tiny_model("dense", seed=1)
+
+
+@pytest.fixture(scope="module")
+def trained(trained_path):
+    return AutoModelForCausalLM.from_pretrained(trained_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def engine(dense_path):
+    with serve_engine(dense_path) as running:
+        yield running
+
+
+def checksums(engine) -> dict[str, str]:
+    return engine.get("/weights_checksum").json()["checksums"]
+
+
+def greedy(engine) -> dict:
+    return engine.generate({"input_ids": PROMPT, "return_logprob": True,
+                            "sampling_params": {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}})
+
+
+def logprobs(answer: dict) -> list[float]:
+    return [entry[0] for entry in answer["meta_info"]["output_token_logprobs"]]
+
+
+def reference_greedy(model) -> list[int]:
+    """Greedy decoding by full forwards (no cache, no EOS handling)."""
+    ids = list(PROMPT)
+    with torch.no_grad():
+        for _ in range(12):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(PROMPT):]
+
+
+def assert_holds(engine, model) -> None:
+    expected = {name: sha256(t) for name, t in model.state_dict().items()}
+    held = checksums(engine)
+    assert set(held) == set(expected)
+    assert held == expected
+    assert greedy(engine)["output_ids"] == reference_greedy(model)
+
+
+def test_update_from_disk_loads_the_folder_and_bumps_the_version(engine, trained_path, trained):
+    before = greedy(engine)
+    answer = engine.post("/update_weights_from_disk", {"model_path": str(trained_path)})
+    assert answer.status_code == 200 and answer.json()["success"], answer.text
+    assert answer.json()["weight_version"] == "1"
+    assert_holds(engine, trained)
+    after = greedy(engine)
+    assert after["meta_info"]["weight_version"] == "1"
+    assert logprobs(after) != logprobs(before)
+    assert engine.get("/get_model_info").json()["weight_version"] == "1"
+
+
+def test_update_from_flattened_shm(engine, trained):
+    bucket = write_shm_bucket(trained.state_dict().items())
+    try:
+        answer = engine.post("/update_weights_from_tensor", {
+            "serialized_named_tensors": [json.dumps(bucket.to_json())], "load_format": "flattened_shm",
+            "weight_version": "step-3"})
+    finally:
+        os.unlink(bucket.path)
+    assert answer.status_code == 200, answer.text
+    assert_holds(engine, trained)
+    assert greedy(engine)["meta_info"]["weight_version"] == "step-3"
+
+
+def test_update_from_distributed_over_gloo(engine, trained):
+    """The trainer is rank 0 in this test process; the engine joins as rank 1 over HTTP."""
+    port = free_port()
+    names = list(trained.state_dict())
+    tensors = [trained.state_dict()[n].contiguous() for n in names]
+    with cf.ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(engine.post, "/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": "test_group", "backend": "gloo"})
+        group = create_weight_group("gloo", "127.0.0.1", port, 0, 2, "test_group")
+        assert joined.result().json()["success"], joined.result().text
+        try:
+            update = pool.submit(engine.post, "/update_weights_from_distributed", {
+                "names": names, "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+                "shapes": [list(t.shape) for t in tensors], "group_name": "test_group", "weight_version": "9"})
+            for tensor in tensors:
+                torch.distributed.broadcast(tensor, src=0, group=group)
+            answer = update.result()
+        finally:
+            destroy_weight_group(group)
+    assert answer.status_code == 200 and answer.json()["success"], answer.text
+    assert_holds(engine, trained)
+    assert greedy(engine)["meta_info"]["weight_version"] == "9"
+    assert engine.post("/destroy_weights_update_group", {"group_name": "test_group"}).json()["success"]
+
+
+def test_noise_then_restore_is_bit_exact(engine, dense_path):
+    original = checksums(engine)
+    before = greedy(engine)
+    assert engine.post("/fill_weights_noise", {"seed": 5}).json()["success"]
+    noisy = checksums(engine)
+    assert all(noisy[name] != digest for name, digest in original.items())
+    assert logprobs(greedy(engine)) != logprobs(before)
+    assert engine.post("/update_weights_from_disk", {"model_path": str(dense_path)}).json()["success"]
+    assert checksums(engine) == original
+    restored = greedy(engine)
+    assert restored["output_ids"] == before["output_ids"] and logprobs(restored) == logprobs(before)
+
+
+def test_update_weight_version(engine):
+    assert engine.post("/update_weight_version", {"new_version": "v7"}).json()["success"]
+    assert greedy(engine)["meta_info"]["weight_version"] == "v7"
+    assert engine.get("/weights_checksum").json()["weight_version"] == "v7"
+    engine.post("/update_weight_version", {"new_version": "41"})
+    engine.post("/fill_weights_noise", {"seed": 1})
+    assert engine.get("/get_model_info").json()["weight_version"] == "41"  # noise is not a version
+
+
+def test_bad_updates_are_refused_and_change_nothing(engine, trained, tmp_path):
+    original = checksums(engine)
+    state = trained.state_dict()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    cases = [
+        [(name, state[name][:, :8].contiguous())],  # wrong shape
+        [("model.layers.0.not_a_weight", state[name]), (name, state[name])],  # unknown name
+    ]
+    for tensors in cases:
+        bucket = write_shm_bucket(tensors)
+        try:
+            answer = engine.post("/update_weights_from_tensor", {
+                "serialized_named_tensors": [json.dumps(bucket.to_json())], "load_format": "flattened_shm"})
+        finally:
+            os.unlink(bucket.path)
+        assert answer.status_code == 400 and answer.json()["success"] is False
+        assert "nothing was loaded" in answer.json()["message"]
+    missing = engine.post("/update_weights_from_disk", {"model_path": str(tmp_path / "nope")})
+    assert missing.status_code == 400 and "not a folder" in missing.json()["message"]
+    empty = engine.post("/update_weights_from_disk", {"model_path": str(tmp_path)})
+    assert empty.status_code == 400 and "no *.safetensors" in empty.json()["message"]
+    nccl = engine.post("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": free_port(),
+                                                      "rank_offset": 1, "world_size": 2, "backend": "nccl"})
+    assert nccl.status_code == 400 and "gloo" in nccl.json()["message"]
+    no_group = engine.post("/update_weights_from_distributed", {"names": [name], "dtypes": ["float32"], "shapes": [[64, 64]]})
+    assert no_group.status_code == 400 and "init_weights_update_group" in no_group.json()["message"]
+    bad_format = engine.post("/update_weights_from_tensor", {"serialized_named_tensors": ["x"], "load_format": "npz"})
+    assert bad_format.status_code == 400
+    assert checksums(engine) == original
+    assert engine.get("/get_model_info").json()["weight_version"] == "0"
+    assert greedy(engine)["meta_info"]["finish_reason"]["type"] == "length"
