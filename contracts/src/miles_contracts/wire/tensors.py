@@ -64,12 +64,13 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorMeta], int]:
+def tensor_layout(tensors: list[tuple[str, torch.Tensor]], align: int = _ALIGN) -> tuple[list[TensorMeta], int]:
+    """Where each tensor lives in one flat byte buffer (offsets multiples of ``align``), and its size."""
     metas, offset = [], 0
     for name, t in tensors:
         nbytes = t.numel() * t.element_size()
         metas.append(TensorMeta(name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, nbytes))
-        offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        offset += (nbytes + align - 1) // align * align
     return metas, offset
 
 
@@ -82,7 +83,7 @@ def write_shm_bucket(tensors: Iterable[tuple[str, torch.Tensor]]) -> ShmBucket:
     import torch
 
     items = [(n, t.detach()) for n, t in tensors]
-    metas, size = _layout(items)
+    metas, size = tensor_layout(items)
     path = shm_dir() / f"miles-weights-{os.getpid()}-{uuid.uuid4().hex}"
     flat = torch.from_file(str(path), shared=True, size=max(size, 1), dtype=torch.uint8)
     for meta, (_, t) in zip(metas, items, strict=True):

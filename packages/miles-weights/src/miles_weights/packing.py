@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from miles_contracts.weights import WeightBucket
-from miles_contracts.wire.tensors import CUDA_IPC_FORMAT, SHM_FORMAT, ShmBucket, TensorMeta, shm_dir
+from miles_contracts.wire.tensors import CUDA_IPC_FORMAT, SHM_FORMAT, ShmBucket, TensorMeta, shm_dir, tensor_layout
 
 from miles_weights.errors import WeightSyncError
 
@@ -29,12 +29,7 @@ _GROW = 1 << 20  # /dev/shm files grow in whole MiB
 
 def aligned_layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorMeta], int]:
     """Where each tensor lives in one flat byte buffer, and the buffer's size."""
-    metas, offset = [], 0
-    for name, tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        metas.append(TensorMeta(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes))
-        offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-    return metas, offset
+    return tensor_layout(tensors, _ALIGN)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
