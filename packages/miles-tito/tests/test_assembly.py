@@ -112,3 +112,13 @@ def test_status_comes_from_the_last_turn_and_format_errors_are_reported() -> Non
     truncated = assemble([tool_turn, record(1, [1, 30, 4], [31], [-1.0], finish_reason="length")], max_trim_tokens=0)
     assert (truncated.status, truncated.exit_reason) == (Status.TRUNCATED, ExitReason.LENGTH)
     assert truncated.metadata["tito"]["turn_spans"] == [[0, 1], [2, 3]]
+
+
+def test_a_trimmed_tail_is_not_credited_when_the_next_turn_samples_the_same_tokens() -> None:
+    # Turn 0 sampled [30, 31], both replaced by the next turn's rendering (trimmed); turn 1 then
+    # happened to sample [30, 31] again. Only turn 1 owns those positions.
+    records = [record(0, [10], [30, 31], [-1.0, -2.0]), record(1, [10], [30, 31, 32], [-3.0, -4.0, -5.0])]
+    sample = assemble(records, max_trim_tokens=2)
+    assert sample.tokens == [10, 30, 31, 32]
+    assert sample.loss_mask == [1, 1, 1]
+    assert sample.rollout_logprobs == [-3.0, -4.0, -5.0]

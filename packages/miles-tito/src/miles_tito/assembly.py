@@ -83,7 +83,10 @@ def merge_turns(turns: Sequence[Sample], *, max_trim_tokens: int, into: Sample |
                 f"there but {final[at]} in the last turn"
             )
         output = turn.response_tokens
-        keep = _common_prefix_length(output, final[start:])
+        # What survives of a turn lies inside the next turn's prompt (which holds all history), so
+        # match only up to there: the next turn's own samples could repeat a trimmed token.
+        end = turns[number + 1].prompt_length if number + 1 < len(turns) else len(final)
+        keep = _common_prefix_length(output, final[start:end])
         lost = len(output) - keep
         if lost and (number == len(turns) - 1 or lost > max_trim_tokens):
             raise AssemblyError(

@@ -1,0 +1,49 @@
+"""TrainBatch layout: padding, alignment of per-token tensors, micro-batch selection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from miles_contracts import Sample, Status, TrainBatch, bucketize
+
+
+def _sample(index: int, prompt: list[int], response: list[int], reward: float) -> Sample:
+    return Sample(tokens=prompt + response, response_length=len(response), loss_mask=[1] * len(response),
+                  rollout_logprobs=[-0.5] * len(response), reward=reward, index=index, group_index=index // 2,
+                  status=Status.COMPLETED)
+
+
+def test_from_samples_pads_right_and_aligns_per_token_tensors() -> None:
+    batch = TrainBatch.from_samples([_sample(0, [1, 2], [3, 4, 5], 1.0), _sample(1, [1], [9], 0.0)], pad_token_id=0)
+    assert batch.tokens.tolist() == [[1, 2, 3, 4, 5], [1, 9, 0, 0, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    # entry [b, t] is token t predicted from tokens[:t]: the response positions carry the mask
+    assert batch.loss_mask.tolist() == [[0, 0, 1, 1, 1], [0, 1, 0, 0, 0]]
+    assert batch.rollout_logprobs[0, 2:].tolist() == [-0.5, -0.5, -0.5] and batch.rollout_logprobs[0, :2].sum() == 0
+    assert batch.rewards.tolist() == [1.0, 0.0] and batch.group_ids.tolist() == [0, 0]
+    assert batch.num_tokens == 7
+
+
+def test_select_trims_columns_to_the_longest_selected_row() -> None:
+    batch = TrainBatch.from_samples([_sample(0, [1, 2], [3, 4, 5], 1.0), _sample(1, [1], [9], 0.0)], pad_token_id=0)
+    batch.extras["per_row"] = torch.tensor([7.0, 8.0])
+    micro = batch.select([1])
+    assert micro.tokens.tolist() == [[1, 9]] and micro.extras["per_row"].tolist() == [8.0]
+
+
+def test_from_samples_rejects_an_invalid_sample_and_an_empty_batch() -> None:
+    with pytest.raises(ValueError, match="zero samples"):
+        TrainBatch.from_samples([], pad_token_id=0)
+    bad = _sample(0, [1], [2, 3], 1.0)
+    bad.loss_mask = [1]
+    with pytest.raises(ValueError, match="loss_mask has 1 entries"):
+        TrainBatch.from_samples([bad], pad_token_id=0)
+
+
+def test_bucketize_respects_the_byte_budget_and_keeps_order() -> None:
+    tensors = [(f"w{i}", torch.zeros(10, dtype=torch.float32)) for i in range(5)]  # 40 bytes each
+    buckets = list(bucketize(tensors, bucket_bytes=100))
+    assert [b.names for b in buckets] == [["w0", "w1"], ["w2", "w3"], ["w4"]]
+    assert [b.nbytes for b in buckets] == [80, 80, 40]
+    big = list(bucketize([("huge", torch.zeros(100))], bucket_bytes=10))
+    assert big[0].names == ["huge"]
