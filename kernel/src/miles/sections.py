@@ -89,7 +89,9 @@ class RolloutSection(Section):
     agent: Annotated[str, Choice("agent")] | None = None
     agent_timeout: float = Field(default=300.0, gt=0)
     max_turns: int = Field(default=8, ge=1)
-    concurrency: int = Field(default=64, ge=1, description="generator calls in flight")
+    # Engines queue what they cannot run yet, so a high limit costs little, while a low one feeds
+    # the engine one request per finished one: a prefill forward at nearly every decode step.
+    concurrency: int = Field(default=256, ge=1, description="generator calls in flight")
     max_staleness: int | None = Field(default=None, ge=0, description="weight versions a group may lag (async modes)")
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import hashlib
+import subprocess
+import sys
 
 import pytest
 import torch
 from engine_support import serve_engine
-from miles_contracts.wire.tensors import serialize_cuda_ipc
 from miles_models.testing import tiny_model
 from transformers import AutoModelForCausalLM
 
@@ -48,15 +49,26 @@ def test_cuda_logprobs_match_a_bf16_teacher_forced_forward(cuda_engine, dense_pa
     assert worst < 0.1  # bf16 KV cache vs one bf16 forward (feasibility-cpu.md §5: up to ~0.35 for 135M)
 
 
+_PRODUCER = """
+import sys, httpx, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[2], dtype=torch.bfloat16).cuda()
+body = {"serialized_named_tensors": [serialize_cuda_ipc(model.state_dict().items())], "load_format": "cuda_ipc",
+        "weight_version": "ipc-1"}
+answer = httpx.post(sys.argv[1] + "/update_weights_from_tensor", json=body, timeout=120)
+print(answer.status_code, answer.text)
+"""
+
+
 def test_cuda_ipc_weight_update(cuda_engine):
-    trained = AutoModelForCausalLM.from_pretrained(tiny_model("dense", seed=1), dtype=torch.bfloat16).cuda()
-    payload = serialize_cuda_ipc(trained.state_dict().items())
-    answer = cuda_engine.post("/update_weights_from_tensor", {"serialized_named_tensors": [payload],
-                                                              "load_format": "cuda_ipc", "weight_version": "ipc-1"})
-    assert answer.status_code == 200, answer.text
-    torch.cuda.synchronize()
+    # CUDA cannot open an IPC handle in the process that made it: the trainer is another process.
+    trained_path = tiny_model("dense", seed=1)
+    producer = subprocess.run([sys.executable, "-c", _PRODUCER, cuda_engine.url, str(trained_path)],
+                              capture_output=True, text=True, timeout=300)
+    assert producer.returncode == 0 and producer.stdout.startswith("200"), producer.stdout + producer.stderr
     sums = cuda_engine.get("/weights_checksum").json()
     assert sums["weight_version"] == "ipc-1"
+    trained = AutoModelForCausalLM.from_pretrained(trained_path, dtype=torch.bfloat16)
     name = "model.layers.0.self_attn.q_proj.weight"
-    raw = trained.state_dict()[name].contiguous().view(-1).view(torch.uint8).cpu().numpy()
+    raw = trained.state_dict()[name].contiguous().view(-1).view(torch.uint8).numpy()
     assert sums["checksums"][name] == hashlib.sha256(raw).hexdigest()

@@ -43,6 +43,18 @@ def engine(dense_path):
         yield running
 
 
+def push_shm(engine, named, *, version: str | None = None):
+    """POST ``named`` tensors as one ``flattened_shm`` bucket; returns the HTTP answer."""
+    bucket = write_shm_bucket(named)
+    body = {"serialized_named_tensors": [json.dumps(bucket.to_json())], "load_format": "flattened_shm"}
+    if version is not None:
+        body["weight_version"] = version
+    try:
+        return engine.post("/update_weights_from_tensor", body)
+    finally:
+        os.unlink(bucket.path)
+
+
 def checksums(engine) -> dict[str, str]:
     return engine.get("/weights_checksum").json()["checksums"]
 
@@ -65,8 +77,19 @@ def reference_greedy(model) -> list[int]:
     return ids[len(PROMPT):]
 
 
+def stored_once(model) -> dict[str, torch.Tensor]:
+    """The model's state_dict with each storage once: a tied ``lm_head.weight`` is the embedding's
+    bytes, which the engine reports under the embedding's name only."""
+    out, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            out[name] = tensor
+    return out
+
+
 def assert_holds(engine, model) -> None:
-    expected = {name: sha256(t) for name, t in model.state_dict().items()}
+    expected = {name: sha256(t) for name, t in stored_once(model).items()}
     held = checksums(engine)
     assert set(held) == set(expected)
     assert held == expected
@@ -86,13 +109,7 @@ def test_update_from_disk_loads_the_folder_and_bumps_the_version(engine, trained
 
 
 def test_update_from_flattened_shm(engine, trained):
-    bucket = write_shm_bucket(trained.state_dict().items())
-    try:
-        answer = engine.post("/update_weights_from_tensor", {
-            "serialized_named_tensors": [json.dumps(bucket.to_json())], "load_format": "flattened_shm",
-            "weight_version": "step-3"})
-    finally:
-        os.unlink(bucket.path)
+    answer = push_shm(engine, trained.state_dict().items(), version="step-3")
     assert answer.status_code == 200, answer.text
     assert_holds(engine, trained)
     assert greedy(engine)["meta_info"]["weight_version"] == "step-3"
@@ -177,3 +194,65 @@ def test_bad_updates_are_refused_and_change_nothing(engine, trained, tmp_path):
     assert checksums(engine) == original
     assert engine.get("/get_model_info").json()["weight_version"] == "0"
     assert greedy(engine)["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_the_tied_head_follows_an_update_of_the_embedding_alone(engine, trained):
+    """A checkpoint of a tied model stores the embedding only; the engine's head must follow it."""
+    name = "model.embed_tokens.weight"
+    answer = push_shm(engine, [(name, trained.state_dict()[name])])
+    assert answer.status_code == 200, answer.text
+    model = engine.engine.loaded.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, trained.lm_head.weight)
+    held = checksums(engine)
+    assert "lm_head.weight" not in held and held[name] == sha256(trained.state_dict()[name])
+
+
+def test_an_update_may_name_the_tied_alias(engine, trained):
+    answer = push_shm(engine, [("lm_head.weight", trained.lm_head.weight.detach())])
+    assert answer.status_code == 200, answer.text
+    assert checksums(engine)["model.embed_tokens.weight"] == sha256(trained.model.embed_tokens.weight)
+
+
+@pytest.fixture(scope="module")
+def moe_trained():
+    path = tiny_model("moe", seed=1)
+    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def moe_engine(moe_path):
+    with serve_engine(moe_path) as running:
+        yield running
+
+
+def test_moe_tensor_updates_take_checkpoint_names(moe_engine, moe_trained):
+    """The checkpoint's per-expert tensors land in transformers' fused expert parameters; the
+    checksums are reported under the same checkpoint names."""
+    from safetensors.torch import load_file
+
+    path, model = moe_trained
+    ckpt = load_file(str(path / "model.safetensors"))
+    assert "model.layers.1.mlp.experts.2.gate_proj.weight" in ckpt
+    assert engine_state_differs(moe_engine, model)
+    answer = push_shm(moe_engine, sorted(ckpt.items()))
+    assert answer.status_code == 200, answer.text
+    assert checksums(moe_engine) == {name: sha256(t) for name, t in ckpt.items()}
+    assert not engine_state_differs(moe_engine, model)
+    assert greedy(moe_engine)["output_ids"] == reference_greedy(model)
+
+
+def test_moe_tensor_updates_also_take_the_fused_runtime_names(moe_engine, moe_trained):
+    _, model = moe_trained
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    fused = model.state_dict()[name]
+    answer = push_shm(moe_engine, [(name, fused)])
+    assert answer.status_code == 200, answer.text
+    assert torch.equal(moe_engine.engine.loaded.model.state_dict()[name], fused)
+    half = fused.shape[1] // 2
+    assert checksums(moe_engine)["model.layers.0.mlp.experts.3.up_proj.weight"] == sha256(fused[3, half:])
+
+
+def engine_state_differs(engine, model) -> bool:
+    held = engine.engine.loaded.model.state_dict()
+    return any(not torch.equal(held[n], t) for n, t in model.state_dict().items())

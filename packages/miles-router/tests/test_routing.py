@@ -90,7 +90,7 @@ def test_a_dropped_connection_is_retried_elsewhere_and_the_worker_quarantined() 
         assert sorted(r.headers["x-miles-attempts"] for r in responses) == ["1", "1", "1", "1", "2", "2"]
         view = worker_view(client, dropper.url)
         assert view["state"] == "quarantined"
-        assert "2 consecutive failures" in view["reason"] and "RemoteProtocolError" in view["last_error"]
+        assert "2 consecutive failures" in view["reason"] and "ConnectionLost" in view["last_error"]
 
 
 def test_an_engine_that_went_away_between_requests_is_failed_over(engines: list[StandinEngine]) -> None:
@@ -101,7 +101,7 @@ def test_an_engine_that_went_away_between_requests_is_failed_over(engines: list[
             response = client.post("/generate", json=PROMPT)
             assert response.status_code == 200 and response.headers["x-miles-worker"] == b.url
         view = worker_view(client, a.url)
-        assert view["state"] == "quarantined" and "ConnectError" in view["last_error"]
+        assert view["state"] == "quarantined" and "ConnectFailed" in view["last_error"]
 
 
 def test_no_engine_gives_an_sglang_abort_with_the_reason() -> None:
@@ -178,7 +178,7 @@ def test_a_request_past_the_timeout_is_aborted_not_retried(engines: list[Standin
                 engine.release.set()
         assert response.headers["x-miles-router-abort"] == "timeout"
         message = response.json()["meta_info"]["finish_reason"]["message"]
-        assert "did not answer within 0.5s (ReadTimeout)" in message and "not retried" in message
+        assert "did not answer within 0.5s (ResponseTimeout" in message and "not retried" in message
         assert len(a.received) + len(b.received) == 1
 
 

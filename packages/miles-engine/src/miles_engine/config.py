@@ -29,6 +29,8 @@ class EngineConfig:
     :ivar plain_linear: keep transformers' own linear layers on CPU; by default fp32 CPU engines run
         them through oneDNN with pre-packed weights (~1.5x faster decode, a second copy of the
         linear weights in memory; see ``cpu_linear.py``).
+    :ivar disable_cuda_graph: run decode steps eagerly on CUDA; by default each decode step is a
+        replayed CUDA graph (see ``cuda_graphs.py``; not used for MoE models recording routes).
     :ivar seed: seeds the sampler of requests that carry no ``sampling_seed``.
     """
 
@@ -41,6 +43,7 @@ class EngineConfig:
     kv_cache_gb: float | None = None
     prefill_tokens_per_step: int = 2048
     plain_linear: bool = False
+    disable_cuda_graph: bool = False
     seed: int = 0
     tokenizer_path: str | None = None
     served_model_name: str | None = None

@@ -218,8 +218,16 @@ class Engine:
             "context_length": self.loaded.context_length, "max_kv_tokens": self.max_kv_tokens,
             "kv_cache_bytes": cache.nbytes, "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting), "stats": self.scheduler.stats.as_dict(),
+            "cuda_graphs": self._graph_info(),
             "uptime_s": round(time.time() - self.started_at, 3),
         }
+
+    def _graph_info(self) -> dict[str, Any]:
+        graphs = self.scheduler.runner.graphs
+        if graphs is None:
+            return {"enabled": False}
+        return {"enabled": True, "captured": graphs.captures, "live": len(graphs.graphs), "replays": graphs.replays,
+                "batch_buckets": graphs.buckets}
 
     def shutdown(self) -> None:
         self.scheduler.stop()

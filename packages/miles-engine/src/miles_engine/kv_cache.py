@@ -4,7 +4,9 @@ Layout: ``k`` and ``v`` are ``[layers, slots, kv_heads, length, head_dim]``. The
 ``i`` of the decode batch lives in slot ``i``; when a request leaves, the last one moves into its
 slot, so the batch is always slots ``0 .. B-1`` and a layer's keys for a decode step are the view
 ``k[layer, :B, :, :kv_len]``: no gather, no copy, no page table. Capacity grows (by reallocation)
-in both slots and length as the batch needs it, and is released on :meth:`release`.
+in both slots and length as the batch needs it, and is released on :meth:`release`. With
+``keep_allocation`` (CUDA graphs: a captured graph holds the cache's address) every allocation has
+all ``max_slots`` slots at once, grows only in length, and :meth:`release` keeps the memory.
 
 An instance is passed to the transformers model as its ``cache``: attention layers call
 :meth:`update` with the new keys and values of the tokens being fed, and get back the keys and
@@ -24,7 +26,8 @@ _LENGTH_QUANTUM = 128
 
 class SlotKVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, *, keep_allocation: bool = False) -> None:
+        self.keep_allocation = keep_allocation
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -53,6 +56,8 @@ class SlotKVCache:
         import torch
 
         new_slots = min(max_slots, max(slots, self.slots * 2, 1)) if slots > self.slots else self.slots
+        if self.keep_allocation:
+            new_slots = max(max_slots, slots)
         new_length = self.length
         if length > self.length:
             grown = max(length, self.length * 2)
@@ -67,6 +72,10 @@ class SlotKVCache:
         self.k, self.v, self.slots, self.length = k, v, new_slots, new_length
 
     def release(self) -> None:
+        """Free the memory (kept with ``keep_allocation``: contents are dropped all the same, as
+        every request in it is prefilled again before it decodes)."""
+        if self.keep_allocation:
+            return
         self.k = self.v = None
         self.slots = self.length = 0
 

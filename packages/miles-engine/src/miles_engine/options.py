@@ -39,6 +39,7 @@ ENGINE_FLAGS = (
     Flag("kv_cache_gb", float, "KV-cache memory when --max-kv-tokens is not given (default 2 on CPU, 40%% of free GPU memory)"),
     Flag("prefill_tokens_per_step", int, "prompt tokens prefilled between two decode steps (default 2048)"),
     Flag("plain_linear", bool, "CPU: keep transformers' linear layers (no oneDNN weight packing; less memory, slower)"),
+    Flag("disable_cuda_graph", bool, "CUDA: run decode steps eagerly instead of as replayed CUDA graphs"),
     Flag("seed", int, "seed of requests without sampling_seed (default 0)"),
     Flag("tokenizer_path", str, "tokenizer folder if not the model's"),
     Flag("served_model_name", str, "name reported by /get_model_info"),
@@ -70,6 +71,7 @@ class EngineSection(BaseModel):
     kv_cache_gb: float | None = Field(default=None, gt=0, description="KV-cache memory if max_kv_tokens is unset")
     prefill_tokens_per_step: int = Field(default=2048, ge=1)
     plain_linear: bool = False
+    disable_cuda_graph: bool = False
     seed: int = 0
 
     def options(self) -> dict[str, Any]:

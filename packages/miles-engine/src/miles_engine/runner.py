@@ -11,6 +11,7 @@ from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
 from miles_engine import cpu_linear
+from miles_engine.cuda_graphs import DecodeGraphs
 from miles_engine.kv_cache import SlotKVCache
 from miles_engine.loading import LoadedModel
 from miles_engine.routing import RoutingCapture, find_routers
@@ -22,15 +23,19 @@ if TYPE_CHECKING:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, max_slots: int, *, pack_linears: bool = True) -> None:
+    def __init__(self, loaded: LoadedModel, max_slots: int, *, pack_linears: bool = True,
+                 cuda_graphs: bool = True) -> None:
         import torch
 
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
         self.max_slots = max_slots
-        self.cache = SlotKVCache(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.dtype, loaded.device)
         self.routing = RoutingCapture(self.model) if find_routers(self.model) else None
+        graphed = cuda_graphs and loaded.device.type == "cuda" and self.routing is None
+        self.cache = SlotKVCache(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.dtype, loaded.device,
+                                 keep_allocation=graphed)
+        self.graphs = DecodeGraphs(self.model, self.cache, max_slots) if graphed else None
         self.packed = None
         if pack_linears and loaded.device.type == "cpu" and loaded.dtype == torch.float32 and cpu_linear.available():
             self.packed = cpu_linear.PackedLinears(self.model)
@@ -110,6 +115,11 @@ class ModelRunner:
         positions_list = [s.kv_len for s in seqs]
         kv_len = max(positions_list) + 1
         self.cache.reserve(batch, kv_len, max_slots=self.max_slots, max_length=self.loaded.context_length)
+        if self.graphs is not None:
+            logits = self.graphs.decode([s.output_ids[-1] for s in seqs], positions_list)
+            for s in seqs:
+                s.kv_len += 1
+            return logits
         device = self.device
         positions = torch.tensor(positions_list, device=device)
         self.cache.plan_decode(batch, positions, kv_len)

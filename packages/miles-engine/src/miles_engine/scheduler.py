@@ -69,7 +69,8 @@ class Scheduler:
 
         self.config = config
         self.max_kv_tokens = max_kv_tokens
-        self.runner = ModelRunner(loaded, config.max_running_requests, pack_linears=not config.plain_linear)
+        self.runner = ModelRunner(loaded, config.max_running_requests, pack_linears=not config.plain_linear,
+                                  cuda_graphs=not config.disable_cuda_graph)
         self.codec = TextCodec(loaded.tokenizer)
         self.stop_checker = StopChecker(self.codec)
         self.generator = torch.Generator(device=loaded.device).manual_seed(config.seed)

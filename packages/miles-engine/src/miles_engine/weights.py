@@ -1,15 +1,30 @@
 """The served model's weights by name: load updates, checksum, fill with noise.
 
-Names are the keys of the transformers model's ``state_dict()`` (``model.layers.0.mlp.gate.weight``,
-``lm_head.weight`` ...), which is what a trainer holding the same transformers model sends. Tied
-weights answer to both names. Every update is checked whole (names, shapes) before the first
-tensor is copied, so a bad request changes nothing. All methods run on the scheduler thread.
+**Names an update may use.** Checkpoint names, as HF checkpoints store them and trainers send
+them (FSDP's named weights are these): for most models the keys of the transformers model's
+``state_dict()`` (``model.layers.0.mlp.gate_proj.weight`` ...). Where transformers fuses weights
+at load time, an MoE layer's per-expert ``mlp.experts.<e>.gate_proj.weight`` / ``up_proj`` /
+``down_proj`` (transformers 5 holds them as one ``experts.gate_up_proj [E, 2I, H]`` and one
+``experts.down_proj [E, H, I]``), each checkpoint tensor is copied into its slice of the fused
+parameter; this layout is confirmed against transformers' own reverse conversion when the store
+is built. Also accepted: the runtime names of the fused tensors as a whole, and tied aliases
+(``lm_head.weight`` when the head shares the input embedding), which load into the tensor they
+share.
+
+**Checksums and noise cover each stored byte once.** :meth:`WeightStore.checksums` reports every
+checkpoint name once and never a tied alias (its bytes are its partner's), which is what a trainer
+sends: a tied head travels once, under the embedding's name. A tie the config declares but whose
+tensors do not share storage is kept by copying after each update and noise fill.
+
+Every update is checked whole (names, shapes) before the first tensor is copied, so a bad request
+changes nothing. All methods run on the scheduler thread.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,6 +32,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
     from torch import nn
+
+log = logging.getLogger(__name__)
+
+# transformers 5's fused MoE experts: runtime leaf name -> the checkpoint projections stacked along
+# dim 1, in order ([E, 2I, H] = gate rows then up rows; [E, H, I] = down). Dim 0 is the expert.
+FUSED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
 class WeightUpdateError(ValueError):
@@ -32,23 +53,132 @@ def parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def noise_generator(seed: int) -> torch.Generator:
+    """The generator of a noise fill. The seed is hashed first: a plain ``manual_seed(seed)`` would
+    draw exactly the weights of a model initialised as ``randn(generator=manual_seed(seed)) * 0.02``
+    (as ``miles bench weights`` builds its random models), and check mode could then not tell a
+    restored tensor from one left as noise."""
+    import torch
+
+    salted = int.from_bytes(hashlib.sha256(f"miles-weight-noise:{seed}".encode()).digest()[:8], "little")
+    return torch.Generator().manual_seed(salted & ((1 << 63) - 1))
+
+
+def fused_expert_views(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """For each fused expert tensor in ``tensors`` (runtime name -> tensor), its checkpoint names
+    and the views of it that hold them (writing a view writes the fused tensor)."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        base, _, leaf = name.rpartition(".")
+        projections = FUSED_EXPERTS.get(leaf)
+        if projections is None or not base.endswith(".experts") or tensor.dim() != 3:
+            continue
+        if tensor.shape[1] % len(projections):
+            continue
+        rows = tensor.shape[1] // len(projections)
+        out[name] = {f"{base}.{expert}.{projection}.weight": tensor[expert, i * rows:(i + 1) * rows]
+                     for expert in range(tensor.shape[0]) for i, projection in enumerate(projections)}
+    return out
+
+
+def _agrees_with_transformers(model: nn.Module, tensors: dict[str, torch.Tensor],
+                              views: dict[str, dict[str, torch.Tensor]]) -> bool:
+    """Whether transformers' reverse conversion of one fused layer gives exactly these checkpoint
+    names and bytes (one layer suffices: every layer is built by the same class)."""
+    import torch
+
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # a transformers without load-time conversions would not hold fused experts
+        return True
+    base = next(iter(views)).rpartition(".")[0]
+    group = {name: tensors[name] for name in views if name.rpartition(".")[0] == base}
+    expected = {ckpt: view for name in group for ckpt, view in views[name].items()}
+    try:
+        with torch.no_grad():
+            reverted = revert_weight_conversion(model, dict(group))
+    except Exception as exc:  # noqa: BLE001 (any failure means: do not trust the layout)
+        log.warning("transformers' reverse conversion of %s failed (%s: %s)", base, type(exc).__name__, exc)
+        return False
+    return set(reverted) == set(expected) and all(
+        tuple(reverted[n].shape) == tuple(v.shape) and torch.equal(reverted[n].to(v.device), v)
+        for n, v in expected.items())
+
+
+def _view_key(tensor: torch.Tensor) -> tuple:
+    """Equal for two tensors that are the same bytes (same storage, offset, shape, strides, dtype)."""
+    return (tensor.device, tensor.dtype, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+            tuple(tensor.shape), tuple(tensor.stride()))
+
+
 class WeightStore:
+    """The model's tensors by every name an update may use.
+
+    :ivar stored: one runtime name per storage (tied aliases removed), in ``state_dict`` order;
+        what the noise fill covers.
+    :ivar checkpoint: the names checksums report, each a distinct region of bytes: ``stored`` with
+        each fused expert tensor replaced by its per-expert checkpoint views.
+    :ivar aliases: tied alias -> the stored name it loads into.
+    :ivar targets: every accepted name -> the tensor (or view) an update copies into.
+    """
+
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.tensors: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
+        runtime = {name: tensor.detach() for name, tensor in model.state_dict(keep_vars=True).items()}
+        tied = {t: s for t, s in (getattr(model, "all_tied_weights_keys", None) or {}).items()
+                if t in runtime and s in runtime}  # target (e.g. lm_head.weight) -> source
+        self.aliases: dict[str, str] = {}
+        owner: dict[tuple, str] = {}
+        for name in sorted(runtime, key=lambda n: n in tied):  # stable: a tie's source names the storage
+            key = _view_key(runtime[name])
+            if key in owner:
+                self.aliases[name] = owner[key]
+            else:
+                owner[key] = name
+        self.stored = {name: tensor for name, tensor in runtime.items() if name not in self.aliases}
+        # A tie the config declares whose tensors do not share storage: load and fill the source,
+        # then copy it into the target, so the two stay equal as the model expects.
+        self.followers: dict[str, list[torch.Tensor]] = {}
+        for target, source in tied.items():
+            source = self.aliases.get(source, source)
+            if target in self.stored and source in self.stored and source != target \
+                    and self.stored[target].shape == self.stored[source].shape:
+                self.followers.setdefault(source, []).append(self.stored.pop(target))
+                self.aliases[target] = source
+        views = fused_expert_views(self.stored)
+        if views and not _agrees_with_transformers(model, self.stored, views):
+            log.warning("fused MoE experts do not match the known checkpoint layout; tensor updates must use "
+                        "the runtime names (%s ...), or load checkpoints from disk", next(iter(views)))
+            views = {}
+        self.checkpoint: dict[str, torch.Tensor] = {}
+        self._owner: dict[str, str] = {}  # accepted name -> the stored name whose bytes it writes
+        for name, tensor in self.stored.items():
+            for ckpt, view in views.get(name, {name: tensor}).items():
+                self.checkpoint[ckpt] = view
+                self._owner[ckpt] = name
+        self.targets: dict[str, torch.Tensor] = dict(self.checkpoint)
+        for name, tensor in self.stored.items():
+            self.targets.setdefault(name, tensor)
+            self._owner.setdefault(name, name)
+        for alias, source in self.aliases.items():
+            self.targets[alias] = self.stored[source]
+            self._owner[alias] = source
+
+    # ------------------------------------------------------------------ updates
 
     def check(self, shapes: Iterable[tuple[str, tuple[int, ...]]]) -> None:
         unknown, wrong = [], []
         for name, shape in shapes:
-            target = self.tensors.get(name)
+            target = self.targets.get(name)
             if target is None:
                 unknown.append(name)
             elif tuple(target.shape) != tuple(shape):
                 wrong.append(f"{name}: sent {list(shape)}, model has {list(target.shape)}")
         problems = []
         if unknown:
-            problems.append(f"{len(unknown)} unknown tensor name(s) {_preview(unknown)} "
-                            f"(the engine expects the names of the transformers model's state_dict, e.g. {next(iter(self.tensors))!r})")
+            problems.append(f"{len(unknown)} unknown tensor name(s) {_preview(unknown)} (the engine takes checkpoint "
+                            f"names, e.g. {next(iter(self.checkpoint))!r}, the transformers model's state_dict names, "
+                            "or tied aliases)")
         if wrong:
             problems.append(f"{len(wrong)} shape mismatch(es): {_preview(wrong)}")
         if problems:
@@ -60,10 +190,13 @@ class WeightStore:
         import torch
 
         count = 0
+        touched: set[str] = set()
         with torch.no_grad():
             for name, tensor in named:
-                self.tensors[name].data.copy_(tensor, non_blocking=False)
+                self.targets[name].copy_(tensor, non_blocking=False)
+                touched.add(self._owner[name])
                 count += 1
+            self._copy_to_followers(touched)
         return count
 
     def load_checked(self, named: list[tuple[str, torch.Tensor]]) -> int:
@@ -71,9 +204,9 @@ class WeightStore:
         return self.load(named)
 
     def load_from_disk(self, folder: str) -> int:
-        """Load every tensor of the safetensors files in ``folder``. Files in the model's own
-        naming load directly; a Hugging Face checkpoint in another layout (e.g. per-expert MoE
-        weights) goes through transformers' loader first."""
+        """Load every tensor of the safetensors files in ``folder``. Files in a naming this store
+        takes (checkpoint or runtime names) load directly; any other Hugging Face layout goes
+        through transformers' loader first."""
         from safetensors import safe_open
 
         files = _safetensors_files(Path(folder))
@@ -82,7 +215,7 @@ class WeightStore:
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                     names[key] = tuple(f.get_slice(key).get_shape())
-        if all(name in self.tensors for name in names):
+        if all(name in self.targets for name in names):
             self.check(names.items())
             count = 0
             for file in files:
@@ -94,7 +227,7 @@ class WeightStore:
     def _load_checkpoint(self, folder: str) -> int:
         from transformers import AutoModelForCausalLM
 
-        dtype = next(iter(self.tensors.values())).dtype
+        dtype = next(iter(self.stored.values())).dtype
         try:
             other = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map="cpu")
         except Exception as exc:
@@ -103,30 +236,40 @@ class WeightStore:
         self.check((n, tuple(t.shape)) for n, t in state.items())
         return self.load(state.items())
 
+    # ------------------------------------------------------------------ check mode
+
     def checksums(self) -> dict[str, str]:
-        """SHA-256 of each tensor's raw bytes (contiguous, row-major, own dtype), by name."""
+        """SHA-256 of each checkpoint tensor's raw bytes (contiguous, row-major, own dtype), by
+        name; tied aliases are not listed (their bytes are their partner's)."""
         import torch
 
         out = {}
-        for name, tensor in self.tensors.items():
-            raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+        for name, tensor in self.checkpoint.items():
+            raw = tensor.contiguous().reshape(-1).view(torch.uint8).cpu()
             out[name] = hashlib.sha256(raw.numpy()).hexdigest()
         return out
 
     def fill_noise(self, seed: int) -> int:
-        """Overwrite every tensor with N(0, 0.02) noise from ``seed`` (same bits on any device)."""
+        """Overwrite every floating-point storage once with N(0, 0.02) noise drawn from
+        :func:`noise_generator` (same bits on any device); returns how many tensors."""
         import torch
 
-        generator = torch.Generator().manual_seed(seed)
+        generator = noise_generator(seed)
         seen: set[int] = set()
         with torch.no_grad():
-            for tensor in self.tensors.values():
+            for tensor in self.stored.values():
                 if tensor.data_ptr() in seen or not tensor.is_floating_point():
                     continue
                 seen.add(tensor.data_ptr())
                 noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32) * 0.02
-                tensor.data.copy_(noise)
+                tensor.copy_(noise)
+            self._copy_to_followers(self.followers)
         return len(seen)
+
+    def _copy_to_followers(self, sources: Iterable[str]) -> None:
+        for source in sources:
+            for follower in self.followers.get(source, ()):
+                follower.copy_(self.stored[source])
 
 
 def _safetensors_files(folder: Path) -> list[str]:

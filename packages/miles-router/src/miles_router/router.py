@@ -68,6 +68,7 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
         if self._client is not None:
+            await self.forwarder.aclose()
             await self._client.aclose()
 
     # ------------------------------------------------------------------ requests

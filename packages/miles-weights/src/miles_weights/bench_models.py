@@ -63,14 +63,17 @@ def _llama_tensors(shape: LlamaShape, vocab: int) -> list[tuple[str, list[int]]]
     return names + [("model.norm.weight", [shape.hidden])]
 
 
-def random_llama(size: str, base_dir: Path, cache_dir: Path, *, seed: int = 0) -> Path:
-    """A Llama of ``size`` (see :data:`RANDOM_MODELS`) with random bf16 weights and the tokenizer
-    of ``base_dir``; written once under ``cache_dir`` and reused."""
+def random_llama(size: str | LlamaShape, base_dir: Path, cache_dir: Path, *, seed: int = 0) -> Path:
+    """A Llama of ``size`` (a key of :data:`RANDOM_MODELS`, or any shape) with random bf16 weights
+    and the config (tied embeddings included) and tokenizer of ``base_dir``; written once under
+    ``cache_dir`` and reused."""
     import torch
     from safetensors.torch import save_file
 
-    shape = RANDOM_MODELS[size]
-    final = cache_dir / f"random-llama-{size}-s{seed}"
+    shape = RANDOM_MODELS[size] if isinstance(size, str) else size
+    label = size if isinstance(size, str) else (f"h{shape.hidden}-i{shape.intermediate}-l{shape.layers}"
+                                                 f"-a{shape.heads}-kv{shape.kv_heads}")
+    final = cache_dir / f"random-llama-{label}-s{seed}"
     if (final / "model.safetensors.index.json").is_file():
         return final
     partial = cache_dir / f".{final.name}.partial"

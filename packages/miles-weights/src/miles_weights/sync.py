@@ -126,7 +126,7 @@ class BucketedTransport(ABC):
             num_buckets = self._deliver(staged, urls, version)
             self._calls.post_all(urls, "/flush_cache", step=f"version {version}: flush cache")
             if self.options.check:
-                self._verify(urls, tally.checksums, version)
+                self._verify(urls, tally, version)
             self._calls.post_all(urls, "/update_weight_version", {"new_version": str(version)},
                                  step=f"version {version}: update weight version")
             self._calls.post_all(urls, "/continue_generation", {}, step=f"version {version}: continue generation")
@@ -171,12 +171,13 @@ class BucketedTransport(ABC):
         for url, answer in answers.items():
             self._noise[url] = dict(answer.get("checksums") or {})
 
-    def _verify(self, urls: list[str], sent: dict[str, str], version: int) -> None:
+    def _verify(self, urls: list[str], tally: TensorTally, version: int) -> None:
         answers = self._calls.get_all(urls, "/weights_checksum", step=f"version {version}: check mode, checksums after sync")
         mismatches: dict[str, list[str]] = {}
         lines = []
         for url, answer in answers.items():
-            diff = compare_checksums(sent, answer.get("checksums") or {}, self._noise.get(url))
+            diff = compare_checksums(tally.checksums, answer.get("checksums") or {}, self._noise.get(url),
+                                     not_floating=tally.not_floating)
             if not diff.ok:
                 mismatches[url] = diff.names
                 lines.append(f"  - engine {url}: {diff.describe()}")

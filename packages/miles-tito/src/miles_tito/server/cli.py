@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +30,11 @@ def run(args: argparse.Namespace) -> int:
         args.router, tito, model_name=str(args.model), max_context_len=args.max_context_len,
         default_max_tokens=args.max_tokens, max_rollback_turns=args.max_rollback_turns,
     )
+    app = make()
+    # Everything loaded so far (transformers, the tokenizer: ~400k objects) lives as long as the
+    # process. Frozen, the collector stops re-scanning it: a full collection took ~180 ms, a pause
+    # every request in flight would wait out.
+    gc.freeze()
     print(f"session server: {args.model} (chat family {tito.family.name}) on http://{args.host}:{args.port}, engines at {args.router}", flush=True)
-    uvicorn.run(make(), host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0

@@ -9,6 +9,9 @@ from typing import Any
 from miles_tito.families import resolve_family
 from miles_tito.tokenizer import RenderCheck, TitoTokenizer
 
+UPSTREAM_CONNECTIONS = 1024
+"""Most connections from one session server to the router; more concurrent requests wait for one."""
+
 
 def load_tito(model: str | Path, family: str | None = None, render_check: RenderCheck = "window") -> TitoTokenizer:
     """The TITO tokenizer of ``model`` (a ``miles models list`` name or a folder)."""
@@ -27,11 +30,14 @@ def app_factory(engine_url: str, tito: TitoTokenizer, *, model_name: str, **opti
     """
 
     def make() -> Any:
+        from miles.engine_client import HttpEngineClient
+
         from miles_tito.server.app import create_app
         from miles_tito.server.service import SessionService
-        from miles_tito.server.upstream import ShardedEngineClient
 
-        engine = ShardedEngineClient(engine_url)
+        # One pool for all sessions (its cost does not grow with its connections); room for a
+        # request in flight per session at the concurrencies agentic rollouts run.
+        engine = HttpEngineClient(engine_url, retries=1, max_connections=UPSTREAM_CONNECTIONS)
         return create_app(SessionService(engine, tito, model_name=model_name, **options))
 
     return make

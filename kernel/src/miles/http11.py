@@ -1,0 +1,592 @@
+"""A lean asyncio HTTP/1.1 client with a keep-alive connection pool, for calls between Miles' services.
+
+Why not httpx: the session server makes one engine call per chat request, and a py-spy profile
+put a third of its CPU in httpx (URL and header models, h11's state machine, anyio streams, and a
+connection pool that rescans every connection on each request, so its cost grows with the number
+of sessions). This client does only what a call to an engine or the router needs, with a single
+``transport.write`` per request and the response parsed straight out of ``data_received``:
+
+* ``http://`` and ``https://``; no proxies, redirects, cookies, compression or HTTP/2;
+* the request body is bytes, the response is read whole (``Content-Length``, chunked, or until
+  the server closes);
+* keep-alive connections are reused most-recent first; one idle longer than ``keepalive_expiry``
+  is dropped (below uvicorn's 5 s, so the client, not the server, closes it); a reused connection
+  that the server had closed meanwhile is retried once on a new connection (nothing of the
+  response had arrived, so the server never answered on it);
+* at most ``max_connections`` are open; further requests wait for one, within their timeout.
+
+Errors are :class:`HttpError` subclasses that say what happened: :class:`ConnectFailed`,
+:class:`ConnectionLost`, :class:`ResponseTimeout`, :class:`ProtocolError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import ssl
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+MAX_HEAD_BYTES = 64 * 1024
+"""Longest status line plus headers accepted (longer is a :class:`ProtocolError`)."""
+
+_INLINE_BODY_BYTES = 256 * 1024
+"""Bodies up to this size are copied into the head's buffer: one write, one packet when small."""
+
+
+class HttpError(Exception):
+    """Base class of this client's errors."""
+
+
+class ConnectFailed(HttpError):
+    """No connection could be opened (refused, unknown host, or the connect timed out)."""
+
+
+class ConnectionLost(HttpError):
+    """The server closed or reset the connection before the response was complete.
+
+    :ivar response_started: whether any byte of the response had arrived.
+    """
+
+    def __init__(self, message: str, *, response_started: bool) -> None:
+        super().__init__(message)
+        self.response_started = response_started
+
+
+class ResponseTimeout(HttpError):
+    """No complete response (or no free connection) within the request's timeout."""
+
+
+class ProtocolError(HttpError):
+    """The server's answer is not HTTP/1.1 this client can read."""
+
+
+@dataclass(slots=True)
+class HttpResponse:
+    """A whole response. Header names are lower-case; a repeated header's values are joined by ``, ``."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", errors="replace")
+
+
+# ---------------------------------------------------------------------------------------- parsing
+
+
+class ResponseParser:
+    """Incremental parser of one response; :meth:`feed` returns it once complete.
+
+    Separate from the connection so that it can be tested on byte splits the network rarely makes.
+    Informational (1xx) responses before the final one are skipped.
+    """
+
+    __slots__ = ("_buffer", "_no_body", "_status", "_headers", "_mode", "_remaining", "_body", "_keep_alive", "started")
+
+    def __init__(self, *, no_body: bool = False) -> None:
+        self._buffer = bytearray()
+        self._no_body = no_body  # a HEAD request: whatever the headers say, no body follows
+        self._status = 0
+        self._headers: dict[str, str] = {}
+        self._mode = ""  # "" = reading the head; then "length", "chunk-size", "chunk-data", "trailers", "close"
+        self._remaining = 0
+        self._body = bytearray()
+        self._keep_alive = True
+        self.started = False
+
+    @property
+    def keep_alive(self) -> bool:
+        """Whether the connection may carry another request after this response."""
+        return self._keep_alive and self._mode != "close"
+
+    def feed(self, data: bytes) -> HttpResponse | None:
+        self.started = True
+        self._buffer += data
+        while True:
+            if not self._mode:
+                if not self._read_head():
+                    return None
+                if not self._mode:  # a 1xx response, or a response without a body
+                    if self._status >= 200:
+                        return self._finish()
+                    continue
+            return self._finish() if self._read_body() else None
+
+    def feed_eof(self) -> HttpResponse:
+        """The server closed the connection: the response if it was delimited by the close."""
+        if self._mode == "close":
+            self._body += self._buffer
+            self._buffer.clear()
+            return self._finish()
+        raise ConnectionLost(self._lost_message(), response_started=self.started)
+
+    def _lost_message(self) -> str:
+        if not self.started:
+            return "the server closed the connection without answering"
+        if not self._mode:
+            return "the server closed the connection in the middle of the response head"
+        return f"the server closed the connection in the middle of the response body (HTTP {self._status})"
+
+    def _read_head(self) -> bool:
+        end = self._buffer.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self._buffer) > MAX_HEAD_BYTES:
+                raise ProtocolError(f"the response head is longer than {MAX_HEAD_BYTES} bytes")
+            return False
+        head = bytes(self._buffer[:end]).decode("latin-1")
+        del self._buffer[: end + 4]
+        lines = head.split("\r\n")
+        version, status = _status_line(lines[0])
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if not sep or not name or name != name.strip():
+                raise ProtocolError(f"malformed response header line {line[:100]!r}")
+            name = name.lower()
+            value = value.strip()
+            headers[name] = f"{headers[name]}, {value}" if name in headers else value
+        self._status, self._headers = status, headers
+        self._mode = self._body_mode(version, status, headers)
+        return True
+
+    def _body_mode(self, version: str, status: int, headers: dict[str, str]) -> str:
+        connection = headers.get("connection", "").lower()
+        self._keep_alive = ("close" not in connection) if version == "HTTP/1.1" else ("keep-alive" in connection)
+        encoding = headers.get("content-encoding", "identity").lower()
+        if encoding not in ("identity", ""):
+            raise ProtocolError(f"the response is compressed ({encoding}); this client asks for and reads only identity bodies")
+        if status < 200 or status in (204, 304) or self._no_body:
+            return ""
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            return "chunk-size"
+        length = headers.get("content-length")
+        if length is None:
+            return "close"
+        if not length.isdigit():
+            raise ProtocolError(f"invalid Content-Length {length!r}")
+        self._remaining = int(length)
+        return "length"
+
+    def _read_body(self) -> bool:
+        """Move body bytes out of the buffer; True once the body is complete."""
+        if self._mode == "length":
+            return self._read_length()
+        if self._mode == "close":
+            self._body += self._buffer
+            self._buffer.clear()
+            return False
+        return self._read_chunks()
+
+    def _read_length(self) -> bool:
+        take = min(self._remaining, len(self._buffer))
+        if take:
+            if not self._body and take == len(self._buffer):
+                self._body, self._buffer = self._buffer, bytearray()
+            else:
+                self._body += self._buffer[:take]
+                del self._buffer[:take]
+            self._remaining -= take
+        return self._remaining == 0
+
+    def _read_chunks(self) -> bool:
+        buffer = self._buffer
+        pos = 0
+        try:
+            while True:
+                if self._mode == "chunk-size":
+                    end = buffer.find(b"\r\n", pos)
+                    if end < 0:
+                        if len(buffer) - pos > 1024:
+                            raise ProtocolError("a chunk-size line is longer than 1024 bytes")
+                        return False
+                    self._remaining = _chunk_size(bytes(buffer[pos:end]))
+                    pos = end + 2
+                    self._mode = "chunk-data" if self._remaining else "trailers"
+                elif self._mode == "chunk-data":
+                    if len(buffer) - pos < self._remaining + 2:
+                        return False
+                    end = pos + self._remaining
+                    if buffer[end : end + 2] != b"\r\n":
+                        raise ProtocolError("a chunk is not followed by CRLF")
+                    self._body += buffer[pos:end]
+                    pos = end + 2
+                    self._mode = "chunk-size"
+                else:  # trailers: header lines up to an empty line, ignored
+                    end = buffer.find(b"\r\n", pos)
+                    if end < 0:
+                        if len(buffer) - pos > MAX_HEAD_BYTES:
+                            raise ProtocolError(f"the chunked trailers are longer than {MAX_HEAD_BYTES} bytes")
+                        return False
+                    empty = end == pos
+                    pos = end + 2
+                    if empty:
+                        return True
+        finally:
+            del buffer[:pos]
+
+    def _finish(self) -> HttpResponse:
+        if self._buffer:
+            self._keep_alive = False  # bytes after the response: this client never pipelines, the stream is off
+        return HttpResponse(self._status, self._headers, bytes(self._body))
+
+
+def _status_line(line: str) -> tuple[str, int]:
+    version, _, rest = line.partition(" ")
+    code = rest[:3]
+    if version not in ("HTTP/1.1", "HTTP/1.0") or not code.isdigit() or rest[3:4] not in ("", " "):
+        raise ProtocolError(f"malformed status line {line[:100]!r}")
+    return version, int(code)
+
+
+def _chunk_size(line: bytes) -> int:
+    size = line.split(b";", 1)[0].strip()
+    try:
+        return int(size, 16)
+    except ValueError:
+        raise ProtocolError(f"invalid chunk size {size[:20]!r}") from None
+
+
+# ------------------------------------------------------------------------------------- connection
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection: writes a request, resolves a future with the parsed response."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._transport: asyncio.Transport | None = None
+        self._parser: ResponseParser | None = None
+        self._waiter: asyncio.Future[HttpResponse] | None = None
+        self._drain: asyncio.Future[None] | None = None
+        self._write_paused = False
+        self.closed = False
+        self.reusable = True
+        self.used = False
+        self.idle_since = 0.0
+
+    # asyncio.Protocol callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        waiter, parser = self._waiter, self._parser
+        if waiter is None or parser is None or waiter.done():
+            self.reusable = False  # bytes nobody asked for: the stream can't be trusted
+            self.close()
+            return
+        try:
+            response = parser.feed(data)
+        except HttpError as exc:
+            self.reusable = False
+            waiter.set_exception(exc)
+            self.close()
+            return
+        if response is not None:
+            self.reusable = parser.keep_alive
+            waiter.set_result(response)
+
+    def eof_received(self) -> bool:
+        self.reusable = False
+        return False  # close our side too; connection_lost finishes the response or fails it
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.reusable = False
+        waiter, parser = self._waiter, self._parser
+        if waiter is not None and parser is not None and not waiter.done():
+            try:
+                waiter.set_result(parser.feed_eof())
+            except ConnectionLost as lost:
+                if exc is not None:
+                    lost.args = (f"{lost.args[0]} ({type(exc).__name__}: {exc})",)
+                waiter.set_exception(lost)
+        self._wake_writer()
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._wake_writer()
+
+    # use
+
+    def usable(self, loop: asyncio.AbstractEventLoop, expiry: float) -> bool:
+        """Whether an idle connection may carry the next request (on ``loop``)."""
+        if not self.reusable or self.closed or self._loop is not loop or self._transport is None:
+            return False
+        return not self._transport.is_closing() and loop.time() - self.idle_since < expiry
+
+    def forget(self) -> None:
+        """Close, unless the connection belongs to another event loop (which may be closed already)."""
+        if self._loop is asyncio.get_running_loop():
+            self.close()
+
+    async def exchange(self, head: bytes, body: bytes, *, no_body: bool, timeout: float, limit: float) -> HttpResponse:
+        """Send one request and wait for its whole response, at most ``timeout`` seconds (the rest of
+        the request's ``limit``, which the error names)."""
+        if self.closed or self._transport is None:
+            raise ConnectionLost("the server closed the connection without answering", response_started=False)
+        self.used = True
+        self._parser = ResponseParser(no_body=no_body)
+        self._waiter = waiter = self._loop.create_future()
+        timer = self._loop.call_later(timeout, self._time_out, waiter, limit)
+        try:
+            self._write(head, body)
+            while self._write_paused and not self.closed:
+                self._drain = self._loop.create_future()
+                await self._drain
+            return await waiter
+        except BaseException:
+            self.reusable = False  # cancelled or failed mid-exchange: the stream's state is unknown
+            raise
+        finally:
+            timer.cancel()
+            self._waiter = None
+            self._parser = None
+
+    def _write(self, head: bytes, body: bytes) -> None:
+        assert self._transport is not None
+        try:
+            if body and len(body) <= _INLINE_BODY_BYTES:
+                self._transport.write(head + body)
+            else:
+                self._transport.write(head)
+                if body:
+                    self._transport.write(body)
+        except (RuntimeError, OSError) as exc:  # the transport closed under us (the server hung up)
+            raise ConnectionLost(f"the connection closed before the request was sent ({exc})", response_started=False) from exc
+
+    def close(self) -> None:
+        self.reusable = False
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.close()
+
+    def _time_out(self, waiter: asyncio.Future[HttpResponse], timeout: float) -> None:
+        if not waiter.done():
+            waiter.set_exception(ResponseTimeout(f"no complete response within {timeout:g}s"))
+        self.close()
+
+    def _wake_writer(self) -> None:
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+        self._drain = None
+
+
+# ------------------------------------------------------------------------------------------- pool
+
+
+class HttpClient:
+    """``await client.request("POST", "/generate", body=..., headers=...)`` against one base URL.
+
+    :param base_url: ``http://host:port`` (or ``https://``), optionally with a path prefix.
+    :param timeout: default seconds for a whole request: waiting for a connection, sending, the answer.
+    :param connect_timeout: seconds to open a connection.
+    :param max_connections: most connections open at once.
+    :param keepalive_expiry: an idle connection older than this is closed, not reused.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float = 600.0,
+        connect_timeout: float = 10.0,
+        max_connections: int = 512,
+        keepalive_expiry: float = 4.0,
+    ) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"expected an http:// or https:// URL, got {base_url!r}")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.max_connections = max_connections
+        self.keepalive_expiry = keepalive_expiry
+        self._host = parts.hostname
+        self._port = parts.port or (443 if parts.scheme == "https" else 80)
+        self._ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        self._prefix = parts.path.rstrip("/")
+        host_header = parts.netloc.rpartition("@")[2]
+        self._host_line = f"Host: {host_header}\r\n"
+        self._idle: list[_Connection] = []
+        self._open = 0
+        self._waiters: collections.deque[asyncio.Future[_Connection | None]] = collections.deque()
+        self._closed = False
+
+    @property
+    def open_connections(self) -> int:
+        return self._open
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: bytes = b"",
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> HttpResponse:
+        """One request; raises :class:`HttpError` subclasses (never for an HTTP error status)."""
+        if self._closed:
+            raise RuntimeError("this HttpClient is closed")
+        loop = asyncio.get_running_loop()
+        limit = self.timeout if timeout is None else timeout
+        deadline = loop.time() + limit
+        head = self._head(method, path, body, headers)
+        no_body = method.upper() == "HEAD"
+        for fresh in (False, True):
+            connection = await self._acquire(loop, deadline, fresh=fresh)
+            reused = connection.used
+            try:
+                remaining = max(0.0, deadline - loop.time())
+                response = await connection.exchange(head, body, no_body=no_body, timeout=remaining, limit=limit)
+            except ConnectionLost as exc:
+                self._discard(connection)
+                if reused and not exc.response_started and not fresh:
+                    continue  # the server had closed this idle connection: try once on a new one
+                raise
+            except BaseException:
+                self._discard(connection)
+                raise
+            self._release(connection, loop)
+            return response
+        raise AssertionError("unreachable")
+
+    async def aclose(self) -> None:
+        """Close every idle connection; connections in use are closed when their request ends."""
+        self._closed = True
+        for connection in self._idle:
+            connection.forget()
+        self._idle.clear()
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_exception(RuntimeError("this HttpClient was closed while the request waited for a connection"))
+        self._waiters.clear()
+
+    async def __aenter__(self) -> HttpClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # request bytes
+
+    def _head(self, method: str, path: str, body: bytes, headers: Mapping[str, str] | None) -> bytes:
+        lines = [f"{method} {self._prefix}{path} HTTP/1.1\r\n", self._host_line]
+        if headers:
+            for name, value in headers.items():
+                if "\r" in name or "\n" in name or "\r" in value or "\n" in value or ":" in name:
+                    raise ValueError(f"invalid header {name!r}: {value!r}")
+                lines.append(f"{name}: {value}\r\n")
+        if body or method.upper() in ("POST", "PUT", "PATCH"):
+            lines.append(f"Content-Length: {len(body)}\r\n")
+        lines.append("\r\n")
+        return "".join(lines).encode("latin-1")
+
+    # pool
+
+    async def _acquire(self, loop: asyncio.AbstractEventLoop, deadline: float, *, fresh: bool) -> _Connection:
+        if not fresh:
+            connection = self._take_idle(loop)
+            if connection is not None:
+                return connection
+        elif self._idle and self._open >= self.max_connections:
+            self._idle.pop(0).forget()  # make room (the oldest idle one) for the new connection this retry needs
+            self._open -= 1
+        if self._open >= self.max_connections:
+            connection = await self._wait_for_slot(loop, deadline)
+            if connection is not None:
+                return connection
+        else:
+            self._open += 1
+        try:
+            return await self._connect(loop, deadline)
+        except BaseException:
+            self._free_slot()
+            raise
+
+    def _take_idle(self, loop: asyncio.AbstractEventLoop) -> _Connection | None:
+        while self._idle:
+            connection = self._idle.pop()
+            if connection.usable(loop, self.keepalive_expiry):
+                return connection
+            connection.forget()
+            self._open -= 1
+        return None
+
+    async def _wait_for_slot(self, loop: asyncio.AbstractEventLoop, deadline: float) -> _Connection | None:
+        """Wait until a connection is released (returned) or closed (None: a slot to open one in)."""
+        waiter: asyncio.Future[_Connection | None] = loop.create_future()
+        self._waiters.append(waiter)
+        timer = loop.call_later(max(0.0, deadline - loop.time()), _expire, waiter, self.max_connections)
+        try:
+            return await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self._hand_back(waiter.result(), loop)  # woken, then cancelled: pass it on
+            raise
+        finally:
+            timer.cancel()
+            if not waiter.done():
+                waiter.cancel()
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop, deadline: float) -> _Connection:
+        timeout = min(self.connect_timeout, max(0.0, deadline - loop.time()))
+        where = f"{self._host}:{self._port}"
+        try:
+            async with asyncio.timeout(timeout):
+                _, connection = await loop.create_connection(
+                    lambda: _Connection(loop), self._host, self._port, ssl=self._ssl
+                )
+        except TimeoutError:
+            raise ConnectFailed(f"connecting to {where} timed out after {timeout:g}s") from None
+        except OSError as exc:
+            raise ConnectFailed(f"cannot connect to {where}: {exc.strerror or exc}") from exc
+        return connection
+
+    def _release(self, connection: _Connection, loop: asyncio.AbstractEventLoop) -> None:
+        if self._closed or not connection.reusable or connection.closed:
+            self._discard(connection)
+            return
+        connection.idle_since = loop.time()
+        self._hand_back(connection, loop)
+
+    def _hand_back(self, connection: _Connection | None, loop: asyncio.AbstractEventLoop) -> None:
+        """Give a connection (or, for None, a free slot) to the first waiter, else keep it idle."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(connection)
+                return
+        if connection is None:
+            self._open -= 1
+        else:
+            self._idle.append(connection)
+
+    def _discard(self, connection: _Connection) -> None:
+        connection.close()
+        self._free_slot()
+
+    def _free_slot(self) -> None:
+        if self._waiters and not self._closed:
+            self._hand_back(None, asyncio.get_running_loop())
+        else:
+            self._open -= 1
+
+
+def _expire(waiter: asyncio.Future[Any], limit: int) -> None:
+    if not waiter.done():
+        waiter.set_exception(ResponseTimeout(f"no free connection within the timeout (all {limit} in use)"))
