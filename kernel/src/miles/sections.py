@@ -160,6 +160,10 @@ class RouterSection(Section):
     check_weight_version: bool = Field(
         default=True, description="hold back a worker whose weight_version is behind the fleet's"
     )
+    forward_client: Literal["lean", "httpx"] = Field(
+        default="lean", description="HTTP client for non-streamed requests: miles.http11 (fast) or httpx (honours "
+                                    "HTTP_PROXY; the baseline of `miles bench rollout-path`)"
+    )
 
     @model_validator(mode="after")
     def _options_name_a_middleware(self) -> RouterSection:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 from miles_contracts.wire.engine import ROUTING_KEY_HEADER, GenerateResponse
 from router_support import (
     DroppingServer,
@@ -79,9 +80,11 @@ def test_same_routing_key_reaches_the_same_worker_until_it_leaves(engines: list[
         assert all(worker_for("s1") == moved for _ in range(3))
 
 
-def test_a_dropped_connection_is_retried_elsewhere_and_the_worker_quarantined() -> None:
+@pytest.mark.parametrize(("forward_client", "lost"), [("lean", "ConnectionLost"), ("httpx", "RemoteProtocolError")])
+def test_a_dropped_connection_is_retried_elsewhere_and_the_worker_quarantined(forward_client: str, lost: str) -> None:
     dropper, engine = DroppingServer(), StandinEngine()
-    with running(dropper, engine), router_for([dropper.url, engine.url], failure_threshold=2) as client:
+    with running(dropper, engine), router_for([dropper.url, engine.url], failure_threshold=2,
+                                              forward_client=forward_client) as client:
         assert worker_view(client, dropper.url)["state"] == "healthy"  # it answers health probes
         responses = [client.post("/generate", json=PROMPT) for _ in range(6)]
         assert all(r.status_code == 200 and r.headers["x-miles-worker"] == engine.url for r in responses)
@@ -90,7 +93,7 @@ def test_a_dropped_connection_is_retried_elsewhere_and_the_worker_quarantined() 
         assert sorted(r.headers["x-miles-attempts"] for r in responses) == ["1", "1", "1", "1", "2", "2"]
         view = worker_view(client, dropper.url)
         assert view["state"] == "quarantined"
-        assert "2 consecutive failures" in view["reason"] and "ConnectionLost" in view["last_error"]
+        assert "2 consecutive failures" in view["reason"] and lost in view["last_error"]
 
 
 def test_an_engine_that_went_away_between_requests_is_failed_over(engines: list[StandinEngine]) -> None:

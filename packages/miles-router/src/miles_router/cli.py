@@ -16,7 +16,7 @@ from miles.sections import RouterSection
 # flag -> RouterSection field, for flags that map one to one
 _FIELD_FLAGS = {
     "health_interval": float, "failure_threshold": int, "health_timeout": float,
-    "request_timeout": float, "max_attempts": int, "affinity_capacity": int,
+    "request_timeout": float, "max_attempts": int, "affinity_capacity": int, "forward_client": str,
 }
 
 

@@ -50,6 +50,21 @@ def miles_register_commands(register: Register) -> None:
         description="Route SGLang-native engine requests over the engines given with --worker "
                     "(more can join with POST /add_worker).",
     ))
+    register("bench rollout-path", Command(
+        help="HTTP cost of a rollout burst (driver -> router -> engine): lean client vs httpx",
+        run=_lazy_bench("run"), add_arguments=_lazy_bench("add_arguments"),
+        description="Start an embedded engine and two routers (lean and httpx forwarding), time bursts of "
+                    "one-token requests over each path and print JSON with the ratios.",
+    ))
+
+
+def _lazy_bench(name: str):
+    def call(*args):
+        from miles_router import bench
+
+        return getattr(bench, name)(*args)
+
+    return call
 
 
 @hookimpl

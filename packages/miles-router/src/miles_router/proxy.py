@@ -10,7 +10,8 @@ are passed through unchanged -- a 400 would be a 400 on every engine.
 
 Two HTTP clients: requests that ask to stream (``"stream": true`` in the body) go through httpx,
 which relays the engine's events as they come; every other request goes through Miles' lean
-HTTP/1.1 client (:mod:`miles.http11`), one keep-alive pool per engine. httpx's pool rescans all
+HTTP/1.1 client (:mod:`miles.http11`), one keep-alive pool per engine (``router.forward_client:
+httpx`` sends those through httpx too). httpx's pool rescans all
 of its connections on every request, which at a few hundred requests in flight cost the router
 more CPU than everything else it does (measured with py-spy on ``miles train``: ~55% of the
 router's samples); the lean client hands out idle connections from a stack.
@@ -56,11 +57,12 @@ class _Retry(Exception):
 
 class Forwarder:
     def __init__(self, fleet: Fleet, policy: LeastInFlight, client: httpx.AsyncClient, *,
-                 max_attempts: int, request_timeout: float, connect_timeout: float) -> None:
+                 max_attempts: int, request_timeout: float, connect_timeout: float, lean: bool = True) -> None:
         self.fleet = fleet
         self.policy = policy
         self.client = client
         self.max_attempts = max_attempts
+        self.lean = lean
         self.request_timeout = request_timeout
         self.connect_timeout = connect_timeout
         self.timeout = httpx.Timeout(request_timeout, connect=connect_timeout, pool=None)
@@ -111,8 +113,8 @@ class Forwarder:
         return f"no healthy engine to serve the request: {states}"
 
     async def _attempt(self, worker: Worker, request: RouterRequest) -> RouterResponse:
-        if isinstance(request.body, dict) and request.body.get("stream"):
-            return await self._attempt_streaming(worker, request)
+        if not self.lean or (isinstance(request.body, dict) and request.body.get("stream")):
+            return await self._attempt_httpx(worker, request)
         worker.in_flight += 1
         worker.dispatched += 1
         try:
@@ -141,7 +143,7 @@ class Forwarder:
         return RouterResponse(status_code=status, body=body, worker_url=worker.url,
                               headers={"content-type": content_type, WORKER_HEADER: worker.url})
 
-    async def _attempt_streaming(self, worker: Worker, request: RouterRequest) -> RouterResponse:
+    async def _attempt_httpx(self, worker: Worker, request: RouterRequest) -> RouterResponse:
         worker.in_flight += 1
         worker.dispatched += 1
         handed_to_stream = False

@@ -56,7 +56,8 @@ class Router:
         self.monitor = HealthMonitor(self.fleet, self._client, interval=self.section.health_interval,
                                      timeout=self.section.health_timeout)
         self.forwarder = Forwarder(self.fleet, self.policy, self._client, max_attempts=self.section.max_attempts,
-                                   request_timeout=self.section.request_timeout, **timeouts)
+                                   request_timeout=self.section.request_timeout,
+                                   lean=self.section.forward_client == "lean", **timeouts)
         self.broadcaster = Broadcaster(self.fleet, self._client, request_timeout=self.section.request_timeout,
                                        probe_timeout=self.section.health_timeout, **timeouts)
         await self.monitor.check_all()
