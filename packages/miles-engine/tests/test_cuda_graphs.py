@@ -70,3 +70,42 @@ def test_graph_decode_matches_eager_decode(dense_path):
         got = torch.tensor([lp for lp, *_ in g.meta_info.output_token_logprobs])
         want = torch.tensor([lp for lp, *_ in e.meta_info.output_token_logprobs])
         assert (got - want).abs().max().item() < 1e-3
+
+
+class _CannotCapture:
+    """Stands in for DecodeGraphs on CPU: every capture fails, as an uncapturable model's would."""
+
+    buckets = [1, 2, 4, 8]
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def decode(self, tokens, positions):
+        from miles_engine.cuda_graphs import GraphCaptureError
+
+        self.calls += 1
+        raise GraphCaptureError("capturing the decode step failed: operation not permitted when stream is capturing")
+
+
+def test_a_failed_capture_turns_graphs_off_and_the_step_runs_eagerly(dense_path):
+    from miles_engine.engine import Engine
+
+    request = GenerateRequest(input_ids=[1, 504, 3458, 282], return_logprob=True,
+                              sampling_params=SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
+    outputs = []
+    for fail in (True, False):
+        engine = Engine(dense_path, device="cpu", max_running_requests=4)
+        stand_in = _CannotCapture()
+        if fail:
+            engine.scheduler.call(lambda e=engine, s=stand_in: setattr(e.scheduler.runner, "graphs", s)).result()
+        try:
+            outputs.append(_generate_all(engine, [request])[0])
+            assert engine.scheduler.runner.graphs is None
+            assert engine.scheduler.stats.step_errors == 0
+        finally:
+            engine.shutdown()
+        if fail:
+            assert stand_in.calls == 1  # tried once, then never again
+    failed, plain = outputs
+    assert failed.output_ids == plain.output_ids and len(failed.output_ids) == 6
+    assert failed.meta_info.finish_reason.type == "length"

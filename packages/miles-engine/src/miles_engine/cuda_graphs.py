@@ -10,8 +10,8 @@ Shapes are fixed per graph, so there is one graph per *(batch bucket, KV-length 
 the first time a step needs it:
 
 - the batch is padded up to the next bucket (:func:`batch_buckets`). A pad row feeds token 0 at
-  position 0 into a slot no running request uses (the cache always has ``max_slots`` slots in
-  this mode), and its logits are dropped, so it changes nothing a request can see;
+  position 0 into a slot no running request uses (the runner reserves slots for the whole
+  bucket), and its logits are dropped, so it changes nothing a request can see;
 - attention reads the first ``L`` positions of every slot, ``L`` the next power of two of the
   longest row (at least 128, at most the cache's capacity); the mask hides what a row has not
   written.
@@ -21,9 +21,9 @@ write indices are computed *inside* the graph from the positions, so a replay is
 copy plus ``graph.replay()``.
 
 What a graph remembers is addresses: of the weights (updates copy into the same tensors in place,
-so graphs survive weight syncs) and of the KV cache (allocated at ``max_slots`` slots and never
-released in this mode; when it grows in length, i.e. is reallocated, every graph is dropped and
-recaptured on demand).
+so graphs survive weight syncs) and of the KV cache (never released in this mode; when it grows
+in slots or length, i.e. is reallocated, every graph is dropped and recaptured on demand: a few
+times per engine life, as capacity doubles).
 
 Capture runs the step eagerly first (warm-up, on a side stream, as CUDA requires), and that
 warm-up *is* the real step: capturing mid-serving needs no dummy data. Replaying right after
@@ -73,6 +73,10 @@ def length_bucket(kv_len: int, capacity: int) -> int:
     return min(bucket, capacity)
 
 
+class GraphCaptureError(RuntimeError):
+    """Capturing a decode step failed (an operation that cannot be captured, or out of memory)."""
+
+
 @dataclass(slots=True)
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -93,20 +97,20 @@ class DecodeGraphs:
         self.inputs = torch.zeros((2, max_batch), dtype=torch.long, device=self.device)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], _Graph] = {}
-        self._cache_identity: tuple[int, int] | None = None
+        self._cache_identity: tuple[int, int, int] | None = None
         self.captures = 0
         self.replays = 0
 
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One decode step for rows ``0 .. len(tokens)-1`` (row ``i`` in slot ``i``); returns the
         next-token logits ``[B, V]``. The cache must already hold ``max(positions) + 1`` positions
-        and ``max_slots`` slots."""
+        and as many slots as the batch's bucket."""
         import torch
 
         batch = len(tokens)
         padded = bucket_for(batch, self.buckets)
         kv_len = length_bucket(max(positions) + 1, self.cache.length)
-        identity = (self.cache.k.data_ptr(), self.cache.length)
+        identity = (self.cache.k.data_ptr(), self.cache.slots, self.cache.length)
         if identity != self._cache_identity:  # the cache was reallocated: graphs point at the old one
             self.graphs.clear()
             # A new memory pool too: the old one may still hold live tensors (the last logits),
@@ -118,7 +122,11 @@ class DecodeGraphs:
         self.inputs[:, :padded].copy_(host)
         entry = self.graphs.get((padded, kv_len))
         if entry is None:
-            entry = self._capture(padded, kv_len)
+            try:
+                entry = self._capture(padded, kv_len)
+            except Exception as exc:
+                raise GraphCaptureError(f"capturing the decode step (batch {padded}, KV length {kv_len}) failed: "
+                                        f"{type(exc).__name__}: {exc}") from exc
             self.graphs[(padded, kv_len)] = entry
         entry.graph.replay()
         self.replays += 1

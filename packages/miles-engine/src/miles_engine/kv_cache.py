@@ -5,8 +5,8 @@ Layout: ``k`` and ``v`` are ``[layers, slots, kv_heads, length, head_dim]``. The
 slot, so the batch is always slots ``0 .. B-1`` and a layer's keys for a decode step are the view
 ``k[layer, :B, :, :kv_len]``: no gather, no copy, no page table. Capacity grows (by reallocation)
 in both slots and length as the batch needs it, and is released on :meth:`release`. With
-``keep_allocation`` (CUDA graphs: a captured graph holds the cache's address) every allocation has
-all ``max_slots`` slots at once, grows only in length, and :meth:`release` keeps the memory.
+``keep_allocation`` (CUDA graphs: a captured graph holds the cache's address) :meth:`release`
+keeps the memory, so the weight sync's cache flush at every RL step does not force new graphs.
 
 An instance is passed to the transformers model as its ``cache``: attention layers call
 :meth:`update` with the new keys and values of the tokens being fed, and get back the keys and
@@ -56,8 +56,6 @@ class SlotKVCache:
         import torch
 
         new_slots = min(max_slots, max(slots, self.slots * 2, 1)) if slots > self.slots else self.slots
-        if self.keep_allocation:
-            new_slots = max(max_slots, slots)
         new_length = self.length
         if length > self.length:
             grown = max(length, self.length * 2)

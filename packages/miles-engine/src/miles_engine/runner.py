@@ -7,11 +7,12 @@ boolean attention mask (transformers passes a prepared 4-D mask through as is) a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
 from miles_engine import cpu_linear
-from miles_engine.cuda_graphs import DecodeGraphs
+from miles_engine.cuda_graphs import DecodeGraphs, GraphCaptureError, bucket_for
 from miles_engine.kv_cache import SlotKVCache
 from miles_engine.loading import LoadedModel
 from miles_engine.routing import RoutingCapture, find_routers
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     import torch
 
     from miles_engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -114,9 +117,17 @@ class ModelRunner:
         batch = len(seqs)
         positions_list = [s.kv_len for s in seqs]
         kv_len = max(positions_list) + 1
-        self.cache.reserve(batch, kv_len, max_slots=self.max_slots, max_length=self.loaded.context_length)
+        # A graph's pad rows write into the slots after the batch: reserve the whole bucket.
+        slots = batch if self.graphs is None else bucket_for(batch, self.graphs.buckets)
+        self.cache.reserve(slots, kv_len, max_slots=self.max_slots, max_length=self.loaded.context_length)
         if self.graphs is not None:
-            logits = self.graphs.decode([s.output_ids[-1] for s in seqs], positions_list)
+            try:
+                logits = self.graphs.decode([s.output_ids[-1] for s in seqs], positions_list)
+            except GraphCaptureError:
+                # Serve on, eagerly: a model the graphs cannot capture must not take the engine down.
+                log.exception("CUDA graphs are off for this engine from now on")
+                self.graphs = None
+                return self.decode(seqs)
             for s in seqs:
                 s.kv_len += 1
             return logits
