@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -146,46 +145,22 @@ async def _engine_seconds(url: str) -> float:
 
 @contextmanager
 def _services(model: str, device: str, max_running: int) -> Iterator[dict[str, str]]:
-    """An engine and two routers in front of it (lean and httpx forwarding), as subprocesses."""
-    from miles.executor.local import free_port
+    """An engine and two routers in front of it (lean and httpx forwarding), as supervised child
+    processes of the kernel's local executor (logs under a temporary folder)."""
+    from miles.executor.local import LocalExecutor, free_port
 
     ports = {name: free_port() for name in ("engine", "lean", "httpx")}
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
-    logs = Path(tempfile.mkdtemp(prefix="miles-bench-path-"))
     commands = {
         "engine": [sys.executable, "-m", "miles_engine", "--model", model, "--device", device,
                    "--port", str(ports["engine"]), "--max-running-requests", str(max(max_running, 1))],
         **{kind: [sys.executable, "-m", "miles_router", "--port", str(ports[kind]), "--worker", urls["engine"],
                   "--forward-client", kind, "--log-level", "warning"] for kind in ("lean", "httpx")},
     }
-    processes = []
+    executor = LocalExecutor(Path(tempfile.mkdtemp(prefix="miles-bench-path-")), startup_timeout=300.0)
     try:
         for name, command in commands.items():
-            log = (logs / f"{name}.log").open("w")
-            processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
-            _wait_healthy(urls[name], processes[-1], logs / f"{name}.log")
+            executor.start(name, command, health_url=urls[name] + "/health")
         yield urls
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-
-
-def _wait_healthy(url: str, process: subprocess.Popen, log: Path, timeout: float = 300.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{url} exited with {process.returncode} before it was healthy; log:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} was not healthy within {timeout:.0f} s; log: {log}")
+        executor.shutdown()
