@@ -62,3 +62,33 @@ def test_routed_experts_of_a_batched_prefill_match_the_routers(moe_path) -> None
         expected = torch.stack([r.reshape(len(tokens) - 1, -1).topk(top_k, dim=-1).indices for r in router_logits], dim=1)
         got = np.frombuffer(decode_routed_experts(out.meta_info.routed_experts), dtype="<i4")
         np.testing.assert_array_equal(got.reshape(expected.shape), expected.numpy().astype(np.int32))
+
+
+def test_an_idle_engine_gathers_a_trickling_burst_into_one_prefill(dense_path) -> None:
+    """Requests reaching an idle engine a few ms apart are prefilled together (``prefill_wait_ms``)."""
+
+    async def trickle(engine: Engine) -> list:
+        tasks = []
+        for i, prompt in enumerate(PROMPTS * 2):
+            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 3, "ignore_eos": True, "sampling_seed": i}}
+            tasks.append(asyncio.ensure_future(engine.generate(GenerateRequest.model_validate(body))))
+            await asyncio.sleep(0.03)  # 30 ms apart: without the wait, each would be its own prefill
+        return await asyncio.gather(*tasks)
+
+    # a generous gap (the test machine is shared): arrivals 30 ms apart never leave it quiet that long
+    engine = Engine(dense_path, device="cpu", prefill_gap_ms=400.0, prefill_wait_ms=10_000.0)
+    try:
+        outs = asyncio.run(trickle(engine))
+        stats = engine.server_info()["stats"]
+    finally:
+        engine.shutdown()
+    assert [len(out.output_ids) for out in outs] == [3] * 6
+    assert stats["prefill_requests"] == 6 and stats["prefill_forwards"] == 1
+    assert stats["gathered_waits"] >= 5
+
+
+def test_engine_options_reject_negative_waits(dense_path) -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="prefill_wait_ms must be >= 0.*prefill_gap_ms must be >= 0"):
+        Engine(dense_path, device="cpu", prefill_wait_ms=-1.0, prefill_gap_ms=-1.0)

@@ -51,6 +51,7 @@ def test_cuda_logprobs_match_a_bf16_teacher_forced_forward(cuda_engine, dense_pa
 
 _PRODUCER = """
 import sys, httpx, torch
+from miles_contracts.wire.tensors import serialize_cuda_ipc
 from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained(sys.argv[2], dtype=torch.bfloat16).cuda()
 body = {"serialized_named_tensors": [serialize_cuda_ipc(model.state_dict().items())], "load_format": "cuda_ipc",

@@ -76,6 +76,24 @@ def test_logprobs_follow_the_rollout_temperature(tiny_dense, backend_factory) ->
     torch.testing.assert_close(backend.compute_logprobs(batch), want, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_sdpa_preference_holds_in_forward_and_recomputation(tiny_dense, backend_factory, checkpointing: bool) -> None:
+    """``fsdp.sdpa_backends`` restricts the attention kernels in forward and in backward's recompute."""
+    batch = _trainable_batch(tiny_dense)
+    plain = backend_factory(tiny_dense, micro_batch_tokens=20, gradient_checkpointing=checkpointing)
+    want = _actor_gradients(plain, objective.prepare_batch(batch))
+    math_only = backend_factory(tiny_dense, micro_batch_tokens=20, gradient_checkpointing=checkpointing,
+                                fsdp={"sdpa_backends": ["math"]})
+    got = _actor_gradients(math_only, objective.prepare_batch(batch))
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+    # only a kernel this CPU lacks: attention fails, so the preference is really applied
+    refused = backend_factory(tiny_dense, micro_batch_tokens=20, fsdp={"sdpa_backends": ["cudnn"]})
+    with pytest.raises(RuntimeError, match="(?i)no (available kernel|viable backend)"):
+        refused.compute_logprobs(batch)
+
+
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.05])
 def test_gradient_equals_plain_autograd_through_full_logits(tiny_dense, backend_factory, entropy_coef: float) -> None:
     from transformers import AutoModelForCausalLM

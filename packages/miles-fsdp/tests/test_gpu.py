@@ -42,3 +42,29 @@ def test_bench_runs_on_cuda_at_tiny_size() -> None:
                          capture_output=True, text=True, timeout=600, check=True).stdout
     report = json.loads(out[out.index("{"):])
     assert report["dtype"].startswith("bf16") and all(r["miles"]["tokens_per_s"] > 0 for r in report["results"])
+
+
+@pytest.mark.gpu
+def test_compiled_head_and_cudnn_preference_match_eager_on_cuda(tiny_dense, make_config) -> None:
+    """``fsdp.compile`` (layers and head) and ``fsdp.sdpa_backends`` change kernels, not results (bf16 rounding aside)."""
+    from miles.sections import ModelSection
+    from miles_fsdp.backend import FSDPBackend
+
+    batch = make_test_batch(tiny_dense)
+    results = []
+    for fsdp in ({"compile": False}, {"compile": True, "sdpa_backends": ["cudnn", "flash", "efficient", "math"]}):
+        config = make_config(tiny_dense, fsdp=fsdp)
+        config = replace(config, model=ModelSection(name=str(tiny_dense), device="cuda"))
+        backend = FSDPBackend(config)
+        try:
+            assert backend.compiled is fsdp["compile"]
+            logprobs, entropy = backend.compute_logprobs_and_entropy(batch)
+            advantages = torch.where(batch.loss_mask > 0, torch.ones_like(logprobs), torch.zeros_like(logprobs))
+            metrics = backend.train_step(replace(batch, old_logprobs=logprobs, advantages=advantages))
+            results.append((logprobs, entropy, metrics["grad_norm"]))
+        finally:
+            backend.close()
+    (lp0, ent0, norm0), (lp1, ent1, norm1) = results
+    torch.testing.assert_close(lp1, lp0, rtol=0, atol=0.05)
+    torch.testing.assert_close(ent1, ent0, rtol=0, atol=0.05)
+    assert norm1 == pytest.approx(norm0, rel=0.05)

@@ -79,14 +79,28 @@ def test_loss_mask_on_the_first_column_or_on_padding_is_refused(tiny_dense) -> N
         build_inputs(batch, packed=True, device=torch.device("cpu"))
 
 
-def test_micro_batches_are_packed_only_when_padding_would_waste_positions() -> None:
+def test_micro_batches_are_packed_only_when_that_is_cheaper() -> None:
     import torch
-    from miles_fsdp.passes import worth_packing
+    from miles_fsdp.passes import attention_pair_cost, worth_packing
+
+    smollm2 = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536}
+    cost = attention_pair_cost(smollm2)
+    # by hand: 2 * 4 * 576 / (2 * (576 * 960 + 576 * 576 + 3 * 576 * 1536))
+    assert cost == pytest.approx(8 * 576 / (2 * (576 * 960 + 576 * 576 + 3 * 576 * 1536)))
+    assert attention_pair_cost({"hidden_size": None}) == pytest.approx(1e-3)  # unreadable config: the default
 
     equal = torch.ones(4, 4096, dtype=torch.long)  # long equal rows: padded, fused causal attention
-    assert not worth_packing(equal)
+    assert not worth_packing(equal, cost)
+    many_short = torch.zeros(256, 80, dtype=torch.long)  # an RL step of short rollouts: a dense N^2 mask loses
+    for row in range(256):
+        many_short[row, : 40 + row % 41] = 1
+    assert not worth_packing(many_short, cost)
+    one_long = torch.zeros(4, 4096, dtype=torch.long)  # one long row and three short: packing saves 3 x 4K
+    for row, n in enumerate([4096, 100, 100, 100]):
+        one_long[row, :n] = 1
+    assert worth_packing(one_long, cost)
     ragged = torch.zeros(4, 100, dtype=torch.long)
     for row, n in enumerate([100, 20, 30, 40]):
         ragged[row, :n] = 1
-    assert worth_packing(ragged)
-    assert not worth_packing(ragged[:1])  # one row: nothing to pack
+    assert worth_packing(ragged, cost)
+    assert not worth_packing(ragged[:1], cost)  # one row: nothing to pack

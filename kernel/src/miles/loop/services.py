@@ -47,18 +47,12 @@ class Services:
     def wait_ready(self, timeout: float = 600.0) -> float:
         """Block until every engine process is alive and healthy (the supervisor may be restarting
         one); returns the seconds waited. Raises :class:`MilesError` after ``timeout``."""
-        import httpx
-
         start = time.monotonic()
         pending = dict(self.engine_urls)
         while pending:
             for name, url in list(pending.items()):
-                if self.executor.alive(name):
-                    try:
-                        if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
-                            del pending[name]
-                    except httpx.HTTPError:
-                        pass
+                if self.executor.alive(name) and _healthy(url):
+                    del pending[name]
             if pending:
                 if time.monotonic() - start > timeout:
                     raise MilesError(f"engine(s) {', '.join(pending)} not healthy after {timeout:.0f} s; see {self.run_dir}/logs")
@@ -142,3 +136,21 @@ def start_services(config: MilesConfig, kernel: Kernel, model_path: Path, run_di
             services.write_manifest(run_dir)
         executor.supervise(on_death)
     return services
+
+
+def _healthy(url: str, timeout: float = 5.0) -> bool:
+    """``GET {url}/health`` answers 200. Plain ``http.client``: called before every weight sync, and
+    ``httpx.get`` builds a client (and its TLS context) per call, ~30 ms."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    connection = connection_class(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
+    try:
+        connection.request("GET", f"{parts.path.rstrip('/')}/health")
+        return connection.getresponse().status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        connection.close()

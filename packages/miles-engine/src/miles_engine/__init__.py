@@ -1,7 +1,7 @@
 """Miles' embedded inference engine: continuous batching over a transformers causal LM, served
 with SGLang's native HTTP API.
 
-``Engine`` is the in-process API, ``create_app(engine)`` the FastAPI app, ``miles serve engine``
+``Engine`` is the in-process API, ``create_app(engine)`` the ASGI app (FastAPI, with ``/generate`` on a plain-ASGI fast path), ``miles serve engine``
 the command. Imports are lazy: ``import miles_engine`` loads neither torch nor FastAPI.
 """
 

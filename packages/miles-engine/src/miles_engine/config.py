@@ -26,6 +26,13 @@ class EngineConfig:
         on CPU, 40% of the free GPU memory after loading on CUDA.
     :ivar prefill_tokens_per_step: prompt tokens prefilled between two decode steps (at least one
         whole prompt), so arriving requests do not stall running ones for long.
+    :ivar prefill_wait_ms: when the engine is idle and requests arrive, how long at most to keep
+        gathering the rest of the burst before prefilling (0 = prefill at once). A rollout step sends
+        hundreds of requests at once; they reach the engine over tens of ms, and each prefill forward
+        costs ~35 ms of kernel launches on the H200 whatever its size, so prefilling them as they
+        trickle in costs several forwards where one would do.
+    :ivar prefill_gap_ms: the gathering ends earlier once no request arrived for this long (an
+        isolated request waits only this long).
     :ivar plain_linear: keep transformers' own linear layers on CPU; by default fp32 CPU engines run
         them through oneDNN with pre-packed weights (~1.5x faster decode, a second copy of the
         linear weights in memory; see ``cpu_linear.py``).
@@ -42,6 +49,8 @@ class EngineConfig:
     max_kv_tokens: int | None = None
     kv_cache_gb: float | None = None
     prefill_tokens_per_step: int = 2048
+    prefill_wait_ms: float = 20.0
+    prefill_gap_ms: float = 2.0
     plain_linear: bool = False
     disable_cuda_graph: bool = False
     seed: int = 0
@@ -60,5 +69,9 @@ class EngineConfig:
             errors.append(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.prefill_tokens_per_step < 1:
             errors.append(f"prefill_tokens_per_step must be >= 1, got {self.prefill_tokens_per_step}")
+        if self.prefill_wait_ms < 0:
+            errors.append(f"prefill_wait_ms must be >= 0, got {self.prefill_wait_ms}")
+        if self.prefill_gap_ms < 0:
+            errors.append(f"prefill_gap_ms must be >= 0, got {self.prefill_gap_ms}")
         if errors:
             raise ValueError("invalid engine options: " + "; ".join(errors))

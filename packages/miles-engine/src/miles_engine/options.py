@@ -38,6 +38,8 @@ ENGINE_FLAGS = (
     Flag("max_kv_tokens", int, "KV-cache capacity in tokens (default: from --kv-cache-gb)"),
     Flag("kv_cache_gb", float, "KV-cache memory when --max-kv-tokens is not given (default 2 on CPU, 40%% of free GPU memory)"),
     Flag("prefill_tokens_per_step", int, "prompt tokens prefilled between two decode steps (default 2048)"),
+    Flag("prefill_wait_ms", float, "idle engine: gather a burst of arriving requests this long at most before prefilling (default 20; 0 = off)"),
+    Flag("prefill_gap_ms", float, "the gathering ends once no request arrived for this long (default 2)"),
     Flag("plain_linear", bool, "CPU: keep transformers' linear layers (no oneDNN weight packing; less memory, slower)"),
     Flag("disable_cuda_graph", bool, "CUDA: run decode steps eagerly instead of as replayed CUDA graphs"),
     Flag("seed", int, "seed of requests without sampling_seed (default 0)"),
@@ -70,6 +72,10 @@ class EngineSection(BaseModel):
     max_kv_tokens: int | None = Field(default=None, ge=2, description="KV-cache capacity in tokens")
     kv_cache_gb: float | None = Field(default=None, gt=0, description="KV-cache memory if max_kv_tokens is unset")
     prefill_tokens_per_step: int = Field(default=2048, ge=1)
+    prefill_wait_ms: float = Field(
+        default=20.0, ge=0, description="idle engine: gather a burst of arriving requests this long at most before prefilling",
+    )
+    prefill_gap_ms: float = Field(default=2.0, ge=0, description="the gathering ends once no request arrived for this long")
     plain_linear: bool = False
     disable_cuda_graph: bool = False
     seed: int = 0

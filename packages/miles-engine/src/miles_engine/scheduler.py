@@ -52,6 +52,7 @@ class SchedulerStats:
     step_errors: int = 0
     decode_seconds: float = 0.0  # wall time of decode steps (forward + sampling), for roofline maths
     prefill_seconds: float = 0.0
+    gathered_waits: int = 0  # arrivals awaited by an idle engine before prefilling (prefill_wait_ms)
 
     def as_dict(self) -> dict[str, Any]:
         mean = self.decode_tokens / self.decode_steps if self.decode_steps else 0.0
@@ -60,7 +61,8 @@ class SchedulerStats:
                 "prefill_requests": self.prefill_requests, "prefill_forwards": self.prefill_forwards,
                 "prefill_tokens": self.prefill_tokens,
                 "finished": dict(self.finished), "step_errors": self.step_errors,
-                "decode_seconds": round(self.decode_seconds, 6), "prefill_seconds": round(self.prefill_seconds, 6)}
+                "decode_seconds": round(self.decode_seconds, 6), "prefill_seconds": round(self.prefill_seconds, 6),
+                "gathered_waits": self.gathered_waits}
 
 
 class Scheduler:
@@ -190,6 +192,10 @@ class Scheduler:
                 self._wakeup.wait(timeout=1.0)
                 continue
             try:
+                if not self.running and self.config.prefill_wait_ms > 0:
+                    self._gather_arrivals()
+                    if self._stopping or self.paused:
+                        continue
                 self._admit()
                 if self.running:
                     self._decode()
@@ -198,6 +204,27 @@ class Scheduler:
                 self.stats.step_errors += 1
                 self._fail_everything(f"engine error: {type(exc).__name__}: {exc}")
         self._run_jobs()
+
+    def _gather_arrivals(self) -> None:
+        """The engine is idle and requests came in: let the rest of the burst arrive first.
+
+        Waits until ``prefill_gap_ms`` pass with no new request, ``prefill_wait_ms`` pass in all,
+        or a full batch is waiting, so that one forward prefills the burst (see ``EngineConfig``).
+        Control jobs that come meanwhile run here as usual (nothing is running).
+        """
+        deadline = time.monotonic() + self.config.prefill_wait_ms / 1000
+        gap = self.config.prefill_gap_ms / 1000
+        while len(self.waiting) < self.config.max_running_requests and not self._stopping and not self.paused:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._wakeup.clear()
+            self._run_jobs()  # what arrived between the last check and clear()
+            if not self._wakeup.wait(min(gap, remaining)):
+                self._run_jobs()
+                return
+            self._run_jobs()
+            self.stats.gathered_waits += 1
 
     def _fail_everything(self, message: str) -> None:
         for seq in [*self.running, *self.waiting]:

@@ -11,6 +11,8 @@ with 200 or 400, as SGLang does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 from typing import Any
 
@@ -47,7 +49,12 @@ class GroupNameRequest(BaseModel):
     group_name: str = "weight_update_group"
 
 
-def create_app(engine: Engine) -> FastAPI:
+def create_app(engine: Engine) -> GenerateFastPath:
+    """The ASGI app: ``POST /generate`` on :class:`GenerateFastPath`, every other route on FastAPI."""
+    return GenerateFastPath(_fastapi_app(engine), engine)
+
+
+def _fastapi_app(engine: Engine) -> FastAPI:
     app = FastAPI(title="miles embedded engine", docs_url=None, redoc_url=None)
 
     @app.exception_handler(RequestValidationError)
@@ -58,17 +65,7 @@ def create_app(engine: Engine) -> FastAPI:
     async def _bad(request: Request, exc: BadRequestError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=400)
 
-    @app.post("/generate")
-    async def generate(request: Request) -> Any:
-        body = await _parse(request, GenerateRequest)
-        task = asyncio.ensure_future(engine.generate(body))
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=1.0)
-            if done:
-                return task.result().model_dump(mode="json", exclude_none=True)
-            if await request.is_disconnected():
-                task.cancel()  # the engine aborts the request and frees its batch slot
-                return JSONResponse({"detail": "client disconnected"}, status_code=499)
+    # POST /generate is served by GenerateFastPath in front of this app
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Any:
@@ -168,6 +165,75 @@ def create_app(engine: Engine) -> FastAPI:
         return {"weight_version": engine.weight_version, "checksums": checksums}
 
     return app
+
+
+class GenerateFastPath:
+    """``POST /generate`` served on plain ASGI; every other request goes to the FastAPI app.
+
+    A rollout step sends hundreds of ``/generate`` calls at once, and the engine's HTTP thread
+    shares the GIL with the scheduler. On the H200 learning run (py-spy, all processes), FastAPI's
+    routing, dependency and response layers were about half of that thread's CPU per request.
+    Validation, status codes and bodies are the FastAPI route's: 400 ``{"detail": ...}`` for a bad
+    request (the same message), the result as compact JSON, 499 when the client went away (its
+    request is aborted and its batch slot freed); an unexpected engine error is a 500 with a
+    ``detail`` instead of FastAPI's plain-text one.
+    """
+
+    def __init__(self, app: FastAPI, engine: Engine) -> None:
+        self.fastapi = app
+        self.engine = engine
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] != "/generate" or scope["method"] != "POST":
+            await self.fastapi(scope, receive, send)
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        try:
+            request = GenerateRequest.model_validate_json(b"".join(chunks))
+        except ValidationError as exc:
+            await _send_json(send, 400, {"detail": _describe(exc.errors())})
+            return
+        task = asyncio.ensure_future(self.engine.generate(request))
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()  # the client went away (or we are being cancelled): abort, free the slot
+            gone.cancel()
+        if not task.done() or task.cancelled():
+            with contextlib.suppress(Exception):  # nobody may be listening any more
+                await _send_json(send, 499, {"detail": "client disconnected"})
+            return
+        error = task.exception()
+        if isinstance(error, BadRequestError):
+            await _send_json(send, 400, {"detail": str(error)})
+        elif error is not None:
+            log.error("generate failed", exc_info=error)
+            await _send_json(send, 500, {"detail": f"engine error: {type(error).__name__}: {error}"})
+        else:
+            await _send_json(send, 200, task.result().model_dump(mode="json", exclude_none=True))
+
+
+async def _disconnected(receive: Any) -> None:
+    """Returns once the client has gone away (ASGI ``http.disconnect``)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _send_json(send: Any, status: int, content: Any) -> None:
+    # the bytes FastAPI's JSONResponse would send
+    body = json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode("ascii"))]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def _parse(request: Request, model: type[BaseModel], *, allow_empty: bool = False) -> Any:

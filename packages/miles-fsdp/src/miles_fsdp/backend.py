@@ -35,7 +35,7 @@ from miles_fsdp.models import (
 )
 from miles_fsdp.optim import LRMultiplier, build_optimizer, build_scheduler
 from miles_fsdp.packing import row_lengths, split_rows_evenly
-from miles_fsdp.passes import PassRunner, sum_over_ranks
+from miles_fsdp.passes import PassRunner, attention_pair_cost, sdpa_preference, sum_over_ranks
 from miles_fsdp.weights import export_hf, gather_named_weights
 
 if TYPE_CHECKING:
@@ -73,6 +73,8 @@ class FSDPBackend:
 
     def _build(self, config: MilesConfig, actor: torch.nn.Module | None) -> None:
         self.precision = resolve_precision(config.model.dtype, self.dist.device, self.options.reduce_dtype)
+        compiled = self.options.compile
+        self.compiled = compiled if compiled is not None else self.dist.device.type == "cuda"
         torch.manual_seed(config.run.seed)  # same on every rank: identical critic head init before sharding
         attn = self.options.attn_implementation
 
@@ -112,6 +114,8 @@ class FSDPBackend:
             kernel=self.kernel, dist=self.dist, bridge=self.bridge, packing=self.options.packing,
             token_budget=train.micro_batch_tokens, chunk=self.options.logprob_chunk_size,
             temperature=self._temperature(), backend_name=NAME,
+            compile_head=self.compiled if self.options.compile_head is None else self.options.compile_head,
+            attention=sdpa_preference(self.options.sdpa_backends), pair_cost=attention_pair_cost(self.hf_config),
         )
         self.optimizer_steps = 0
         self.skipped_steps = 0
@@ -122,7 +126,7 @@ class FSDPBackend:
         return prepare_and_shard(
             module, mesh=self.dist.mesh, precision=self.precision, trainable=trainable,
             gradient_checkpointing=self.config.train.gradient_checkpointing,
-            compile_layers=self.options.compile, reshard_after_forward=self.options.reshard_after_forward,
+            compile_layers=self.compiled, reshard_after_forward=self.options.reshard_after_forward,
         )
 
     def _trained(self, name: str, module: torch.nn.Module, lr: float, total_steps: int) -> TrainedModule:

@@ -19,13 +19,40 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=4, help="timed steps")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
-    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    compiling = p.add_mutually_exclusive_group()
+    compiling.add_argument("--compile", dest="compile", action="store_const", const=True, default=None,
+                           help="torch.compile decoder layers and the log-prob head (the default on CUDA)")
+    compiling.add_argument("--no-compile", dest="compile", action="store_const", const=False,
+                           help="eager decoder layers and head (the default on CPU)")
+    p.add_argument("--compile-head", action="store_true", help="torch.compile only the log-prob head's per-chunk maths")
+    p.add_argument("--sdpa-backends", default=None,
+                   help="attention kernels in order of preference, comma-separated: cudnn, flash, efficient, math")
     p.add_argument("--logprob-chunk", type=int, default=4096, help="positions per log-prob chunk")
     p.add_argument("--no-baseline", action="store_true", help="skip the plain transformers baseline")
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="train.micro_batch_tokens (default: the sequence length, one row per micro-batch)")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak; default 989 on CUDA, measured on CPU")
     p.add_argument("--output", type=Path, default=None, help="also write the JSON here")
+
+
+def _fsdp_options(args: argparse.Namespace) -> dict:
+    options: dict = {"logprob_chunk_size": args.logprob_chunk}
+    if args.compile is not None:
+        options["compile"] = args.compile
+    if args.compile_head:
+        options["compile_head"] = True
+    if args.sdpa_backends:
+        options["sdpa_backends"] = [name.strip() for name in args.sdpa_backends.split(",") if name.strip()]
+    from pydantic import ValidationError
+
+    from miles_fsdp.config import FSDPSection
+
+    try:
+        FSDPSection(**options)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise MilesError(f"bad benchmark options: {problems}") from None
+    return options
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -44,7 +71,7 @@ def _run(args: argparse.Namespace) -> int:
     report = run_benchmark(
         preset=args.model, seq_lens=seq_lens, tokens_per_step=args.tokens_per_step, warmup=args.warmup,
         steps=args.steps, device=args.device, gradient_checkpointing=args.gradient_checkpointing,
-        options={"compile": args.compile, "logprob_chunk_size": args.logprob_chunk}, baseline=not args.no_baseline,
+        options=_fsdp_options(args), baseline=not args.no_baseline,
         peak_tflops=args.peak_tflops, micro_batch_tokens=args.micro_batch_tokens,
     )
     text = json.dumps(report, indent=2)

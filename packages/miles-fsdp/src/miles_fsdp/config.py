@@ -36,7 +36,19 @@ class FSDPSection(BaseModel):
         default=True, description="free gathered layer weights after forward (less memory, one more all-gather)",
     )
     attn_implementation: str = Field(default="sdpa", description="transformers attention implementation")
-    compile: bool = Field(default=False, description="torch.compile each decoder layer (CUDA)")
+    compile: bool | None = Field(
+        default=None,
+        description="torch.compile each decoder layer; null = on for CUDA (about 2x the eager step, see "
+                    "docs/benchmarks/train.md), off on CPU",
+    )
+    compile_head: bool | None = Field(
+        default=None, description="torch.compile the chunked log-prob head's per-chunk maths; null = same as compile",
+    )
+    sdpa_backends: list[Literal["cudnn", "flash", "efficient", "math"]] | None = Field(
+        default=None,
+        description="scaled-dot-product attention kernels in order of preference (e.g. [cudnn, flash]); "
+                    "null = PyTorch's own choice",
+    )
     fused_optimizer: bool | None = Field(default=None, description="fused AdamW; null = on for CUDA, off for CPU")
     critic_model: str | None = Field(default=None, description="critic initialisation; null = model.name")
     value_head_std: float = Field(default=0.0, ge=0.0, description="init std of the critic's value head (0 = zeros)")

@@ -85,6 +85,7 @@ class PolicyModel(nn.Module):
         temperature: float = 1.0,
         chunk: int = 1024,
         with_entropy: bool = False,
+        compiled: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[K]`` log-probs of ``target_ids`` predicted at flat positions ``hidden_index``."""
         out = base_model(self.hf)(
@@ -95,6 +96,7 @@ class PolicyModel(nn.Module):
         head = self.hf.get_output_embeddings()
         return token_logprobs(
             hidden, head.weight, head.bias, target_ids, temperature=temperature, chunk=chunk, with_entropy=with_entropy,
+            compiled=compiled,
         )
 
 

@@ -12,8 +12,10 @@ for a micro-batch runs a dummy one and contributes zero.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import contextlib
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,18 +42,66 @@ def _dummy_batch() -> TrainBatch:
     )
 
 
-PACKING_MIN_WASTE = 0.10
+PACKING_MIN_GAIN = 0.10
+DEFAULT_PAIR_COST = 1e-3
+MASKED_ATTENTION_PENALTY = 2.0
 
 
-def worth_packing(attention_mask: torch.Tensor) -> bool:
-    """Pack a micro-batch only when padding would waste more than 10% of its positions.
+def attention_pair_cost(hf_config: Any) -> float:
+    """Cost of attending one (query, key) pair, in units of one token's matrix multiplies (per layer).
 
-    Packed rows need a block-diagonal mask, which rules out the fused causal attention kernels and
-    costs an ``[N, N]`` mask; equal-length rows (long rollouts, benchmarks) run faster padded with
-    no mask at all. Measured on the H200 at 4 x 4K tokens: packed 8.8% MFU, see docs/benchmarks/train.md.
+    ``4 * q_width`` FLOPs per pair (``Q K^T`` and ``P V``) against ``2 * matmul weights`` per token,
+    times a penalty for the masked attention kernel, which runs well below the GEMMs' rate. About
+    1/1500 for SmolLM2-135M, 1/1900 for Qwen3-0.6B; falls back to 1/1000 for configs it cannot read.
+    """
+    get = hf_config.get if isinstance(hf_config, dict) else lambda k, d=None: getattr(hf_config, k, d)
+    try:
+        hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+        head_dim = int(get("head_dim") or hidden // heads)
+        q, kv = heads * head_dim, int(get("num_key_value_heads") or heads) * head_dim
+        inter = int(get("moe_intermediate_size") or 0) * int(get("num_experts_per_tok") or 0) or int(get("intermediate_size"))
+    except (TypeError, ValueError):
+        return DEFAULT_PAIR_COST
+    per_token = 2.0 * (hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter)
+    return MASKED_ATTENTION_PENALTY * 4.0 * q / per_token
+
+
+def worth_packing(attention_mask: torch.Tensor, pair_cost: float = DEFAULT_PAIR_COST) -> bool:
+    """Pack a micro-batch's rows into one sequence only when that is at least 10% cheaper.
+
+    Without a variable-length attention kernel, packed rows need a dense block-diagonal mask over
+    all ``N`` tokens, so attention does ``N^2`` pair work where padded rows do ``rows * width^2``;
+    padding wastes ``rows * width - N`` tokens of matrix multiplies instead. Many short rollouts
+    (the common RL case: 256 rows of ~80 tokens) therefore run far faster padded, equal-length rows
+    always do, and one long row with a few short ones packs. ``pair_cost`` is
+    :func:`attention_pair_cost` of the model.
     """
     rows, width = attention_mask.shape
-    return rows > 1 and float(attention_mask.sum()) < (1.0 - PACKING_MIN_WASTE) * rows * width
+    if rows < 2:
+        return False
+    n = float(attention_mask.sum())
+    padded = rows * width * (1.0 + pair_cost * width)
+    packed = n * (1.0 + pair_cost * n)
+    return packed < (1.0 - PACKING_MIN_GAIN) * padded
+
+
+_SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+
+
+def sdpa_preference(names: Sequence[str] | None) -> Callable[[], contextlib.AbstractContextManager]:
+    """A factory of contexts in which ``scaled_dot_product_attention`` tries ``names`` in that order.
+
+    The same context must hold in backward: activation checkpointing recomputes the forward there,
+    and a recompute that picked another kernel would save tensors of other shapes.
+    """
+    if not names:
+        return contextlib.nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = [getattr(SDPBackend, _SDPA_BACKENDS[name]) for name in names]
+    if "set_priority" in inspect.signature(sdpa_kernel).parameters:
+        return lambda: sdpa_kernel(backends, set_priority=True)
+    return lambda: sdpa_kernel(backends)  # older torch: the set is restricted, the order is its own
 
 
 @dataclass(slots=True)
@@ -66,6 +116,9 @@ class PassRunner:
     chunk: int
     temperature: float
     backend_name: str = "fsdp"
+    compile_head: bool = False
+    pair_cost: float = DEFAULT_PAIR_COST
+    attention: Callable[[], contextlib.AbstractContextManager] = field(default=contextlib.nullcontext)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -81,7 +134,7 @@ class PassRunner:
             return _dummy_batch().to(self.dist.device), dummy_inputs(self.dist.device), True
         micro = batch.select(rows)
         # inputs are planned on the host copy (no device syncs), then moved
-        inputs = build_inputs(micro, packed=self.packing and worth_packing(micro.attention_mask), device=self.dist.device)
+        inputs = build_inputs(micro, packed=self.packing and worth_packing(micro.attention_mask, self.pair_cost), device=self.dist.device)
         return micro.to(self.dist.device), inputs, False
 
     def forward(self, phase: str, module: torch.nn.Module, micro: TrainBatch, inputs: ModelInputs,
@@ -96,11 +149,12 @@ class PassRunner:
                 return (module(inputs.input_ids, inputs.position_ids, inputs.attention_mask, inputs.hidden_index),)
             logprobs, entropy = module(
                 inputs.input_ids, inputs.position_ids, inputs.attention_mask, inputs.hidden_index, inputs.target_ids,
-                temperature=self.temperature, chunk=self.chunk, with_entropy=with_entropy,
+                temperature=self.temperature, chunk=self.chunk, with_entropy=with_entropy, compiled=self.compile_head,
             )
             return (logprobs,) if entropy is None else (logprobs, entropy)
 
-        return self.kernel.run_forward(ctx, run)
+        with self.attention():
+            return self.kernel.run_forward(ctx, run)
 
     # ------------------------------------------------------------------ passes
 
@@ -147,10 +201,12 @@ class PassRunner:
             results = self.forward(phase, module, micro, inputs, with_entropy=with_entropy, dummy=dummy)
             if dummy:
                 # keep FSDP's reduce-scatter in lockstep with the other ranks; contributes zero
-                sum(r.sum() for r in results).mul(0.0).backward()
+                with self.attention():
+                    sum(r.sum() for r in results).mul(0.0).backward()
                 continue
             loss, shares = loss_fn(micro, tuple(inputs.scatter(r) for r in results))
-            (loss * self.dist.world_size).backward()
+            with self.attention():
+                (loss * self.dist.world_size).backward()
             for name, value in shares.items():
                 metrics[name] = metrics.get(name, 0.0) + value
             if kept is not None:
