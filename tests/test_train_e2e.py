@@ -82,10 +82,15 @@ def test_resume_continues_with_the_same_data_order(tiny_model: Path, tmp_path: P
     assert straight.returncode == 0, straight.stderr
     first = _train(*_args(tiny_model, tmp_path, "resumed", "run.steps=2"))
     assert first.returncode == 0, first.stderr
+    # as if the first run had logged step 3 and crashed before its checkpoint
+    with (tmp_path / "resumed" / "metrics.jsonl").open("a") as metrics:
+        metrics.write('{"step": 3, "time": 0.0, "rollout/reward_mean": -1.0}\n')
     resumed = _train("--resume", str(tmp_path / "resumed"), "run.steps=3")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed from" in resumed.stderr
     assert [m["step"] for m in _metrics(tmp_path / "resumed")] == [1, 2, 3]
+    assert _metrics(tmp_path / "resumed")[-1]["time"] > 0  # step 3's record is the resumed run's
+    assert '"rollout/reward_mean": -1.0' in (tmp_path / "resumed" / "metrics.superseded.jsonl").read_text()
     prompts = lambda run: [s["prompt"] for s in _samples(tmp_path / run, 3)]  # noqa: E731
     assert prompts("resumed") == prompts("straight")
     # the engines were brought to the checkpoint's weights before generating step 3

@@ -108,3 +108,28 @@ def test_a_tracker_that_cannot_start_is_an_error_naming_it(kernel: Kernel, tmp_p
     with pytest.raises(PluginError, match=r"tracker 'broken' \(plugin trackers_for_tests\) could not start: RuntimeError: no API key"):
         open_trackers(config("memory", "broken"), tmp_path, kernel)
     assert MADE["memory"].closed  # trackers already started are closed again
+
+
+def test_a_resume_supersedes_the_records_of_steps_that_run_again(kernel: Kernel, tmp_path: Path) -> None:
+    from miles.tracking.jsonl import SUPERSEDED_FILE, supersede_after
+
+    config = MilesConfig()
+    logger = open_trackers(config, tmp_path, kernel)
+    for step in range(1, 8):
+        logger.log({"reward/mean": step / 10}, step)
+    logger.close()
+    with (tmp_path / METRICS_FILE).open("a") as handle:
+        handle.write('{"step": 8, "rew')  # a line torn by a crash in mid-write
+
+    # resumed from the checkpoint of step 5: steps 6 and 7 run again, the torn line is unreadable
+    assert supersede_after(tmp_path, 5) == 3
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5]
+    superseded = (tmp_path / SUPERSEDED_FILE).read_text().splitlines()
+    assert [json.loads(line)["step"] for line in superseded[:2]] == [6, 7] and superseded[2] == '{"step": 8, "rew'
+
+    logger = open_trackers(config, tmp_path, kernel)  # the resumed run appends after step 5
+    logger.log({"reward/mean": 0.65}, 6)
+    logger.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]
+    assert supersede_after(tmp_path, 6) == 0  # nothing after the checkpoint: the file is left alone
+    assert supersede_after(tmp_path / "no-such-run", 3) == 0

@@ -98,3 +98,37 @@ def test_an_unexpected_error_is_a_plain_500(server: str, engine: StandInEngine) 
     response = httpx.post(f"{base}/chat/completions", json=CHAT)
     assert (response.status_code, response.text) == (500, "Internal Server Error")
     assert response.headers["content-type"] == "text/plain; charset=utf-8"
+
+
+def test_idle_sessions_expire_and_say_so_busy_ones_do_not(chatml: TitoTokenizer, engine: StandInEngine, caplog) -> None:
+    """A session unused for ``idle_timeout`` is removed (logged); a later request gets a 404 saying it expired."""
+    import asyncio
+    import time
+
+    service = SessionService(engine, chatml, model_name="tiny", idle_timeout=60.0)
+    idle, busy, fresh = service.create(), service.create(), service.create()
+    asyncio.run(service.chat(idle.id, CHAT))
+    start = time.monotonic() + 5  # past the sweep that create() and chat() just ran
+    idle.last_used = busy.last_used = start - 120  # two minutes without a request
+    fresh.last_used = start - 30
+
+    async def sweep_while_busy() -> list[str]:
+        async with busy.lock:  # a request in flight: never expired, however long it takes
+            return service.expire_idle(now=start)
+
+    with caplog.at_level("WARNING", logger="miles_tito.server.service"):
+        assert asyncio.run(sweep_while_busy()) == [idle.id]
+    assert idle.id not in service.sessions and {busy.id, fresh.id} <= set(service.sessions)
+    assert f"session {idle.id} expired after 120 s without a request (1 turns" in caplog.text
+    assert service.expire_idle(now=start + 0.5) == []  # sweeps run at most once a second
+    with pytest.raises(Exception, match="expired after 120 s without a request .* create a new one"):
+        service.get(idle.id)
+    with pytest.raises(Exception, match="never created or is already deleted"):
+        service.get("0" * 32)
+    assert service.expire_idle(now=start + 2) == [busy.id]  # idle and no longer busy
+    with pytest.raises(ValueError, match="idle_timeout must be > 0"):
+        SessionService(engine, chatml, model_name="tiny", idle_timeout=0)
+    never = SessionService(engine, chatml, model_name="tiny", idle_timeout=None)
+    old = never.create()
+    old.last_used -= 10**6
+    assert never.expire_idle() == [] and old.id in never.sessions

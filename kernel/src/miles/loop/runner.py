@@ -84,6 +84,8 @@ class Run:
         self.progress.message(f"model {cfg.model.name} -> {model_path}")
         tokenizer = load_tokenizer(model_path)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if self.resume:
+            self._supersede_metrics()
         self.metrics_logger = open_trackers(cfg, self.run_dir, kernel)
         data = open_data_source(cfg.data, kernel)
         self.progress.message(f"starting {cfg.rollout.num_engines} {cfg.rollout.engine} engine(s) and the router")
@@ -217,6 +219,15 @@ class Run:
         write_state(path, {"step": self.step, "weight_version": self.version, "saved_at": time.time()})
         prune_checkpoints(self.run_dir, self.config.run.keep_checkpoints)
         return time.perf_counter() - start
+
+    def _supersede_metrics(self) -> None:
+        """Steps logged after the last checkpoint run again: their old records leave metrics.jsonl."""
+        from miles.tracking.jsonl import SUPERSEDED_FILE, supersede_after
+
+        path = latest_checkpoint(self.run_dir)
+        moved = supersede_after(self.run_dir, int(read_state(path)["step"]) if path is not None else 0)
+        if moved:
+            self.progress.message(f"moved {moved} metrics record(s) of steps that run again to {SUPERSEDED_FILE}")
 
     def _restore(self) -> None:
         path = latest_checkpoint(self.run_dir)

@@ -2,7 +2,9 @@
 
 One JSON object per ``log`` call -- ``{"step": 3, "time": 1767225600.5, "reward/mean": 0.4, ...}``
 -- appended and flushed at once, so the file is complete up to the last step even after a crash.
-Non-finite values are written as ``null`` (strict JSON). A resumed run appends to the same file.
+Non-finite values are written as ``null`` (strict JSON). A resumed run appends to the same file,
+after :func:`supersede_after` moved the records of the steps it will run again (those logged after
+the checkpoint it resumes from) to ``metrics.superseded.jsonl``: one record per step, nothing lost.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,6 +22,7 @@ if TYPE_CHECKING:
     from miles.config import MilesConfig
 
 METRICS_FILE = "metrics.jsonl"
+SUPERSEDED_FILE = "metrics.superseded.jsonl"
 RESERVED_KEYS = ("step", "time")
 
 
@@ -61,3 +65,34 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     file = path / METRICS_FILE if path.is_dir() else path
     with file.open(encoding="utf-8") as handle:
         return [json.loads(line) for line in handle if line.strip()]
+
+
+def supersede_after(run_dir: Path, step: int) -> int:
+    """Move the records of steps after ``step`` (and unreadable lines) to ``metrics.superseded.jsonl``.
+
+    A run resumed from the checkpoint of ``step`` runs the steps after it again; their first
+    records (logged before the crash or Ctrl-C) would otherwise stay next to the new ones, two per
+    step. So would a line torn by a crash in mid-write, which no reader could parse. Returns how
+    many lines were moved. Call it before a tracker opens the file.
+    """
+    file = run_dir / METRICS_FILE
+    if not file.is_file():
+        return 0
+    kept: list[str] = []
+    moved: list[str] = []
+    for line in file.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record_step = json.loads(line).get("step")
+        except (json.JSONDecodeError, AttributeError):
+            record_step = None
+        (kept if isinstance(record_step, int) and record_step <= step else moved).append(line + "\n")
+    if not moved:
+        return 0
+    with (run_dir / SUPERSEDED_FILE).open("a", encoding="utf-8") as superseded:
+        superseded.writelines(moved)
+    tmp = file.with_name(file.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, file)
+    return len(moved)

@@ -17,6 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--render-check", choices=["window", "full"], default="window",
                         help="history rendered around appended messages (full also catches templates that re-render old turns)")
     parser.add_argument("--max-rollback-turns", type=int, default=1, help="generated turns one request may retry")
+    parser.add_argument("--session-idle-timeout", type=float, default=3600.0,
+                        help="seconds without a request after which a session expires (0: never)")
     parser.add_argument("--log-level", default="warning")
 
 
@@ -29,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
     make = app_factory(
         args.router, tito, model_name=str(args.model), max_context_len=args.max_context_len,
         default_max_tokens=args.max_tokens, max_rollback_turns=args.max_rollback_turns,
+        idle_timeout=args.session_idle_timeout or None,
     )
     app = make()
     # Everything loaded so far (transformers, the tokenizer: ~400k objects) lives as long as the

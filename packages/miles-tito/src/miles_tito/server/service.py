@@ -8,13 +8,21 @@ that turn by rolling it back). Different sessions never wait for each other.
 Deleting marks the session closing (new and queued requests get 409 ``session_closing``), waits for
 the request in flight to commit, removes the session and returns its final state: a turn that was
 generating when the delete arrived is in that state, not lost.
+
+A session nobody has used for ``idle_timeout`` seconds (an agent that crashed before its generator
+could delete it) is expired: removed, logged with its turn count, and remembered, so a late request
+for it gets a 404 that says it expired rather than that it never existed. A session with a request
+in flight or being deleted never expires. Without this a long run's server would keep every
+abandoned session's tokens forever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +45,10 @@ from miles_tito.server.schema import ChatCompletionRequest, parse_chat_request
 from miles_tito.tokenizer import TitoTokenizer
 from miles_tito.turn import TurnRequest, TurnResult, run_turn
 
+log = logging.getLogger(__name__)
+EXPIRED_MEMORY = 10_000
+"""Most expired session ids remembered (for the 404 that says so); the oldest are forgotten first."""
+
 
 @dataclass(slots=True)
 class Session:
@@ -48,6 +60,7 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     failures: list[RequestFailure] = field(default_factory=list)
     closing: bool = False
+    last_used: float = field(default_factory=time.monotonic)
 
 
 @dataclass(slots=True)
@@ -65,6 +78,7 @@ class SessionService:
     :param max_context_len: prompt plus completion limit, in tokens.
     :param default_max_tokens: completion budget when neither request nor session sets one.
     :param max_rollback_turns: how many generated turns a request may retry (rewrite).
+    :param idle_timeout: seconds without a request after which a session expires; None: never.
     """
 
     def __init__(
@@ -77,7 +91,10 @@ class SessionService:
         default_max_tokens: int = 1024,
         max_rollback_turns: int = 1,
         delete_timeout: float = 600.0,
+        idle_timeout: float | None = 3600.0,
     ) -> None:
+        if idle_timeout is not None and idle_timeout <= 0:
+            raise ValueError(f"idle_timeout must be > 0 seconds (or None for never), got {idle_timeout}")
         self.engine = engine
         self.tito = tito
         self.model_name = model_name
@@ -85,7 +102,10 @@ class SessionService:
         self.default_max_tokens = default_max_tokens
         self.max_rollback_turns = max_rollback_turns
         self.delete_timeout = delete_timeout
+        self.idle_timeout = idle_timeout
         self.sessions: dict[str, Session] = {}
+        self.expired: OrderedDict[str, float] = OrderedDict()  # id -> seconds it had been idle
+        self._next_sweep = time.monotonic()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -101,14 +121,40 @@ class SessionService:
             sampling=request.sampling,
             metadata=request.metadata,
         )
+        self.expire_idle()
         self.sessions[session.id] = session
         return session
 
     def get(self, session_id: str) -> Session:
+        self.expire_idle()
         session = self.sessions.get(session_id)
         if session is None:
+            if session_id in self.expired:
+                raise SessionNotFound(
+                    f"session {session_id!r} expired after {self.expired[session_id]:.0f} s without a request "
+                    f"(the server's idle timeout is {self.idle_timeout:.0f} s); create a new one with POST /sessions"
+                )
             raise SessionNotFound(f"no session {session_id!r}: it was never created or is already deleted; create one with POST /sessions")
+        session.last_used = time.monotonic()
         return session
+
+    def expire_idle(self, now: float | None = None) -> list[str]:
+        """Remove sessions idle for longer than ``idle_timeout`` (checked at most once a second);
+        returns their ids."""
+        now = time.monotonic() if now is None else now
+        if self.idle_timeout is None or now < self._next_sweep:
+            return []
+        self._next_sweep = now + min(1.0, self.idle_timeout / 10)
+        stale = [s for s in self.sessions.values()
+                 if now - s.last_used > self.idle_timeout and not s.closing and not s.lock.locked()]
+        for session in stale:
+            del self.sessions[session.id]
+            self.expired[session.id] = now - session.last_used
+            log.warning("session %s expired after %.0f s without a request (%d turns, %d tokens)", session.id,
+                        now - session.last_used, len(session.conversation.records), len(session.conversation.token_ids))
+        while len(self.expired) > EXPIRED_MEMORY:
+            self.expired.popitem(last=False)
+        return [s.id for s in stale]
 
     def view(self, session: Session) -> SessionView:
         conversation = session.conversation
@@ -169,6 +215,8 @@ class SessionService:
                 )
             except TitoError as exc:
                 raise self._fail(session, exc) from None
+            finally:
+                session.last_used = time.monotonic()  # idle time counts from the end of a turn
         return ChatOutcome(request, result)
 
     def _template_extra(self, request: ChatCompletionRequest) -> dict[str, Any] | None:
