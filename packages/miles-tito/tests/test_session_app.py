@@ -132,3 +132,21 @@ def test_idle_sessions_expire_and_say_so_busy_ones_do_not(chatml: TitoTokenizer,
     old = never.create()
     old.last_used -= 10**6
     assert never.expire_idle() == [] and old.id in never.sessions
+
+
+def test_a_runs_session_server_gets_its_settings_from_the_config() -> None:
+    """``session_arguments``: what the kernel adds to ``miles serve session`` for a run, accepted by its parser."""
+    import argparse
+
+    from miles.config import load_config
+    from miles_tito.server.cli import add_arguments, session_arguments
+
+    config = load_config(None, ["tito.max_rollback_turns=3", "tito.session_idle_timeout=0", "tito.family=chatml",
+                                "rollout.max_context_len=4096", "rollout.max_new_tokens=77"])
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--router", "http://127.0.0.1:1", "--model", "m", *session_arguments(config)])
+    assert (args.max_rollback_turns, args.session_idle_timeout, args.family) == (3, 0.0, "chatml")
+    assert (args.max_context_len, args.max_tokens, args.render_check) == (4096, 77, "window")
+    defaults = parser.parse_args(["--router", "u", "--model", "m", *session_arguments(load_config())])
+    assert defaults.family is None and defaults.session_idle_timeout == 3600.0

@@ -119,8 +119,10 @@ def start_services(config: MilesConfig, kernel: Kernel, model_path: Path, run_di
         if config.rollout.generator == "agentic":
             port = free_port(HOST)
             session_url = f"http://{HOST}:{port}"
+            session_arguments = _optional("miles_tito.server.cli", "session_arguments", "miles-tito")
             executor.start("session", _miles_cli("serve", "session", "--host", HOST, "--port", str(port),
-                                                 "--router", router_url, "--model", str(model_path)),
+                                                 "--router", router_url, "--model", str(model_path),
+                                                 *session_arguments(config)),
                            health_url=f"{session_url}/health")
     except BaseException:
         executor.shutdown()

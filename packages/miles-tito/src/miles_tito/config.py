@@ -22,5 +22,8 @@ class TitoSection(Section):
         description="history rendered around appended messages: the last turn (window) or all of it (full)",
     )
     max_rollback_turns: int = Field(default=1, ge=0, description="generated turns one request may retry")
+    session_idle_timeout: float = Field(
+        default=3600.0, ge=0, description="seconds without a request after which a session expires (0: never)",
+    )
     tool_timeout: float = Field(default=60.0, gt=0, description="seconds one tool call of multi_turn may take")
     collect_timeout: float = Field(default=600.0, gt=0, description="seconds to wait for a session's records")

@@ -92,6 +92,7 @@ class AgenticGenerator:
                     engine_url, tito, model_name=str(getattr(ctx.tokenizer, "name_or_path", "model")),
                     max_context_len=ctx.max_context_len, default_max_tokens=ctx.sampling_params.max_new_tokens,
                     max_rollback_turns=settings.tito.max_rollback_turns,
+                    idle_timeout=settings.tito.session_idle_timeout or None,
                 )
                 server = self._embedded[key] = BackgroundServer(make)
                 server.start()

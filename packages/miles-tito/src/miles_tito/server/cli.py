@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +21,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--session-idle-timeout", type=float, default=3600.0,
                         help="seconds without a request after which a session expires (0: never)")
     parser.add_argument("--log-level", default="warning")
+
+
+def session_arguments(config: Any) -> list[str]:
+    """The flags a run's session server gets from its config, every setting spelled out.
+
+    ``config`` is the run's ``MilesConfig``: the ``tito`` section (family, render check, rollback,
+    idle timeout) and ``rollout.max_context_len`` / ``max_new_tokens``, so the server the kernel
+    starts enforces what the in-process one of the ``agentic`` generator would.
+    """
+    from miles_tito.config import TitoSection
+
+    section = config.section("tito", TitoSection)
+    argv = ["--render-check", section.render_check, "--max-rollback-turns", str(section.max_rollback_turns),
+            "--session-idle-timeout", repr(section.session_idle_timeout),
+            "--max-context-len", str(config.rollout.max_context_len), "--max-tokens", str(config.rollout.max_new_tokens)]
+    if section.family:
+        argv += ["--family", section.family]
+    return argv
 
 
 def run(args: argparse.Namespace) -> int:
