@@ -10,9 +10,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 common=(--micro-batch-tokens 16384 --warmup 2 --steps 4)
 for variant in "$@"; do
   case $variant in
-    default) args=() ;;
-    cudnn) args=(--no-baseline --sdpa-backends cudnn,flash) ;;
-    compile-head) args=(--no-baseline --sdpa-backends cudnn,flash --compile-head) ;;
+    default) args=(--no-compile) ;;
+    cudnn) args=(--no-compile --no-baseline --sdpa-backends cudnn,flash) ;;
+    compile-head) args=(--no-compile --no-baseline --sdpa-backends cudnn,flash --compile-head) ;;
     compile) args=(--no-baseline --sdpa-backends cudnn,flash --compile) ;;
     *) echo "unknown variant $variant"; exit 2 ;;
   esac

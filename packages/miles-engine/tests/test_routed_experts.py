@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from miles_contracts.wire.engine import decode_routed_experts
+from miles_models.testing import router_top_k
 from transformers import AutoModelForCausalLM
 
 PROMPTS = [[1, 504, 3458, 282, 4649], [1, 77, 88], [1, 1000, 2000, 3000, 4000, 5000, 6000]]
@@ -18,15 +19,6 @@ PROMPTS = [[1, 504, 3458, 282, 4649], [1, 77, 88], [1, 1000, 2000, 3000, 4000, 5
 @pytest.fixture(scope="module")
 def reference(moe_path):
     return AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32).eval()
-
-
-def teacher_forced_experts(model, ids: list[int]) -> np.ndarray:
-    """``[len(ids), layers, top_k]``: each router's top-k for every position."""
-    with torch.no_grad():
-        out = model(torch.tensor([ids]), output_router_logits=True)
-    top_k = model.config.num_experts_per_tok
-    per_layer = [logits.reshape(len(ids), -1).topk(top_k, dim=-1).indices for logits in out.router_logits]
-    return torch.stack(per_layer, dim=1).numpy().astype(np.int32)
 
 
 def test_routed_experts_equal_the_routers_top_k(moe, reference):
@@ -42,7 +34,7 @@ def test_routed_experts_equal_the_routers_top_k(moe, reference):
         tokens = prompt + out["output_ids"]
         raw = decode_routed_experts(out["meta_info"]["routed_experts"])
         got = np.frombuffer(raw, dtype="<i4").reshape(len(tokens) - 1, layers, top_k)
-        expected = teacher_forced_experts(reference, tokens[:-1])
+        expected = router_top_k(reference, tokens[:-1])
         np.testing.assert_array_equal(got, expected)
 
 

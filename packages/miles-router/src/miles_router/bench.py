@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import statistics
@@ -32,6 +31,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from miles.cli import emit_json
 
 PATHS = ("direct_httpx", "direct_lean", "router_httpx", "router_lean")
 
@@ -74,11 +75,7 @@ def run(args: argparse.Namespace) -> int:
         "router_httpx/router_lean": round(paths["router_httpx"]["wall_s_median"] / paths["router_lean"]["wall_s_median"], 2),
         "direct_httpx/direct_lean": round(paths["direct_httpx"]["wall_s_median"] / paths["direct_lean"]["wall_s_median"], 2),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    emit_json(report, args.out)
     return 0
 
 

@@ -19,7 +19,6 @@ refuses two ranks on one device, and is skipped with a note when there is only o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
@@ -28,6 +27,8 @@ import tempfile
 from itertools import count
 from pathlib import Path
 from typing import Any
+
+from miles.cli import emit_json
 
 TRANSPORTS = ("disk", "shared_memory", "broadcast")
 
@@ -74,11 +75,7 @@ def run(args: argparse.Namespace) -> int:
     versions = count(1)
     for device in devices:
         result["runs"].append(_bench_device(device, transports, model_dir, work_dir / device, args, versions))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit_json(result, args.out)
     failed = any("error" in t for r in result["runs"] for t in r["transports"].values())
     return 1 if failed else 0
 

@@ -10,12 +10,13 @@ step comes to the memory-bandwidth roofline (bytes of weights + KV read per step
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
+
+from miles.cli import emit_json
 
 from miles_engine.bench.systems import EmbeddedSystem, GenerateSystem, RunResult, VLLMSystem
 from miles_engine.bench.workload import Workload, build_workload
@@ -96,11 +97,7 @@ def run(args: argparse.Namespace) -> int:
     for name, by_concurrency in runs.items():
         report["systems"][name] = {str(c): _summary(results) for c, results in by_concurrency.items()}
     report["ratios"] = _ratios(report["systems"], args.concurrency)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    emit_json(report, args.out)
     return 0
 
 
