@@ -76,3 +76,23 @@ def test_noise_is_not_a_plain_seeded_draw():
     salted = torch.randn(shape, generator=noise_generator(0))
     assert not torch.equal(plain, salted)
     assert torch.equal(salted, torch.randn(shape, generator=noise_generator(0)))  # still deterministic
+
+
+@pytest.mark.skipif(not __import__("miles_engine.cpu_linear").cpu_linear.available(), reason="needs oneDNN")
+def test_a_bucket_repacks_only_the_layers_it_wrote(dense_path, dense_path_seed1):
+    """The CPU engine keeps packed copies of its linear weights; a weight-sync bucket must refresh
+    the ones it wrote (the tied head with its embedding) and leave the rest alone."""
+    from miles_engine.cpu_linear import PackedLinears
+
+    model, trained = load(dense_path), load(dense_path_seed1)
+    store, packed = WeightStore(model), PackedLinears(model)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    store.load([(q, trained.state_dict()[q])])
+    assert packed.repack(store.take_changed()) == 1 and store.take_changed() == set()
+    store.load([("model.embed_tokens.weight", trained.state_dict()["model.embed_tokens.weight"])])
+    assert packed.repack(store.take_changed()) == 1  # lm_head shares the embedding's storage
+    x = torch.randn(1, 8, model.config.hidden_size)  # 8 rows: the packed path
+    with torch.no_grad():
+        for layer in (model.model.layers[0].self_attn.q_proj, model.lm_head):
+            assert torch.allclose(layer(x), torch.nn.functional.linear(x, layer.weight), atol=1e-5)
+    assert packed.repack(set()) == 0 and packed.repack() == len(packed.layers)

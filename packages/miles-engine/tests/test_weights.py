@@ -115,8 +115,10 @@ def test_update_from_flattened_shm(engine, trained):
     assert greedy(engine)["meta_info"]["weight_version"] == "step-3"
 
 
-def test_update_from_distributed_over_gloo(engine, trained):
-    """The trainer is rank 0 in this test process; the engine joins as rank 1 over HTTP."""
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
+def test_update_from_distributed_over_gloo(engine, trained, load_format):
+    """The trainer is rank 0 in this test process; the engine joins as rank 1 over HTTP. Per tensor
+    (one broadcast each) or flattened (one broadcast of every tensor's bytes back to back)."""
     port = free_port()
     names = list(trained.state_dict())
     tensors = [trained.state_dict()[n].contiguous() for n in names]
@@ -129,9 +131,14 @@ def test_update_from_distributed_over_gloo(engine, trained):
         try:
             update = pool.submit(engine.post, "/update_weights_from_distributed", {
                 "names": names, "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
-                "shapes": [list(t.shape) for t in tensors], "group_name": "test_group", "weight_version": "9"})
-            for tensor in tensors:
-                torch.distributed.broadcast(tensor, src=0, group=group)
+                "shapes": [list(t.shape) for t in tensors], "group_name": "test_group", "weight_version": "9",
+                "load_format": load_format})
+            if load_format is None:
+                for tensor in tensors:
+                    torch.distributed.broadcast(tensor, src=0, group=group)
+            else:
+                torch.distributed.broadcast(torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]), src=0,
+                                            group=group)
             answer = update.result()
         finally:
             destroy_weight_group(group)
@@ -189,6 +196,10 @@ def test_bad_updates_are_refused_and_change_nothing(engine, trained, tmp_path):
     assert nccl.status_code == 400 and "gloo" in nccl.json()["message"]
     no_group = engine.post("/update_weights_from_distributed", {"names": [name], "dtypes": ["float32"], "shapes": [[64, 64]]})
     assert no_group.status_code == 400 and "init_weights_update_group" in no_group.json()["message"]
+    bad_layout = engine.post("/update_weights_from_distributed", {"names": [name], "dtypes": ["float32"],
+                                                                  "shapes": [[64, 64]], "load_format": "npz"})
+    assert bad_layout.status_code == 400
+    assert "load_format 'npz'" in bad_layout.json()["message"] and "flattened_bucket" in bad_layout.json()["message"]
     bad_format = engine.post("/update_weights_from_tensor", {"serialized_named_tensors": ["x"], "load_format": "npz"})
     assert bad_format.status_code == 400
     assert checksums(engine) == original

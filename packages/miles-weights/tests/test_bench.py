@@ -24,7 +24,7 @@ def test_the_benchmark_measures_every_transport_against_memcpy(tiny_dir: Path, t
     assert json.loads(done.stdout) == result
     (run,) = result["runs"]
     assert run["device"] == "cpu" and run["num_bytes"] == sum(t.numel() * 4 for _, t in load_tensors(tiny_dir, torch.float32, "cpu"))
-    assert set(run["transports"]) == {"disk", "shared_memory", "broadcast"}
+    assert set(run["transports"]) == {"disk", "shared_memory", "broadcast", "broadcast/per_tensor"}
     for name, measured in run["transports"].items():
         assert measured["check"] == "bit-exact", name
         assert measured["baseline"] == "memcpy"

@@ -32,6 +32,11 @@ def test_registered_names_build_configured_transports(tmp_path: Path) -> None:
     disk = registry.get("disk")(config)
     assert disk.directory == tmp_path.resolve()
     disk.close()
+    with registry.get("broadcast")(config) as broadcast:
+        assert broadcast.backend == "gloo" and broadcast.layout == "flattened_bucket"
+    per_tensor = MilesConfig(extra={"weight_transport": WeightTransportSection(broadcast_format="per_tensor")})
+    with registry.get("broadcast")(per_tensor) as broadcast:
+        assert broadcast.layout == "per_tensor"
 
 
 def test_disk_defaults_to_the_run_folder() -> None:
@@ -45,5 +50,7 @@ def test_bad_section_values_are_config_errors() -> None:
     # (the list also holds complaints about other sections while their plugins are missing)
     with pytest.raises(ConfigError, match="pause_mode"):
         load_config(None, ["weight_transport.pause_mode=sleep"])
+    with pytest.raises(ConfigError, match="broadcast_format"):
+        load_config(None, ["weight_transport.broadcast_format=zip"])
     with pytest.raises(ConfigError, match="weights.transport"):
         load_config(None, ["weights.transport=carrier_pigeon"])

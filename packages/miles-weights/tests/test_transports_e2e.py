@@ -21,14 +21,17 @@ from miles_weights.settings import WeightTransportSection
 from miles_weights.sync import BucketedTransport
 
 pytestmark = pytest.mark.slow
-TRANSPORTS = ["disk", "shared_memory", "broadcast"]
+TRANSPORTS = ["disk", "shared_memory", "broadcast", "broadcast/per_tensor"]
 BUCKET_MB = 1  # the tiny model (~13 MB) then travels in many buckets
 
 
 def make(name: str, tmp_path: Path, *, check: bool = False) -> BucketedTransport:
-    """The transport registered as ``name``, configured like a run would configure it."""
+    """The transport registered as ``name``, configured like a run would configure it; ``name/layout``
+    picks the broadcast layout (``weight_transport.broadcast_format``)."""
+    name, _, layout = name.partition("/")
+    section = WeightTransportSection(disk_dir=tmp_path / "sync", http_timeout=60, broadcast_format=layout or "flattened_bucket")
     config = MilesConfig(weights=WeightsSection(transport=name, bucket_mb=BUCKET_MB, check=check),
-                         extra={"weight_transport": WeightTransportSection(disk_dir=tmp_path / "sync", http_timeout=60)})
+                         extra={"weight_transport": section})
     return Kernel.load().weight_transports().get(name)(config)
 
 

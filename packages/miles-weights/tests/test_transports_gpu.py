@@ -40,9 +40,10 @@ def test_cuda_ipc_to_an_engine_on_the_same_gpu(gpu_engines: dict[str, str], tiny
         check_weight_transport(transport, gpu_engines["same_gpu"], tensors, reference_url=gpu_engines["reference"])
 
 
-def test_nccl_broadcast_to_an_engine_on_another_gpu(gpu_engines: dict[str, str], tiny_dir: Path) -> None:
+@pytest.mark.parametrize("layout", ["flattened_bucket", "per_tensor"])
+def test_nccl_broadcast_to_an_engine_on_another_gpu(gpu_engines: dict[str, str], tiny_dir: Path, layout: str) -> None:
     if "other_gpu" not in gpu_engines:
         pytest.skip("needs two GPUs: NCCL refuses two ranks on one device")
     tensors = load_tensors(tiny_dir, torch.bfloat16, "cuda:0")
-    with BroadcastTransport(TransportOptions(bucket_mb=1), backend="nccl", group_timeout=120) as transport:
+    with BroadcastTransport(TransportOptions(bucket_mb=1), backend="nccl", group_timeout=120, layout=layout) as transport:
         check_weight_transport(transport, gpu_engines["other_gpu"], tensors, reference_url=gpu_engines["reference"])

@@ -1,9 +1,14 @@
 """A standalone process group for weight broadcast, for ``/update_weights_from_distributed``.
 
 The trainer (rank 0) and every engine (ranks ``rank_offset ...``) call :func:`create_weight_group`
-with the same address, port, world size and group name; the trainer then runs
-``torch.distributed.broadcast(tensor, src=0, group=group)`` for each tensor, in the order of the
-request's ``names``, and each engine receives with the same call.
+with the same address, port, world size and group name. Per request, the trainer then broadcasts
+(``torch.distributed.broadcast(..., src=0, group=group)``) and each engine receives with the same
+call, in one of two layouts chosen by the request's ``load_format``:
+
+* ``None``: one broadcast per tensor, in the order of the request's ``names``;
+* ``"flattened_bucket"`` (:data:`FLATTENED_BUCKET_FORMAT`, SGLang's name for it): one broadcast of a
+  ``uint8`` buffer holding every tensor's raw bytes back to back, in the order of ``names``, with no
+  padding (:func:`flatten_bucket` / :func:`unflatten_bucket`). One collective instead of hundreds.
 
 The group never touches the default process group: a trainer that already runs FSDP under
 ``torch.distributed.init_process_group`` keeps its world, and an engine needs no world at all. It is
@@ -21,9 +26,11 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
     import torch.distributed as dist
 
 BACKENDS = ("gloo", "nccl")
+FLATTENED_BUCKET_FORMAT = "flattened_bucket"
 _DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
@@ -117,3 +124,45 @@ def destroy_weight_group(group: dist.ProcessGroup) -> None:
     # older torch has no shutdown(); a group whose peer is gone may refuse it
     with contextlib.suppress(AttributeError, RuntimeError):
         group.shutdown()
+
+
+def bucket_nbytes(dtypes: list[torch.dtype], shapes: list[tuple[int, ...]]) -> int:
+    """Size of a flattened bucket holding tensors of these dtypes and shapes."""
+    import math
+
+    return sum(math.prod(shape) * dtype.itemsize for dtype, shape in zip(dtypes, shapes, strict=True))
+
+
+def flatten_bucket(tensors: list[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
+    """Every tensor's raw bytes back to back in one new ``uint8`` buffer on ``device`` (default:
+    the first tensor's)."""
+    import torch
+
+    device = tensors[0].device if device is None else torch.device(device)
+    flat = torch.empty(sum(t.numel() * t.element_size() for t in tensors), dtype=torch.uint8, device=device)
+    offset = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        flat[offset : offset + nbytes].copy_(tensor.detach().to(device).contiguous().reshape(-1).view(torch.uint8))
+        offset += nbytes
+    return flat
+
+
+def unflatten_bucket(flat: torch.Tensor, names: list[str], dtypes: list[torch.dtype],
+                     shapes: list[tuple[int, ...]]) -> list[tuple[str, torch.Tensor]]:
+    """The named tensors inside a flattened bucket: views where the byte offset suits the dtype,
+    copies where it does not (no padding means a float32 may follow an odd count of bfloat16s)."""
+    import math
+
+    expected = bucket_nbytes(dtypes, shapes)
+    if flat.numel() != expected:
+        raise ValueError(f"flattened bucket holds {flat.numel()} bytes, its tensors need {expected}")
+    out, offset = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        nbytes = math.prod(shape) * dtype.itemsize
+        raw = flat[offset : offset + nbytes]
+        if (raw.data_ptr() % dtype.itemsize) != 0:
+            raw = raw.clone()  # a fresh allocation is aligned for any dtype
+        out.append((name, raw.view(dtype).reshape(shape)))
+        offset += nbytes
+    return out

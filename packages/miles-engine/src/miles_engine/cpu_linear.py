@@ -6,13 +6,15 @@ reordered once into its blocked layout reaches ~40-60 (measured in docs/benchmar
 Every ``nn.Linear`` of the model (the tied ``lm_head`` included) keeps its weight as is (weight
 updates, checksums and the small-batch path use it) and gains a packed copy used for inputs of at
 least :data:`MIN_ROWS` rows; single-row GEMVs are memory bound and stay on the default path.
-After any in-place weight change, call :meth:`PackedLinears.repack`.
+After any in-place weight change, call :meth:`PackedLinears.repack` (with the changed storages, so
+that a bucket of a weight sync repacks only its own layers).
 
 The cost is a second copy of the linear weights in memory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -43,12 +45,18 @@ class PackedLinears:
         for layer in self.layers:
             layer.forward = self._forward_of(layer)
 
-    def repack(self) -> None:
+    def repack(self, storages: Collection[int] | None = None) -> int:
+        """Pack again the layers whose weight lives in one of ``storages`` (``untyped_storage()
+        .data_ptr()`` values; ``None``: every layer). Returns how many were packed."""
         import torch
 
+        count = 0
         with torch.no_grad():
             for layer in self.layers:
-                self._packed[id(layer)] = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), _PACK_HINT)
+                if storages is None or layer.weight.untyped_storage().data_ptr() in storages:
+                    self._packed[id(layer)] = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), _PACK_HINT)
+                    count += 1
+        return count
 
     def _forward_of(self, layer: nn.Linear):
         import torch

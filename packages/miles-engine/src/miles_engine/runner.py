@@ -8,6 +8,7 @@ boolean attention mask (transformers passes a prepared 4-D mask through as is) a
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
@@ -43,10 +44,11 @@ class ModelRunner:
         if pack_linears and loaded.device.type == "cpu" and loaded.dtype == torch.float32 and cpu_linear.available():
             self.packed = cpu_linear.PackedLinears(self.model)
 
-    def weights_changed(self) -> None:
-        """Call after any in-place change of the model's weights (derived copies follow)."""
+    def weights_changed(self, storages: Collection[int] | None = None) -> None:
+        """Call after any in-place change of the model's weights (derived copies follow);
+        ``storages``: the ``untyped_storage().data_ptr()`` of what changed (``None``: anything may have)."""
         if self.packed is not None:
-            self.packed.repack()
+            self.packed.repack(storages)
 
     def prefill(self, seq: Sequence, slot: int) -> torch.Tensor:
         """Feed ``seq.all_ids[seq.kv_len:]`` into ``slot``; returns the next-token logits ``[1, V]``

@@ -14,6 +14,7 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from miles_contracts.wire.distributed import FLATTENED_BUCKET_FORMAT, bucket_nbytes, unflatten_bucket
 from miles_contracts.wire.engine import (
     InitWeightsUpdateGroupRequest,
     UpdateWeightsFromDiskRequest,
@@ -44,14 +45,20 @@ class WeightUpdates:
         self.store = WeightStore(loaded.model)
         self.groups: dict[str, Any] = {}
 
-    async def _run(self, load: Callable[[], int], *, version: str | None, abort_all: bool) -> int:
+    async def _run(self, load: Callable[[], int] | None, *, version: str | None, abort_all: bool) -> int:
+        """On the scheduler thread: abort if asked, ``load`` (``None``: only the version moves),
+        let derived copies of the changed weights follow, set the version."""
         scheduler = self.scheduler
 
         def job() -> int:
             if abort_all:
                 scheduler.abort(None, "aborted for a weight update (abort_all_requests)")
-            count = load()
-            scheduler.runner.weights_changed()
+            count = 0
+            if load is not None:
+                try:
+                    count = load()
+                finally:  # a load that failed half way still changed what it wrote
+                    scheduler.runner.weights_changed(self.store.take_changed())
             scheduler.weight_version = version if version is not None else _bumped(scheduler.weight_version)
             return count
 
@@ -94,10 +101,10 @@ class WeightUpdates:
         if request.group_name in self.groups:
             raise WeightUpdateError(f"weight group {request.group_name!r} exists; destroy it first "
                                     "(/destroy_weights_update_group) or use another group_name")
-        if self.loaded.device.type == "cuda":
+        if self.loaded.device.type == "cuda" and self.loaded.device.index is not None:
             import torch
 
-            torch.cuda.set_device(self.loaded.device)
+            torch.cuda.set_device(self.loaded.device)  # a bare "cuda" is the current device already
         # Joining blocks until the trainer (rank 0) joins too: keep it off the event loop.
         group = await asyncio.to_thread(
             create_weight_group, request.backend, request.master_address, request.master_port,
@@ -114,6 +121,9 @@ class WeightUpdates:
         destroy_weight_group(entry[0])
 
     async def from_distributed(self, request: UpdateWeightsFromDistributedRequest) -> int:
+        if request.load_format not in (None, FLATTENED_BUCKET_FORMAT):
+            raise WeightUpdateError(f"load_format {request.load_format!r} is not supported for a distributed update; "
+                                    f"use {FLATTENED_BUCKET_FORMAT!r} (one broadcast per bucket) or none (one per tensor)")
         entry = self.groups.get(request.group_name)
         if entry is None:
             raise WeightUpdateError(f"no weight group named {request.group_name!r}; call /init_weights_update_group first")
@@ -130,6 +140,10 @@ class WeightUpdates:
             import torch
             import torch.distributed as dist
 
+            if request.load_format == FLATTENED_BUCKET_FORMAT:
+                flat = torch.empty(bucket_nbytes(dtypes, shapes), dtype=torch.uint8, device=device)
+                dist.broadcast(flat, src=0, group=group)
+                return self.store.load(unflatten_bucket(flat, request.names, dtypes, shapes))
             received = []
             for name, dtype, shape in zip(request.names, dtypes, shapes, strict=True):
                 buffer = torch.empty(shape, dtype=dtype, device=device)
@@ -140,7 +154,7 @@ class WeightUpdates:
         return await self._run(receive_all, version=request.weight_version, abort_all=request.abort_all_requests)
 
     async def set_version(self, version: str, *, abort_all: bool) -> None:
-        await self._run(lambda: 0, version=version, abort_all=abort_all)
+        await self._run(None, version=version, abort_all=abort_all)
 
     async def fill_noise(self, seed: int) -> int:
         """Check mode: every weight becomes noise; the version is left as it is, since the noise

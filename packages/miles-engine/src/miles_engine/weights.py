@@ -163,6 +163,7 @@ class WeightStore:
         for alias, source in self.aliases.items():
             self.targets[alias] = self.stored[source]
             self._owner[alias] = source
+        self.changed: set[int] = set()  # see take_changed
 
     # ------------------------------------------------------------------ updates
 
@@ -191,13 +192,22 @@ class WeightStore:
 
         count = 0
         touched: set[str] = set()
-        with torch.no_grad():
-            for name, tensor in named:
-                self.targets[name].copy_(tensor, non_blocking=False)
-                touched.add(self._owner[name])
-                count += 1
-            self._copy_to_followers(touched)
+        try:
+            with torch.no_grad():
+                for name, tensor in named:
+                    touched.add(self._owner[name])
+                    self.targets[name].copy_(tensor, non_blocking=False)
+                    count += 1
+                self._copy_to_followers(touched)
+        finally:  # what a failed load wrote before failing changed too
+            self.changed.update(self.stored[name].untyped_storage().data_ptr() for name in touched)
+            self.changed.update(f.untyped_storage().data_ptr() for name in touched for f in self.followers.get(name, ()))
         return count
+
+    def take_changed(self) -> set[int]:
+        """Storages (``untyped_storage().data_ptr()``) :meth:`load` wrote since the last call."""
+        changed, self.changed = self.changed, set()
+        return changed
 
     def load_checked(self, named: list[tuple[str, torch.Tensor]]) -> int:
         self.check((n, tuple(t.shape)) for n, t in named)

@@ -14,6 +14,9 @@ every bucket, flush, version bump, continue. Baselines: ``memcpy`` (CPU to CPU),
 (one GPU to itself), ``p2p_copy`` (GPU 0 to GPU 1). On CUDA, disk and shared_memory (CUDA IPC) use
 an engine on the trainer's GPU; broadcast (NCCL) needs the engine on a second GPU, because NCCL
 refuses two ranks on one device, and is skipped with a note when there is only one.
+
+``broadcast`` is measured in each layout of ``--broadcast-formats``: ``broadcast`` is the default
+(``flattened_bucket``, one collective per bucket), ``broadcast/per_tensor`` one collective per tensor.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-model", choices=("1b", "8b"), help="instead: a random-weight Llama of this size (built once)")
     p.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated registered transports")
     p.add_argument("--devices", default=None, help="cpu and/or cuda, comma-separated (default: cpu, and cuda when present)")
+    p.add_argument("--broadcast-formats", default="flattened_bucket,per_tensor",
+                   help="layouts the broadcast transport is measured in (weight_transport.broadcast_format)")
     p.add_argument("--bucket-mb", type=int, default=512, help="weights.bucket_mb")
     p.add_argument("--repeats", type=int, default=5, help="timed pushes per transport")
     p.add_argument("--work-dir", type=Path, default=None, help="engine logs and disk-transport files (default: a temp dir)")
@@ -54,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = [d for d in devices if d not in ("cpu", "cuda")]
     if unknown or ("cuda" in devices and not torch.cuda.is_available()):
         raise SystemExit(f"--devices takes cpu and/or cuda (cuda needs a GPU); got {args.devices!r}")
-    transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    transports = _variants([t.strip() for t in args.transports.split(",") if t.strip()],
+                           [f.strip() for f in args.broadcast_formats.split(",") if f.strip()])
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="miles-bench-weights-"))
     model_dir = Path(resolve_model(args.model, auto_pull=True))
     if args.random_model:
@@ -80,6 +86,24 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _variants(names: list[str], broadcast_formats: list[str]) -> list[tuple[str, str, dict[str, Any]]]:
+    """``(label, transport, weight_transport overrides)`` for each measurement."""
+    from miles_weights.broadcast import LAYOUTS
+
+    bad = [f for f in broadcast_formats if f not in LAYOUTS]
+    if bad or not broadcast_formats:
+        raise SystemExit(f"--broadcast-formats takes {' and/or '.join(LAYOUTS)}; got {','.join(broadcast_formats)!r}")
+    out: list[tuple[str, str, dict[str, Any]]] = []
+    for name in names:
+        if name != "broadcast":
+            out.append((name, name, {}))
+            continue
+        for layout in broadcast_formats:
+            label = name if layout == LAYOUTS[0] else f"{name}/{layout}"
+            out.append((label, name, {"broadcast_format": layout}))
+    return out
+
+
 def _visible_gpus() -> list[str]:
     import torch
 
@@ -88,7 +112,7 @@ def _visible_gpus() -> list[str]:
     return ids[: torch.cuda.device_count()]
 
 
-def _bench_device(device: str, transports: list[str], model_dir: Path, work_dir: Path,
+def _bench_device(device: str, transports: list[tuple[str, str, dict[str, Any]]], model_dir: Path, work_dir: Path,
                   args: argparse.Namespace, versions: count) -> dict[str, Any]:
     import torch
 
@@ -111,35 +135,35 @@ def _bench_device(device: str, transports: list[str], model_dir: Path, work_dir:
         launches = [EngineLaunch("cuda", dtype_name, {"CUDA_VISIBLE_DEVICES": gpus[0]}, small_kv)]
         if len(gpus) > 1:
             baselines["p2p_copy"] = copy_gbps(num_bytes, "cuda:0", "cuda:1")
-            if "broadcast" in transports:
+            if any(name == "broadcast" for _, name, _ in transports):
                 launches.append(EngineLaunch("cuda", dtype_name, {"CUDA_VISIBLE_DEVICES": gpus[1]}, small_kv))
     out: dict[str, Any] = {"device": device, "dtype": dtype_name, "num_tensors": len(tensors), "num_bytes": num_bytes,
                            "baselines_gbps": baselines, "transports": {}}
     work_dir.mkdir(parents=True, exist_ok=True)
     with running_engines(model_dir, launches, work_dir) as engines:
         urls = engines.urls
-        for name in transports:
+        for label, name, overrides in transports:
             if device == "cuda" and name == "broadcast":
                 if len(urls) < 2:
-                    out["transports"][name] = {"skipped": "NCCL needs the engine on a second GPU (two ranks on one "
-                                                          "device are refused); run on a machine with 2 GPUs"}
+                    out["transports"][label] = {"skipped": "NCCL needs the engine on a second GPU (two ranks on one "
+                                                           "device are refused); run on a machine with 2 GPUs"}
                     continue
                 target, baseline = urls[1], "p2p_copy"
             else:
                 target, baseline = urls[0], "memcpy" if device == "cpu" else "device_copy"
             try:
-                measured = _measure(name, target, tensors, work_dir, args, versions)
+                measured = _measure(name, overrides, target, tensors, work_dir, args, versions)
             except Exception as exc:  # one transport failing must not hide the others' numbers
-                out["transports"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+                out["transports"][label] = {"error": f"{type(exc).__name__}: {exc}"}
                 continue
             measured["baseline"] = baseline
             measured["ratio_to_baseline"] = measured["gbps_best"] / baselines[baseline]
-            out["transports"][name] = measured
+            out["transports"][label] = measured
     return out
 
 
-def _measure(name: str, target: str, tensors: list, work_dir: Path, args: argparse.Namespace,
-             versions: count) -> dict[str, Any]:
+def _measure(name: str, overrides: dict[str, Any], target: str, tensors: list, work_dir: Path,
+             args: argparse.Namespace, versions: count) -> dict[str, Any]:
     from miles.config import MilesConfig
     from miles.kernel import Kernel
     from miles.sections import WeightsSection
@@ -147,7 +171,7 @@ def _measure(name: str, target: str, tensors: list, work_dir: Path, args: argpar
     from miles_weights.settings import WeightTransportSection
 
     factory = Kernel.load().weight_transports().get(name)
-    extra = {"weight_transport": WeightTransportSection(disk_dir=work_dir / "disk")}
+    extra = {"weight_transport": WeightTransportSection(disk_dir=work_dir / "disk", **overrides)}
 
     def config(check: bool) -> MilesConfig:
         return MilesConfig(weights=WeightsSection(transport=name, bucket_mb=args.bucket_mb, check=check), extra=extra)

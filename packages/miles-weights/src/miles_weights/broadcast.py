@@ -4,8 +4,15 @@ The first sync forms a standalone process group (``miles_contracts.wire.distribu
 trainer's default process group, if any, is untouched): every engine is asked to join through
 ``/init_weights_update_group`` while the trainer joins as rank 0. Engines take ``tp_size`` ranks
 each when ``/get_server_info`` says so (SGLang), one otherwise. Per bucket, every engine is told
-the names, dtypes and shapes (``/update_weights_from_distributed``) and the trainer broadcasts each
-tensor in that order: NCCL for CUDA tensors, gloo for CPU ones.
+the names, dtypes and shapes (``/update_weights_from_distributed``), and the trainer broadcasts over
+NCCL for CUDA tensors, gloo for CPU ones. Layout (``weight_transport.broadcast_format``):
+
+* ``flattened_bucket`` (default): the bucket's raw bytes back to back in one buffer, one collective
+  per bucket (``miles_contracts.wire.distributed.flatten_bucket``); SGLang takes the same
+  ``load_format``. The next bucket is packed while the current one is on the wire, so the trainer
+  holds at most two buckets' worth of extra memory.
+* ``per_tensor``: one collective per tensor, no extra memory; for engines without the flattened
+  format.
 
 A collective cannot be cancelled: the trainer's side runs in a helper thread, and an engine that
 answers with an error ends the wait at once with that error. The group is then abandoned (the
@@ -23,7 +30,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
-from contextlib import suppress
+from contextlib import closing, suppress
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -31,16 +38,24 @@ from urllib.parse import urlsplit
 
 import httpx
 from miles_contracts.weights import WeightBucket
+from miles_contracts.wire.distributed import FLATTENED_BUCKET_FORMAT
 
 from miles_weights.errors import WeightSyncError
+from miles_weights.prefetch import prefetched
 from miles_weights.sync import BucketedTransport, TransportOptions, describe_bucket
 
 _RESTART_TOLERANCE_S = 1.0  # clock reads and HTTP round trips; no engine restarts faster
+LAYOUTS = (FLATTENED_BUCKET_FORMAT, "per_tensor")
+
 
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
     from miles.config import MilesConfig
+
+
+def _release(flat: object) -> None:
+    """Packed buffers are ordinary tensors: dropping the reference frees them."""
 
 
 def _is_loopback(host: str) -> bool:
@@ -93,11 +108,14 @@ class BroadcastTransport(BucketedTransport):
 
     def __init__(self, options: TransportOptions | None = None, *, backend: str = "auto",
                  master_address: str | None = None, master_port: int | None = None,
-                 group_timeout: float | None = None) -> None:
+                 group_timeout: float | None = None, layout: str = "flattened_bucket") -> None:
         super().__init__(options)
         if backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"broadcast backend must be auto, gloo or nccl, got {backend!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"broadcast layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
         self.backend = backend
+        self.layout = layout
         self.master_address = master_address
         self.master_port = master_port
         self.group_timeout = timedelta(seconds=group_timeout or self.options.http_timeout)
@@ -109,7 +127,8 @@ class BroadcastTransport(BucketedTransport):
 
         extra = config.section("weight_transport", WeightTransportSection)
         return cls(TransportOptions.from_config(config), backend=extra.broadcast_backend,
-                   master_address=extra.master_address, master_port=extra.master_port)
+                   master_address=extra.master_address, master_port=extra.master_port,
+                   layout=extra.broadcast_format)
 
     @property
     def group_name(self) -> str | None:
@@ -124,14 +143,32 @@ class BroadcastTransport(BucketedTransport):
 
     def _deliver(self, staged: Iterator[WeightBucket], urls: list[str], version: int) -> int:
         count = 0
-        for count, bucket in enumerate(staged, start=1):
-            if self._group is None or self._group.urls != urls or self._restarted(self._group, version):
-                self._abandon_group()
-                self._group = self._form_group(urls, bucket.tensors[0][1], version)
-            self._send(self._group, bucket, count, version)
+        with closing(prefetched(staged, self._flatten, _release)) as stream:
+            for count, (bucket, flat) in enumerate(stream, start=1):
+                if count == 1 and not self._group_usable(urls, version):  # checked once per sync
+                    self._abandon_group()
+                    self._group = self._form_group(urls, bucket.tensors[0][1], version)
+                assert self._group is not None
+                self._send(self._group, bucket, flat, count, version)
         return count
 
-    def _send(self, group: _Group, bucket: WeightBucket, index: int, version: int) -> None:
+    def _flatten(self, bucket: WeightBucket) -> torch.Tensor | None:
+        """The bucket as one buffer on the device the group sends from (``None`` per tensor)."""
+        if self.layout != FLATTENED_BUCKET_FORMAT:
+            return None
+        import torch
+        from miles_contracts.wire.distributed import flatten_bucket
+
+        tensors = [t for _, t in bucket.tensors]
+        device = self._send_device(tensors[0])
+        flat = flatten_bucket(tensors, device)  # [bucket bytes] uint8
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # the broadcast runs from another thread
+        return flat
+
+    def _send(self, group: _Group, bucket: WeightBucket, flat: torch.Tensor | None, index: int, version: int) -> None:
+        """Ask every engine to receive ``bucket``, broadcast it, and wait until every engine
+        copied it into its model."""
         import torch
         import torch.distributed as dist
 
@@ -143,12 +180,17 @@ class BroadcastTransport(BucketedTransport):
             "group_name": group.name,
             "flush_cache": False,
         }
+        if flat is not None:
+            body["load_format"] = FLATTENED_BUCKET_FORMAT
 
         def broadcast_bucket() -> None:
             if group.device.type == "cuda":
                 torch.cuda.set_device(group.device)
-            for _, tensor in bucket.tensors:
-                dist.broadcast(tensor.detach().to(group.device).contiguous(), src=0, group=group.handle)
+            if flat is not None:
+                dist.broadcast(flat.to(group.device), src=0, group=group.handle)
+            else:
+                for _, tensor in bucket.tensors:
+                    dist.broadcast(tensor.detach().to(group.device).contiguous(), src=0, group=group.handle)
             if group.device.type == "cuda":
                 torch.cuda.synchronize(group.device)
 
@@ -157,6 +199,21 @@ class BroadcastTransport(BucketedTransport):
         self._calls.collect(futures)
 
     # ------------------------------------------------------------------ the group
+
+    def _send_device(self, sample: torch.Tensor) -> torch.device:
+        """Where the trainer's side of the collective lives: the tensors' device, unless the
+        configured backend needs another (NCCL: the current GPU; gloo: the CPU)."""
+        import torch
+
+        if self.backend == "nccl" and sample.device.type != "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        if self.backend == "gloo":
+            return torch.device("cpu")
+        return sample.device
+
+    def _group_usable(self, urls: list[str], version: int) -> bool:
+        group = self._group
+        return group is not None and group.urls == urls and not self._restarted(group, version)
 
     def _backend_of(self, device: torch.device) -> str:
         if self.backend != "auto":
@@ -167,11 +224,7 @@ class BroadcastTransport(BucketedTransport):
         import torch
         from miles_contracts.wire.distributed import create_weight_group
 
-        device = sample.device
-        if self.backend == "nccl" and device.type != "cuda":
-            device = torch.device("cuda", torch.cuda.current_device())
-        if self.backend == "gloo":
-            device = torch.device("cpu")
+        device = self._send_device(sample)
         backend = self._backend_of(device)
         step = f"version {version}: form the {backend} weight group"
         infos = {url: self._server_info(url, step) for url in urls}

@@ -27,6 +27,11 @@ class WeightTransportSection(Section):
     broadcast_backend: Literal["auto", "gloo", "nccl"] = Field(
         default="auto", description="broadcast transport: auto = nccl for CUDA tensors, gloo for CPU tensors",
     )
+    broadcast_format: Literal["flattened_bucket", "per_tensor"] = Field(
+        default="flattened_bucket", description="broadcast transport: one collective per bucket over its bytes "
+        "packed back to back (engines must accept load_format flattened_bucket, as the embedded engine and SGLang "
+        "do), or one collective per tensor",
+    )
     master_address: str | None = Field(
         default=None, description="broadcast transport: address engines use to reach the trainer "
         "(default: 127.0.0.1 for local engines, else this host's address on the route to the first engine)",
