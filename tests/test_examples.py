@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from miles.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]

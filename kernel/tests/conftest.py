@@ -9,7 +9,6 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-
 from miles import plugins
 from miles.kernel import Kernel
 

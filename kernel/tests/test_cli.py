@@ -30,7 +30,7 @@ def test_plugins_lists_builtins_and_model_plugins() -> None:
 def test_plugins_table_shows_blocked() -> None:
     out = miles("plugins", env={"MILES_DISABLE_PLUGINS": "llama"})
     assert out.returncode == 0, out.stderr
-    line = next(l for l in out.stdout.splitlines() if l.startswith("llama "))
+    line = next(row for row in out.stdout.splitlines() if row.startswith("llama "))
     assert "miles-model-llama" in line and "blocked" in line
 
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from pydantic import BaseModel, ConfigDict
-
 from miles import hookimpl
 from miles.config import MilesConfig, load_config
 from miles.errors import ConfigError
 from miles.kernel import Kernel
 from miles.plugins import PluginSelection
+from pydantic import BaseModel, ConfigDict
 
 
 class ToyOptions(BaseModel):

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from miles.executor.local import LocalExecutor, ServiceError, free_port
 
 SERVER = [sys.executable, "-m", "http.server", "--bind", "127.0.0.1"]

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from miles_contracts import ForwardContext
-
 from miles.errors import PluginError
 from miles.kernel import Kernel
 from miles.plugins import PluginSelection
 from miles.registry import UnknownNameError
+from miles_contracts import ForwardContext
 
 REWARD_PLUGIN = """
     from miles import hookimpl

@@ -43,7 +43,7 @@ def main() -> None:
 
     def reward(prompts, completions, label, **_):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [exact_match_score(t, l) for t, l in zip(texts, label, strict=True)]
+        return [exact_match_score(text, answer) for text, answer in zip(texts, label, strict=True)]
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     completions_per_step = args.prompts_per_step * args.generations

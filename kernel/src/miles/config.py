@@ -22,6 +22,7 @@ from miles.plugins import PluginSelection
 from miles.sections import (
     CORE_SECTIONS,
     AlgorithmSection,
+    Choice,
     DataSection,
     EvalSection,
     ExecutorSection,
@@ -34,7 +35,6 @@ from miles.sections import (
     TrackingSection,
     TrainSection,
     WeightsSection,
-    Choice,
 )
 
 if typing.TYPE_CHECKING:

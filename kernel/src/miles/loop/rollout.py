@@ -16,10 +16,10 @@ from miles_contracts import GenerateContext, Sample, Status
 from miles_contracts.wire.engine import SamplingParams
 
 from miles.config import MilesConfig
+from miles.data.source import source_metrics
 from miles.filtering import apply_filters, over_sampler_for
 from miles.kernel import Kernel
 from miles.rewards import score_samples
-from miles.data.source import source_metrics
 
 MAX_ROUNDS = 4  # over-sampling rounds before a step trains on fewer groups than asked
 
@@ -129,8 +129,9 @@ class RolloutManager:
                 break
             groups = self.make_groups(self.data.next_prompts(draw), r.samples_per_prompt)
             samples = [s for g in groups for s in g]
-            base = len(everything)
-            await self.generate(samples, ctx, (lambda d: progress(base + d, base + len(samples))) if progress else None)
+            base, total = len(everything), len(everything) + len(samples)
+            on_done = (lambda d, base=base, total=total: progress(base + d, total)) if progress else None
+            await self.generate(samples, ctx, on_done)
             report = await score_samples(samples, self.kernel, self.config.reward)
             reward_metrics.update(report.metrics())
             everything += samples

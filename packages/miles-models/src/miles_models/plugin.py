@@ -30,7 +30,7 @@ def _list(args: argparse.Namespace) -> int:
 
     cached = {m.name: m for m in list_cached()}
     print(f"cache: {models_dir()}")
-    for name, entry in CATALOG.items():
+    for name in CATALOG:
         m = cached.get(name)
         state = f"cached  {m.size_bytes / 1e6:,.0f} MB  {m.path}" if m else f"not cached (miles models pull {name})"
         print(f"{name:28} {state}")

@@ -45,7 +45,7 @@ def _download(url: str, dest: Path, sha256: str, progress: bool) -> None:
         raise MilesError(f"checksum mismatch for {url}: expected {sha256}, got {digest.hexdigest()}")
 
 
-def _stream(url: str, dest: Path, digest: "hashlib._Hash", progress: bool) -> None:
+def _stream(url: str, dest: Path, digest: hashlib._Hash, progress: bool) -> None:
     import httpx
 
     with httpx.stream("GET", url, timeout=120, follow_redirects=True) as response, dest.open("wb") as out:

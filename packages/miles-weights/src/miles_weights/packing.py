@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from miles_contracts.weights import WeightBucket
-from miles_contracts.wire.tensors import CUDA_IPC_FORMAT, SHM_FORMAT, ShmBucket, TensorMeta, shm_dir, tensor_layout
+from miles_contracts.wire.tensors import (
+    CUDA_IPC_FORMAT,
+    SHM_FORMAT,
+    ShmBucket,
+    TensorMeta,
+    shm_dir,
+    tensor_layout,
+)
 
 from miles_weights.errors import WeightSyncError
 
