@@ -5,7 +5,7 @@
     stage buckets (disk: write safetensors)           engines still generate
     pause_generation(mode)                            -- engines stop here --
     [check mode, first sync of an engine: fill_weights_noise, remember its checksums]
-    deliver buckets (disk: one load; shared memory: one call per bucket; broadcast: one collective per tensor)
+    deliver buckets (disk: one load; shared memory: one call per bucket; broadcast: one collective per bucket, or per tensor)
     flush_cache                                       KV computed with old weights is void
     [check mode: every sent tensor's checksum equals the trainer's; nothing left as noise]
     update_weight_version(version)                    only once every bucket landed
