@@ -45,3 +45,16 @@ def test_random_llama_is_a_model_transformers_loads(tiny_dir: Path, tmp_path: Pa
     assert set(ours) == set(theirs)
     assert all(ours[k].shape == theirs[k].shape for k in ours)
     assert (folder / "tokenizer.json").is_file()
+
+
+def test_broadcast_is_measured_in_each_layout_asked_for() -> None:
+    from miles_weights.bench import _variants
+
+    assert _variants(["disk", "broadcast"], ["flattened_bucket", "per_tensor"]) == [
+        ("disk", "disk", {}),
+        ("broadcast", "broadcast", {"broadcast_format": "flattened_bucket"}),
+        ("broadcast/per_tensor", "broadcast", {"broadcast_format": "per_tensor"}),
+    ]
+    assert _variants(["broadcast"], ["per_tensor"]) == [("broadcast/per_tensor", "broadcast", {"broadcast_format": "per_tensor"})]
+    with pytest.raises(SystemExit, match="--broadcast-formats takes flattened_bucket and/or per_tensor; got 'zip'"):
+        _variants(["broadcast"], ["zip"])
