@@ -1,11 +1,14 @@
-"""Targets are validated before anything is paused; an unreachable engine is named in the error."""
+"""Targets are validated before anything is paused; an unreachable engine is named in the error;
+what the broadcast transport packs per bucket in each layout."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from miles.executor.local import free_port
-from miles_weights.broadcast import master_address_for
+from miles_contracts.weights import WeightBucket
+from miles_contracts.wire.distributed import unflatten_bucket
+from miles_weights.broadcast import BroadcastTransport, master_address_for
 from miles_weights.engines import EngineCalls, normalize_targets
 from miles_weights.errors import WeightSyncError
 from miles_weights.shared_memory import SharedMemoryTransport, is_local
@@ -65,3 +68,17 @@ def test_broadcast_master_address() -> None:
         assert "weight_transport.master_address" in str(exc)
     else:
         assert not address.startswith("127.")
+
+
+def test_broadcast_packs_a_bucket_into_one_buffer_only_in_the_flattened_layout() -> None:
+    """What the wire carries per bucket: one uint8 buffer of the bucket's bytes (flattened_bucket),
+    or nothing packed (per_tensor sends the tensors themselves)."""
+    bucket = WeightBucket([("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)), ("b", torch.ones(5, dtype=torch.bfloat16))])
+    with BroadcastTransport(backend="gloo") as flattened, BroadcastTransport(backend="gloo", layout="per_tensor") as plain:
+        flat = flattened._flatten(bucket)
+        assert plain._flatten(bucket) is None
+    assert flat is not None and flat.dtype == torch.uint8 and flat.numel() == bucket.nbytes == 34
+    back = unflatten_bucket(flat, bucket.names, [t.dtype for _, t in bucket.tensors], [tuple(t.shape) for _, t in bucket.tensors])
+    assert all(torch.equal(got, want) for (_, got), (_, want) in zip(back, bucket.tensors, strict=True))
+    with pytest.raises(ValueError, match="layout must be one of flattened_bucket, per_tensor"):
+        BroadcastTransport(layout="zip")

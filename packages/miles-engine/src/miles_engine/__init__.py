@@ -1,8 +1,8 @@
 """Miles' embedded inference engine: continuous batching over a transformers causal LM, served
 with SGLang's native HTTP API.
 
-``Engine`` is the in-process API, ``create_app(engine)`` the ASGI app (FastAPI, with ``/generate`` on a plain-ASGI fast path), ``miles serve engine``
-the command. Imports are lazy: ``import miles_engine`` loads neither torch nor FastAPI.
+``Engine`` is the in-process API, ``create_app(engine)`` the ASGI app (FastAPI, with ``/generate``
+on a plain-ASGI fast path), ``miles serve engine`` the command. Imports are lazy: ``import miles_engine`` loads neither torch nor FastAPI.
 """
 
 from __future__ import annotations
