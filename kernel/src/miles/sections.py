@@ -39,6 +39,13 @@ class RunSection(Section):
     name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._-]+$", description="folder under output_dir; default miles-<date>-<time>")
     output_dir: Path = Path("runs")
     seed: int = 0
+    deterministic: bool = Field(
+        default=False,
+        description="reproducible runs: every request carries a sampling_seed derived from seed and the sample's "
+                    "index, and engines start in deterministic (batch-invariant) mode; two runs with the same config "
+                    "then log the same metrics on fp32 CPU engines. Slower. What it covers, and what it cannot "
+                    "(GPU kernels, other thread counts): docs/design/reproducibility.md",
+    )
     steps: int = Field(default=4, ge=1, description="RL steps to run")
     mode: Literal["sync", "one_step_off"] = Field(default="sync", description="one_step_off overlaps the next rollout with training")
     save_every: int = Field(default=0, ge=0, description="checkpoint every N steps; 0 = no periodic checkpoints")
