@@ -36,6 +36,14 @@ class RunResult:
         return self.tokens / self.seconds
 
 
+@dataclass(slots=True)
+class Measured:
+    """One system at one concurrency: the untimed warm-up and the timed runs."""
+
+    warmup: RunResult
+    runs: list[RunResult]
+
+
 class EmbeddedSystem:
     name = "embedded"
 
@@ -136,7 +144,7 @@ class VLLMSystem:
         self.model_path = model_path
         self.kv_cache_gb = kv_cache_gb
 
-    def run_all(self, workload: Workload, concurrencies: list[int], repeats: int) -> dict[int, list[RunResult]]:
+    def run_all(self, workload: Workload, concurrencies: list[int], repeats: int) -> dict[int, Measured]:
         runner = Path(__file__).with_name("vllm_runner.py")
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gb), "VLLM_TARGET_DEVICE": "cpu"}
         with tempfile.TemporaryDirectory(prefix="miles-bench-vllm-") as tmp:
@@ -149,7 +157,11 @@ class VLLMSystem:
             if done.returncode != 0 or not result.is_file():
                 raise RuntimeError(f"vLLM run failed (exit {done.returncode}): {(done.stderr or done.stdout)[-3000:]}")
             answer = json.loads(result.read_text())
-        return {int(c): [RunResult(r["tokens"], r["seconds"]) for r in runs] for c, runs in answer["runs"].items()}
+        def result(r: dict[str, Any]) -> RunResult:
+            return RunResult(r["tokens"], r["seconds"])
+
+        return {int(c): Measured(result(answer["warmups"][c]), [result(r) for r in runs])
+                for c, runs in answer["runs"].items()}
 
 
 def _sync(device) -> None:
