@@ -54,7 +54,7 @@ class RunSection(Section):
         description="checkpoint after the last step (weights and optimiser state, ~12 bytes per parameter in "
                     "fp32 with AdamW: ~1.7 GB for SmolLM2-135M). Off, `miles train --resume` restarts from the last "
                     "periodic checkpoint (save_every; the steps after it run again) or from step 0 when there is "
-                    "none, and the trained weights are kept only if export_hf is on",
+                    "none, and the final weights are kept only if export_hf is on",
     )
     keep_checkpoints: int = Field(
         default=1, ge=1,

@@ -15,10 +15,10 @@ from miles.errors import MilesError
 METAVAR = "CONFIG|section.key=value"  # argparse shows [CONFIG|section.key=value ...]
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, *, dest: str = "items") -> None:
-    """Add the positional ``[CONFIG] [overrides...]`` arguments to ``parser`` (parsed by
-    :func:`split_config_args`)."""
-    parser.add_argument(dest, nargs="*", metavar=METAVAR,
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the positional ``[CONFIG] [overrides...]`` arguments to ``parser`` as ``items`` (split
+    by :func:`split_config_args`)."""
+    parser.add_argument("items", nargs="*", metavar=METAVAR,
                         help="a YAML config first (optional; the defaults without one), then overrides: an argument "
                              "holding '=' is an override")
 
