@@ -135,7 +135,13 @@ class DataSource(Protocol):
 
 @dataclass(slots=True)
 class EngineSpec:
-    """How to start one engine."""
+    """How to start one engine.
+
+    :ivar deterministic: start in the engine's deterministic mode (``run.deterministic``): a request's
+        output must not depend on which requests share its batch, and a request's ``sampling_seed``
+        must make its sampling reproducible (SGLang: ``--enable-deterministic-inference``; embedded:
+        the same flag). An engine that cannot do it says so in its log rather than refusing.
+    """
 
     model_path: str
     port: int
@@ -143,6 +149,7 @@ class EngineSpec:
     device: str = "auto"
     dtype: str = "auto"
     options: dict[str, Any] = field(default_factory=dict)
+    deterministic: bool = False
 
     @property
     def url(self) -> str:

@@ -1,10 +1,18 @@
 """Collect one step's training groups: prompts -> generator -> reward -> filters, over-sampling
-until the step has ``rollout.prompts_per_step`` kept groups (or gives up after a few rounds)."""
+until the step has ``rollout.prompts_per_step`` kept groups (or gives up after a few rounds).
+
+Results keep the order the prompts were drawn in, whatever order the engine finishes them in
+(generators fill the samples in place), so a step's batch does not depend on timing. With
+``run.deterministic`` every sample also sends its own ``sampling_seed`` (:func:`sampling_seed`),
+so what it samples does not depend on which requests it shared the engine with.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
+import hashlib
 import math
 import time
 from collections import Counter
@@ -22,6 +30,14 @@ from miles.kernel import Kernel
 from miles.rewards import score_samples
 
 MAX_ROUNDS = 4  # over-sampling rounds before a step trains on fewer groups than asked
+
+
+def sampling_seed(run_seed: int, index: int) -> int:
+    """The ``sampling_seed`` of sample ``index`` (unique over the run, restored on resume) in a
+    deterministic run: hashed, so that neighbouring seeds or indices give unrelated streams, and
+    below 2**31 so that every engine accepts it."""
+    digest = hashlib.blake2b(f"miles-sampling:{run_seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % 2**31
 
 
 @dataclass
@@ -102,7 +118,7 @@ class RolloutManager:
             nonlocal done
             async with limit:
                 try:
-                    await self.generator(sample, ctx)
+                    await self.generator(sample, self._seeded(ctx, sample))
                 except Exception as exc:  # a generator bug costs the sample, not the run
                     from miles_contracts import ExitReason
 
@@ -112,6 +128,12 @@ class RolloutManager:
                 on_done(done)
 
         await asyncio.gather(*(one(s) for s in samples))
+
+    def _seeded(self, ctx: GenerateContext, sample: Sample) -> GenerateContext:
+        if not self.config.run.deterministic:
+            return ctx
+        seed = sampling_seed(self.config.run.seed, sample.index)
+        return dataclasses.replace(ctx, sampling_params=ctx.sampling_params.model_copy(update={"sampling_seed": seed}))
 
     async def collect(self, step: int, progress: Callable[[int, int], None] | None = None) -> StepRollout:
         r = self.config.rollout

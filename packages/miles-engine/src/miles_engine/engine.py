@@ -31,7 +31,7 @@ from miles_contracts.wire.engine import (
 
 from miles_engine.config import EngineConfig
 from miles_engine.loading import LoadedModel, load_model
-from miles_engine.sampling import RowSampling
+from miles_engine.sampling import RowSampling, request_seed
 from miles_engine.scheduler import PauseMode, Scheduler
 from miles_engine.sequence import Sequence
 from miles_engine.weight_updates import WeightUpdates
@@ -126,18 +126,19 @@ class Engine:
             raise BadRequestError(f"stop_token_ids {sorted(bad_stops)} are outside [0, {loaded.vocab_size})")
         stop_ids = explicit_stops | (frozenset() if params.ignore_eos else loaded.eos_token_ids)
         return Sequence(
-            rid=rid, prompt_ids=ids, params=params, sampling=self._row_sampling(request, stop_ids),
+            rid=rid, prompt_ids=ids, params=params, sampling=self._row_sampling(request, stop_ids, len(ids)),
             max_new_tokens=max_new, stop_ids=stop_ids, return_logprob=request.return_logprob,
             return_routed_experts=request.return_routed_experts, on_finish=on_finish,
         )
 
-    def _row_sampling(self, request: GenerateRequest, stop_ids: frozenset[int]) -> RowSampling:
+    def _row_sampling(self, request: GenerateRequest, stop_ids: frozenset[int], prompt_len: int) -> RowSampling:
         import torch
 
         params = request.sampling_params
         generator = None
         if params.sampling_seed is not None:
-            generator = torch.Generator(device=self.loaded.device).manual_seed(params.sampling_seed)
+            generator = torch.Generator(device=self.loaded.device).manual_seed(
+                request_seed(params.sampling_seed, prompt_len))
         return RowSampling(
             temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
             min_new_tokens=params.min_new_tokens, banned_until_min=tuple(sorted(stop_ids)),
