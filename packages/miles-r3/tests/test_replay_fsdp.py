@@ -30,8 +30,8 @@ PROMPTS = ["What is 2+2?", "Tell me a story about", "The capital of France is", 
 
 
 @pytest.fixture(scope="module")
-def rollout(moe_engine_url: str, tiny_moe: Path, moe_map: MoeLayerMap) -> TrainBatch:
-    """Four rollouts of the engine, their routing captured, as a training batch (rewards aside)."""
+def rollout_samples(moe_engine_url: str, tiny_moe: Path, moe_map: MoeLayerMap) -> list[Sample]:
+    """Four rollouts of the engine, their routing captured (rewards 1, one prompt group)."""
     from transformers import AutoTokenizer
 
     async def generate() -> list[Sample]:
@@ -48,7 +48,12 @@ def rollout(moe_engine_url: str, tiny_moe: Path, moe_map: MoeLayerMap) -> TrainB
     for s in samples:
         assert s.status is Status.TRUNCATED and s.stash[ROUTED_EXPERTS].positions == len(s.tokens) - 1
         s.reward = 1.0
-    return TrainBatch.from_samples(samples, pad_token_id=0)
+    return samples
+
+
+@pytest.fixture(scope="module")
+def rollout(rollout_samples: list[Sample]) -> TrainBatch:
+    return TrainBatch.from_samples(rollout_samples, pad_token_id=0)
 
 
 @pytest.fixture
@@ -64,6 +69,13 @@ def replay_settings() -> Iterator[Any]:
     r3.STATE.settings = saved
 
 
+def config_for(tiny_moe: Path, **train: Any) -> MilesConfig:
+    return MilesConfig(
+        model=ModelSection(name=str(tiny_moe), device="cpu"), run=RunSection(steps=2), rollout=RolloutSection(temperature=1.0),
+        train=TrainSection(lr=1e-3, micro_batch_tokens=4096, **train), extra={"fsdp": FSDPSection(packing=False)},
+    )
+
+
 def backend_with(tiny_moe: Path, moe_map: MoeLayerMap, *, router_noise: float, **train: Any) -> FSDPBackend:
     """An fsdp backend on the tiny MoE whose routers are perturbed by ``router_noise`` x their std
     (padded micro-batches: the experts see ``[b * t]`` tokens row-major)."""
@@ -75,11 +87,7 @@ def backend_with(tiny_moe: Path, moe_map: MoeLayerMap, *, router_noise: float, *
         for layer in moe_map.moe_layers:
             weight = model.get_submodule(moe_map.router_path(layer)).weight
             weight.add_(torch.randn(weight.shape, generator=generator) * router_noise * weight.std())
-    config = MilesConfig(
-        model=ModelSection(name=str(tiny_moe), device="cpu"), run=RunSection(steps=2), rollout=RolloutSection(temperature=1.0),
-        train=TrainSection(lr=1e-3, micro_batch_tokens=4096, **train), extra={"fsdp": FSDPSection(packing=False)},
-    )
-    return FSDPBackend(config, actor=model)
+    return FSDPBackend(config_for(tiny_moe, **train), actor=model)
 
 
 class ExpertsWatch:
@@ -151,3 +159,20 @@ def test_replay_removes_a_forced_routing_disagreement(rollout, tiny_moe, moe_map
     assert diff_on < 0.5 * diff_off
     assert stats_on["r3/train/routing_agreement"] < 0.8  # the trainer's own choice still differs: it was overruled
     assert metrics_on["train_rollout_logprob_abs_diff"] == pytest.approx(diff_on, abs=1e-6)
+
+
+def test_each_step_reports_routing_agreement_next_to_the_logprob_gap(rollout_samples, tiny_moe, moe_map, replay_settings) -> None:
+    """The loop's learner trains on the samples (their routing reaches the batch on its own) and the
+    step's metrics carry the agreement the r3 plugin adds at ``miles_step_end``."""
+    from miles.kernel import Kernel
+    from miles.loop.learner import Learner
+
+    replay_settings(replay=True)
+    backend = backend_with(tiny_moe, moe_map, router_noise=1.0)
+    kernel = Kernel.load()
+    metrics = Learner(config_for(tiny_moe), kernel, backend, pad_token_id=0).train(rollout_samples)
+    kernel.step_end(1, metrics)
+    backend.close()
+    assert metrics["r3/train/replayed_tokens"] == sum(len(s.tokens) - 1 for s in rollout_samples)
+    assert 0.0 < metrics["r3/train/routing_agreement"] < 1.0 and 0.0 < metrics["r3/train/expert_overlap"] < 1.0
+    assert metrics["train/train_rollout_logprob_abs_diff"] > 0.0

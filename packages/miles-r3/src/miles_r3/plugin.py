@@ -153,6 +153,24 @@ def _table(ctx: ForwardContext, experts: Any, replayer: Replayer) -> Any:
 
 
 @hookimpl
+def miles_register_commands(register: Register) -> None:
+    from miles.cli import Command
+
+    def add_arguments(parser: Any) -> None:
+        from miles_r3.bench import add_arguments as add
+
+        add(parser)
+
+    def run(args: Any) -> int:
+        from miles_r3.bench import run as bench
+
+        return bench(args)
+
+    register("bench r3", Command(help="routing replay: train/rollout log-prob gap and routing agreement with and "
+                                      "without replay (MoE), its cost (dense)", run=run, add_arguments=add_arguments))
+
+
+@hookimpl
 def miles_step_end(step: int, metrics: dict[str, float]) -> None:
     """Add the step's ``r3/<phase>/...`` agreement metrics (see :meth:`RoutingStats.flush`)."""
     if STATE._stats is not None:
