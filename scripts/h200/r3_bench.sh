@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Routing replay on the H200 (docs/benchmarks/r3.md), after setup.sh (carry .whl .tokonly):
+# Routing replay on the H200 (docs/benchmarks/r3.md), after setup.sh (carry .whl .trl .tokonly):
 #   bash scripts/h200/r3_bench.sh tiny moe dense
 # tiny: the tiny Qwen3-MoE in bf16 (a 30 s sanity run of the whole path); moe: a random-weight MoE
 # of Qwen3-30B-A3B's layer shape (8 layers, 128 experts, top-8; ~5 B parameters), 32 rollouts of 128

@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     from miles_contracts.algorithm import AlgorithmParams
     from miles_contracts.batch import AdvantageResult, TrainBatch
     from miles_contracts.capture import EngineCapture
-    from miles_contracts.moe import MoeLayerMap
     from miles_contracts.sample import Sample
     from miles_contracts.weights import TransferReport
     from miles_contracts.wire.engine import GenerateRequest, GenerateResponse, SamplingParams
@@ -242,14 +241,15 @@ class ModelBridge(Protocol):
     """Model-family knowledge: HF <-> Megatron weights, chat family, MoE layer map.
 
     ``hf_config`` is the model's ``config.json`` as a mapping (no transformers import needed).
+
+    A bridge of a family with mixture-of-experts models also implements
+    ``moe_layers(hf_config) -> MoeLayerMap | None`` (see :class:`~miles_contracts.MoeLayerMap`):
+    where the routers are and how they weigh experts, None for a dense model. It is optional, so
+    dense families need nothing; routing replay refuses a MoE model whose bridge lacks it.
     """
 
     name: str
     chat_family: str | None
-
-    def moe_layers(self, hf_config: Mapping[str, Any]) -> MoeLayerMap | None:
-        """Where the model's MoE routers are and how they weigh experts; None for a dense model."""
-        ...
 
     def to_megatron(self, hf_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any]) -> dict[str, torch.Tensor]: ...
 

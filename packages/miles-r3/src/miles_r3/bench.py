@@ -114,7 +114,7 @@ def moe_gap(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     from miles_r3 import plugin as r3
     from miles_r3.config import R3Section
 
-    plugin_kernel()
+    kernel = plugin_kernel()
     folder = model_folder(args)
     samples, engine_s = rollouts(folder, args, dtype)
     gc.collect()  # the engine's weights and KV cache: the trainer needs the room
@@ -124,7 +124,7 @@ def moe_gap(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
 
     batch = TrainBatch.from_samples(samples, pad_token_id=0)
     plain = replace(batch, extras={})
-    backend = fsdp_backend(folder, args.device, dtype, actor=trainer_model(folder, args.router_noise))
+    backend = fsdp_backend(folder, args.device, dtype, kernel=kernel, actor=trainer_model(folder, args.router_noise))
     results: dict[str, Any] = {}
 
     def score(replay: bool | None) -> Callable[[], Any]:

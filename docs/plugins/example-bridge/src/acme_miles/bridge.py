@@ -47,6 +47,3 @@ class MistralBridge:
 
     def megatron_config(self, hf_config: Mapping[str, Any]) -> dict[str, Any]:
         return self._llama(hf_config).megatron_config(hf_config)
-
-    def moe_layers(self, hf_config: Mapping[str, Any]) -> None:
-        return None  # dense: a MoE family returns a miles_contracts.MoeLayerMap here
