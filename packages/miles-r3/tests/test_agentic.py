@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import pytest
 from calculator_agent.agent import run_agent
 from miles.config import MilesConfig
 from miles.engine_client import HttpEngineClient
@@ -29,6 +30,8 @@ from miles_tito.server.app import create_app
 from miles_tito.server.background import BackgroundServer
 from miles_tito.server.service import SessionService
 from miles_tito.tokenizer import TitoTokenizer
+
+pytestmark = pytest.mark.slow  # a real engine and session server, three agent turns
 
 
 class RecordingEngine:

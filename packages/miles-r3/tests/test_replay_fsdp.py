@@ -26,6 +26,8 @@ from miles_r3.capture import RoutedExpertsCapture
 from miles_r3.config import R3Section
 from miles_r3.experts import ROUTED_EXPERTS
 
+pytestmark = pytest.mark.slow  # a real engine (shared by the package's tests) and three fsdp backends
+
 PROMPTS = ["What is 2+2?", "Tell me a story about", "The capital of France is", "1 2 3 4"]
 
 

@@ -26,13 +26,13 @@ from miles_contracts.wire.engine import GenerateRequest, MetaInfo
 
 def capture_request(request: GenerateRequest, specs: Sequence[CaptureSpec], *, start: int = 0) -> GenerateRequest:
     """``request`` with every capture's request fields; the ``start_field`` of each gets ``start``,
-    the first position whose data the caller does not hold yet."""
+    the first position whose data the caller does not hold yet (left at its default for 0)."""
     if not specs:
         return request
     update: dict[str, Any] = {}
     for spec in specs:
         update.update(spec.request_fields)
-        if spec.start_field:
+        if spec.start_field and start:
             update[spec.start_field] = start
     return request.model_copy(update=update)
 

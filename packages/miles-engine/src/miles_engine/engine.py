@@ -112,8 +112,9 @@ class Engine:
                                   "engine; leave logprob_start_len at -1")
         if request.return_routed_experts and self.scheduler.runner.routing is None:
             raise BadRequestError("return_routed_experts needs a mixture-of-experts model; this model has no routers")
-        if request.routed_experts_start_len > len(ids):
-            raise BadRequestError(f"routed_experts_start_len ({request.routed_experts_start_len}) must be at most the "
+        routed_start = request.routed_experts_start_len or 0
+        if routed_start > len(ids):
+            raise BadRequestError(f"routed_experts_start_len ({routed_start}) must be at most the "
                                   f"prompt's length ({len(ids)} tokens)")
         rid = request.rid or uuid.uuid4().hex
         if rid in self._inflight:
@@ -131,7 +132,7 @@ class Engine:
         return Sequence(
             rid=rid, prompt_ids=ids, params=params, sampling=self._row_sampling(request, stop_ids),
             max_new_tokens=max_new, stop_ids=stop_ids, return_logprob=request.return_logprob,
-            return_routed_experts=request.return_routed_experts, routed_start=request.routed_experts_start_len,
+            return_routed_experts=request.return_routed_experts, routed_start=routed_start,
             on_finish=on_finish,
         )
 

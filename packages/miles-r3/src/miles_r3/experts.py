@@ -38,7 +38,7 @@ def id_dtype(num_experts: int) -> np.dtype:
     return np.dtype(np.int32)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class RoutedExperts:
     """The experts each fed position of a sample went to.
 
@@ -53,6 +53,13 @@ class RoutedExperts:
     @property
     def positions(self) -> int:
         return int(self.ids.shape[0])
+
+    def __eq__(self, other: object) -> bool:  # arrays compare element-wise; a sample compares whole
+        if not isinstance(other, RoutedExperts):
+            return NotImplemented
+        return self.num_experts == other.num_experts and bool(np.array_equal(self.ids, other.ids))
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 def decode_payload(payload: Any, rows: int, layer_map: MoeLayerMap) -> np.ndarray:
