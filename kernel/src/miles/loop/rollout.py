@@ -62,6 +62,7 @@ class RolloutManager:
         self.tokenizer = tokenizer
         self.session_url = session_url
         self.over_sampler = over_sampler_for(config.rollout.over_sampling)
+        self.captures = kernel.engine_captures(config)
         self._next_group = 0
         self._next_index = 0
 
@@ -94,6 +95,7 @@ class RolloutManager:
             engine=self.engine, tokenizer=self.tokenizer, sampling_params=self.sampling_params(evaluation=evaluation),
             max_context_len=self.config.rollout.max_context_len, session_server_url=self.session_url,
             evaluation=evaluation, resources={"kernel": self.kernel, "config": self.config},
+            captures=() if evaluation else tuple(self.captures),
         )
 
     def make_groups(self, prompts: Sequence[Sample], n: int) -> list[list[Sample]]:
@@ -205,6 +207,11 @@ def rollout_metrics(samples: list[Sample], kept: list[list[Sample]], drops: Coun
     }
     for status, count in statuses.items():
         m[f"rollout/status_{status}"] = float(count)
+    # why samples could not be trained on (e.g. exit_missing_capture: an engine capture was absent)
+    dropped = Counter(s.exit_reason.value for s in samples
+                      if s.exit_reason is not None and s.status in (Status.FAILED, Status.ABORTED))
+    for reason, count in dropped.items():
+        m[f"rollout/exit_{reason}"] = float(count)
     for reason, count in drops.items():
         m[f"filter/drop_{reason}"] = float(count)
     return m

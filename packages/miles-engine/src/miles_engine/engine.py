@@ -112,6 +112,10 @@ class Engine:
                                   "engine; leave logprob_start_len at -1")
         if request.return_routed_experts and self.scheduler.runner.routing is None:
             raise BadRequestError("return_routed_experts needs a mixture-of-experts model; this model has no routers")
+        routed_start = request.routed_experts_start_len or 0
+        if routed_start > len(ids):
+            raise BadRequestError(f"routed_experts_start_len ({routed_start}) must be at most the "
+                                  f"prompt's length ({len(ids)} tokens)")
         rid = request.rid or uuid.uuid4().hex
         if rid in self._inflight:
             raise BadRequestError(f"a request with rid {rid!r} is already running; rids must be unique")
@@ -128,7 +132,8 @@ class Engine:
         return Sequence(
             rid=rid, prompt_ids=ids, params=params, sampling=self._row_sampling(request, stop_ids, len(ids)),
             max_new_tokens=max_new, stop_ids=stop_ids, return_logprob=request.return_logprob,
-            return_routed_experts=request.return_routed_experts, on_finish=on_finish,
+            return_routed_experts=request.return_routed_experts, routed_start=routed_start,
+            on_finish=on_finish,
         )
 
     def _row_sampling(self, request: GenerateRequest, stop_ids: frozenset[int], prompt_len: int) -> RowSampling:
@@ -164,7 +169,7 @@ class Engine:
         routing = self.scheduler.runner.routing
         rows = max(len(seq.prompt_ids) + len(seq.output_ids) - 1, 0)
         if seq.routed:
-            table = torch.cat(seq.routed)[:rows]
+            table = torch.cat(seq.routed)[seq.routed_start : rows]  # rows [start, positions fed - 1)
         else:
             table = torch.zeros(0, routing.num_layers, routing.top_k, dtype=torch.int32)
         return encode_routed_experts(table.contiguous().numpy().astype("<i4").tobytes())
