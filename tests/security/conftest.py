@@ -7,7 +7,7 @@ weight-group timeouts) so that every limit can be reached cheaply.
 
 from __future__ import annotations
 
-import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,13 +20,9 @@ import pytest
 import uvicorn
 from miles_contracts.wire.auth import auth_headers
 
-MAX_BODY = 1 << 20
+sys.path.insert(0, str(Path(__file__).parent))
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from security_support import MAX_BODY, free_port  # noqa: E402
 
 
 @dataclass

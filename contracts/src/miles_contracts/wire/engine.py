@@ -81,7 +81,7 @@ class SamplingParams(_Request):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1, le=INT32_MAX)
     min_new_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
-    stop: str | list[str] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -97,6 +97,8 @@ class SamplingParams(_Request):
             raise ValueError("top_k must be -1 (disabled) or >= 1, got 0")
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must not exceed max_new_tokens ({self.max_new_tokens})")
+        if len(self.stop_strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop_strings)}")
         long_stops = [s for s in self.stop_strings if len(s) > MAX_STOP_STRING_CHARS]
         if long_stops:
             raise ValueError(f"stop strings are at most {MAX_STOP_STRING_CHARS} characters; one has {len(long_stops[0])}")
