@@ -5,6 +5,7 @@ are private, and an interrupted or failed run never exits 0."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import stat
@@ -43,6 +44,7 @@ def _wait_healthy(process: subprocess.Popen[bytes], url: str, timeout: float = 2
     raise AssertionError(f"{url} not healthy within {timeout} s")
 
 
+@pytest.mark.slow
 def test_sigterm_stops_each_server_within_seconds(tiny_dense: Path) -> None:
     engine, engine_url = _start([sys.executable, "-m", "miles_engine", "--model", str(tiny_dense), "--device", "cpu",
                                  "--context-length", "64", "--weight-group-timeout", "600"])
@@ -74,10 +76,8 @@ def test_sigterm_stops_each_server_within_seconds(tiny_dense: Path) -> None:
 
 
 def _quietly(url: str, body: dict) -> None:
-    try:
+    with contextlib.suppress(httpx.HTTPError):
         httpx.post(url, json=body, headers=auth_headers(), timeout=600)
-    except httpx.HTTPError:
-        pass
 
 
 def test_a_killed_drivers_shared_memory_buckets_are_private_and_removed_at_the_next_start(
@@ -107,10 +107,8 @@ def test_an_interrupted_run_never_exits_0() -> None:
     from miles.loop.interrupts import exit_code_of, stop_requested
 
     async def run_until_stopped() -> str:
-        try:
+        with contextlib.suppress(asyncio.CancelledError):  # a cancellation swallowed inside the run ...
             await asyncio.sleep(60)
-        except asyncio.CancelledError:
-            pass  # a cancellation swallowed somewhere inside the run ...
         return "interrupted" if stop_requested() else "completed"  # ... is still seen
 
     threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
