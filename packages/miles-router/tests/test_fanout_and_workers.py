@@ -131,3 +131,24 @@ def test_bad_input_gets_a_4xx_that_says_how_to_fix_it(engines: list[StandinEngin
         # nothing was lost or changed by the bad requests
         assert client.get("/list_workers").json()["urls"] == [a.url]
         assert client.post("/generate", json={"input_ids": [1]}).status_code == 200
+
+
+def test_a_paused_engine_is_probed_as_paused_never_quarantined(engines: list[StandinEngine]) -> None:
+    import time
+
+    from miles_router.health import Probe
+
+    a, b = engines
+    with router_for([a.url, b.url], health_interval=0.05, failure_threshold=1) as client:
+        router = client.server.router
+        original = router.monitor._probe
+
+        async def paused_probe(worker):  # a's /health answers 503 {"status": "paused"}
+            return Probe("0", paused=True) if worker.url == a.url else await original(worker)
+
+        router.monitor._probe = paused_probe
+        time.sleep(0.5)  # many probe rounds, with a failure threshold of 1
+        view = worker_view(client, a.url)
+        assert view["state"] == "healthy" and view["paused"] is True
+        answers = [client.post("/generate", json={"input_ids": [1]}) for _ in range(4)]
+        assert {r.headers["x-miles-worker"] for r in answers} == {b.url}

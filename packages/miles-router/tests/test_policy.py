@@ -263,3 +263,14 @@ def test_config_file_router_section_then_flags(tmp_path) -> None:
     config.write_text("router:\n  failure_treshold: 7\n")
     with pytest.raises(ConfigError, match="router.failure_treshold: Extra inputs are not permitted"):
         section_from_args(_parse(["--config", str(config)]))
+
+
+def test_new_requests_avoid_paused_workers_unless_every_serving_worker_is_paused() -> None:
+    fleet = _fleet(A, B)
+    a, b = fleet.get(A), fleet.get(B)
+    a.paused = True  # its probe answered 503 {"status": "paused"}: alive, not a failure
+    assert fleet.routable() == [b] and a.serving and a.consecutive_failures == 0
+    b.paused = True  # a weight sync pauses every engine at once: requests queue on them meanwhile
+    assert set(fleet.routable()) == {a, b}
+    fleet.record_pause(None, [a, b])  # /continue_generation fanned out through the router
+    assert not a.paused and not b.paused
