@@ -159,7 +159,7 @@ class Run:
 
     async def _collect(self, step: int) -> StepRollout:
         assert self.services is not None
-        await asyncio.to_thread(self.services.wait_ready, self.config.executor.startup_timeout)
+        await asyncio.to_thread(self.services.wait_ready, self.config.executor.startup_timeout, router=True)
         return await self.rollout.collect(step, progress=lambda d, t: self.progress.rollout(step, d, t))
 
     async def _train(self, rollout: StepRollout) -> dict[str, float]:

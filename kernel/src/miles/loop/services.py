@@ -45,14 +45,18 @@ class Services:
             self.stale_engines.clear()
             return names
 
-    def wait_ready(self, timeout: float = 600.0) -> float:
+    def wait_ready(self, timeout: float = 600.0, *, router: bool = False) -> float:
         """Block until every engine process is alive and healthy (the supervisor may be restarting
-        one); returns the seconds waited. Raises :class:`MilesError` after ``timeout``."""
+        one), and with ``router`` until the router serves too (it re-admits a restarted engine at
+        its next probe; a rollout started before would see every request refused); returns the
+        seconds waited. Raises :class:`MilesError` after ``timeout``."""
         start = time.monotonic()
         pending = dict(self.engine_urls)
+        if router:
+            pending["router"] = self.router_url
         while pending:
             for name, url in list(pending.items()):
-                if self.executor.alive(name) and _healthy(url):
+                if self.executor.alive(name) and _healthy(url):  # the router answers 503 while no engine serves
                     del pending[name]
             if pending:
                 if time.monotonic() - start > timeout:
