@@ -1,13 +1,17 @@
-"""Repo-wide pytest setup: offline model hub, and the `gpu` marker skips without CUDA."""
+"""Repo-wide pytest setup: offline model hub, a run token, and the `gpu` marker skips without CUDA."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+from miles_contracts.wire.auth import ensure_run_token
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# As under `miles train`: one token for the session, inherited by every server a test starts and
+# sent by every Miles client; tests that talk HTTP themselves add `auth_headers()`.
+ensure_run_token()
 
 
 def _cuda_available() -> bool:

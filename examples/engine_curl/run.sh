@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Every endpoint of the embedded engine, once, against a running server:
+#   export MILES_AUTH_TOKEN=$(python -c 'import secrets; print(secrets.token_urlsafe(32))')
 #   miles serve engine --model smollm2-135m-instruct --port 30000 &   then   bash examples/engine_curl/run.sh
 set -euo pipefail
 ENGINE=${ENGINE:-http://127.0.0.1:30000}
-call() { echo "== $1 $2"; shift 2; curl -sS "$@"; echo; }
+: "${MILES_AUTH_TOKEN:?set MILES_AUTH_TOKEN to the token the engine was started with}"
+# every route but /health needs the token; bodies are JSON
+call() { echo "== $1 $2"; shift 2; curl -sS -H "Authorization: Bearer $MILES_AUTH_TOKEN" -H 'Content-Type: application/json' "$@"; echo; }
 
 call GET /health "$ENGINE/health"
 call GET /get_model_info "$ENGINE/get_model_info"
@@ -15,7 +18,7 @@ call POST "/generate (bad: typo)" "$ENGINE/generate" -d '{"text": "hi", "samplin
 call POST "/generate (bad: prompt too long)" "$ENGINE/generate" -d "{\"input_ids\": [$(seq -s, 1 9000)]}"
 
 # A long request, aborted while it runs.
-curl -sS "$ENGINE/generate" -d '{"text": "Count to a thousand:", "rid": "long-1",
+curl -sS -H "Authorization: Bearer $MILES_AUTH_TOKEN" -H 'Content-Type: application/json' "$ENGINE/generate" -d '{"text": "Count to a thousand:", "rid": "long-1",
   "sampling_params": {"max_new_tokens": 4000, "ignore_eos": true}}' > /tmp/miles-engine-long.json &
 sleep 1
 call POST /abort_request "$ENGINE/abort_request" -d '{"rid": "long-1"}'

@@ -156,6 +156,9 @@ class EngineSpec:
     dtype: str = "auto"
     options: dict[str, Any] = field(default_factory=dict)
     deterministic: bool = False
+    weight_dirs: list[str] = field(default_factory=list)
+    """Folders the engine may load weight updates from (``/update_weights_from_disk``), besides its
+    model's; the run passes its own folder, where the disk transport writes."""
 
     @property
     def url(self) -> str:

@@ -47,13 +47,15 @@ class HttpEngineClient:
 
     Connection errors are retried ``retries`` times with a short back-off (the router fails over
     between engines itself; this covers the router restarting). HTTP errors and timeouts are not
-    retried.
+    retried. Requests carry the run's token (``auth_token``, default ``MILES_AUTH_TOKEN``).
     """
 
-    def __init__(self, base_url: str, *, timeout: float = 600.0, retries: int = 2, max_connections: int = 512) -> None:
+    def __init__(self, base_url: str, *, timeout: float = 600.0, retries: int = 2, max_connections: int = 512,
+                 auth_token: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.retries = retries
-        self._client = HttpClient(self.base_url, timeout=timeout, connect_timeout=10.0, max_connections=max_connections)
+        self._client = HttpClient(self.base_url, timeout=timeout, connect_timeout=10.0, max_connections=max_connections,
+                                  auth_token=auth_token)
 
     async def generate(self, request: GenerateRequest, *, routing_key: str | None = None) -> GenerateResponse:
         """Raises ``pydantic.ValidationError`` if the answer is not a generate response."""

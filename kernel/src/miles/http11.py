@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from miles_contracts.wire.auth import auth_headers
+
 from miles.http11_parser import (
     MAX_HEAD_BYTES,
     ConnectFailed,
@@ -186,6 +188,8 @@ class HttpClient:
     :param connect_timeout: seconds to open a connection.
     :param max_connections: most connections open at once.
     :param keepalive_expiry: an idle connection older than this is closed, not reused.
+    :param auth_token: sent as ``Authorization: Bearer <token>`` with every request; default the
+        run's (``MILES_AUTH_TOKEN``), none when that is unset. Miles servers refuse requests without it.
     """
 
     def __init__(
@@ -196,6 +200,7 @@ class HttpClient:
         connect_timeout: float = 10.0,
         max_connections: int = 512,
         keepalive_expiry: float = 4.0,
+        auth_token: str | None = None,
     ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -213,6 +218,7 @@ class HttpClient:
         self._prefix = parts.path.rstrip("/")
         host_header = parts.netloc.rpartition("@")[2]
         self._host_line = f"Host: {host_header}\r\n"
+        self._auth_line = "".join(f"{k}: {v}\r\n" for k, v in auth_headers(auth_token).items())
         self._idle: list[_Connection] = []
         self._open = 0
         self._waiters: collections.deque[asyncio.Future[_Connection | None]] = collections.deque()
@@ -277,7 +283,7 @@ class HttpClient:
     # request bytes
 
     def _head(self, method: str, path: str, body: bytes, headers: Mapping[str, str] | None) -> bytes:
-        lines = [f"{method} {self._prefix}{path} HTTP/1.1\r\n", self._host_line]
+        lines = [f"{method} {self._prefix}{path} HTTP/1.1\r\n", self._host_line, self._auth_line]
         if headers:
             for name, value in headers.items():
                 if "\r" in name or "\n" in name or "\r" in value or "\n" in value or ":" in name:

@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+from miles_contracts.wire.auth import auth_headers
 from miles_engine import Engine, create_app
 
 
@@ -55,7 +56,7 @@ def serve_engine(model_path: Path | str, **options: Any) -> Iterator[RunningEngi
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    client = httpx.Client(base_url=url, timeout=120)
+    client = httpx.Client(base_url=url, timeout=120, headers=auth_headers())
     try:
         _wait_healthy(client)
         yield RunningEngine(engine, url, client)

@@ -41,8 +41,10 @@ def test_bad_generate_request_is_a_400_with_a_message(dense, body, message):
 
 
 def test_malformed_bodies(dense):
-    assert dense.client.post("/generate", content=b"{not json").status_code == 400
-    assert dense.client.post("/generate", content=b"[1, 2]").status_code == 400
+    json_body = {"content-type": "application/json"}
+    assert dense.client.post("/generate", content=b"{not json", headers=json_body).status_code == 400
+    assert dense.client.post("/generate", content=b"[1, 2]", headers=json_body).status_code == 400
+    assert dense.client.post("/generate", content=b"{}").status_code == 415  # no JSON content type
     answer = dense.post("/pause_generation", {"mode": "sideways"})
     assert answer.status_code == 400 and "mode" in answer.json()["detail"]
     assert dense.post("/abort_request", {}).status_code == 400

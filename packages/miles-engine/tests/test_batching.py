@@ -105,7 +105,9 @@ def test_pause_abort_mode_aborts_in_flight_requests(engine):
         wait_until(lambda: engine.info()["running"] == 1)
         engine.post("/pause_generation", {"mode": "abort"})
         assert running.result()["meta_info"]["finish_reason"]["type"] == "abort"
-    assert engine.get("/health_generate").json()["paused"] is True
+    for route in ("/health", "/health_generate"):  # paused: a router must send new work elsewhere
+        answer = engine.get(route)
+        assert answer.status_code == 503 and answer.json()["status"] == "paused"
     engine.post("/continue_generation")
     assert engine.get("/health_generate").status_code == 200
     assert engine.post("/flush_cache").json()["success"]

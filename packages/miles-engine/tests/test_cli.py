@@ -13,6 +13,7 @@ from miles.cli.main import main as miles_main
 from miles.config import ConfigError, build_config
 from miles.kernel import Kernel
 from miles_contracts import EngineSpec
+from miles_contracts.wire.auth import auth_headers
 from miles_engine.launcher import EmbeddedEngine
 from miles_engine.options import EngineSection, options_argv
 
@@ -31,7 +32,7 @@ def test_embedded_engine_is_registered_and_starts_a_server(kernel, dense_path):
     assert argv[:3] == [sys.executable, "-m", "miles_engine"]
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        with httpx.Client(base_url=spec.url, timeout=60) as client:
+        with httpx.Client(base_url=spec.url, timeout=60, headers=auth_headers()) as client:
             def healthy() -> bool:
                 if process.poll() is not None:
                     raise AssertionError(f"engine exited: {process.stderr.read()[-2000:]}")

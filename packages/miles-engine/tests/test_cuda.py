@@ -51,12 +51,13 @@ def test_cuda_logprobs_match_a_bf16_teacher_forced_forward(cuda_engine, dense_pa
 
 _PRODUCER = """
 import sys, httpx, torch
+from miles_contracts.wire.auth import auth_headers
 from miles_contracts.wire.tensors import serialize_cuda_ipc
 from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained(sys.argv[2], dtype=torch.bfloat16).cuda()
 body = {"serialized_named_tensors": [serialize_cuda_ipc(model.state_dict().items())], "load_format": "cuda_ipc",
         "weight_version": "ipc-1"}
-answer = httpx.post(sys.argv[1] + "/update_weights_from_tensor", json=body, timeout=120)
+answer = httpx.post(sys.argv[1] + "/update_weights_from_tensor", json=body, timeout=120, headers=auth_headers())
 print(answer.status_code, answer.text)
 """
 

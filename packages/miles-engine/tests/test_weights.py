@@ -11,6 +11,7 @@ import concurrent.futures as cf
 import hashlib
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,8 +39,10 @@ def trained(trained_path):
 
 
 @pytest.fixture
-def engine(dense_path):
-    with serve_engine(dense_path) as running:
+def engine(dense_path, tmp_path_factory):
+    # disk updates may read the tiny-model cache and this session's temporary folders
+    allowed = [str(Path(dense_path).parent), str(tmp_path_factory.getbasetemp())]
+    with serve_engine(dense_path, weight_dir=allowed) as running:
         yield running
 
 

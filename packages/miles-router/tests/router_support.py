@@ -226,11 +226,12 @@ def router_for(workers: list[str], middlewares: list[Any] | None = None, **setti
     given, so a test decides when probes matter) and an HTTP client for it."""
     import httpx
     from miles.sections import RouterSection
+    from miles_contracts.wire.auth import auth_headers
     from miles_router import RouterServer
 
     section = RouterSection(**{"health_interval": 60.0, **settings})
     with RouterServer(workers, section=section, middlewares=middlewares) as server, \
-            httpx.Client(base_url=server.url, timeout=60) as client:
+            httpx.Client(base_url=server.url, timeout=60, headers=auth_headers()) as client:
         client.server = server
         yield client
 

@@ -10,6 +10,7 @@ import httpx
 import pytest
 from miles.cli.main import main
 from miles.sections import RouterSection
+from miles_contracts.wire.auth import auth_headers
 from miles_router import router_command
 from router_support import ManagedProcess, StandinEngine, free_port
 
@@ -21,10 +22,11 @@ def test_serve_router_process_routes_and_reports_metrics(engines: list[StandinEn
     with ManagedProcess(argv, tmp_path / "router.log") as router:
         url = f"http://127.0.0.1:{port}"
         router.wait_healthy(url, timeout=60)
-        assert httpx.post(url + "/add_worker", params={"url": engines[1].url}).json()["added"] is True
-        answers = [httpx.post(url + "/generate", json={"input_ids": [1, 2]}) for _ in range(4)]
+        auth = auth_headers()
+        assert httpx.post(url + "/add_worker", params={"url": engines[1].url}, headers=auth).json()["added"] is True
+        answers = [httpx.post(url + "/generate", json={"input_ids": [1, 2]}, headers=auth) for _ in range(4)]
         assert {a.headers["x-miles-worker"] for a in answers} == {e.url for e in engines}
-        metrics = httpx.get(url + "/metrics").json()
+        metrics = httpx.get(url + "/metrics", headers=auth).json()
         assert metrics["metrics"]["total"]["requests"] == 4
     assert router.process.returncode is not None
 

@@ -110,18 +110,20 @@ def test_add_list_and_remove_workers(engines: list[StandinEngine]) -> None:
 def test_bad_input_gets_a_4xx_that_says_how_to_fix_it(engines: list[StandinEngine]) -> None:
     a, _ = engines
     with router_for([a.url]) as client:
+        as_json = {"content-type": "application/json"}
         cases = [
             (client.post("/add_worker"), 400, "give the worker URL: POST /add_worker?url=http://HOST:PORT"),
             (client.post("/add_worker", params={"url": "localhost:3000"}), 400, "must start with http://"),
             (client.post("/add_worker", json={"url": "http://h:1/generate"}), 400, "without path or query"),
-            (client.post("/add_worker", content=b"{not json"), 400, "not valid JSON"),
+            (client.post("/add_worker", content=b"{not json", headers=as_json), 400, "not valid JSON"),
             (client.post("/remove_worker", params={"url": "http://127.0.0.1:9"}), 404,
              f"worker 'http://127.0.0.1:9' is not registered (registered: {a.url})"),
             (client.post("/remove_worker", params={"url": "nope"}), 400, "must start with http://"),
-            (client.post("/generate", content=b"[1, 2]"), 400, "must be a JSON object, got list"),
-            (client.post("/generate", content=b"{'a': 1}"), 400, "not valid JSON"),
+            (client.post("/generate", content=b"[1, 2]", headers=as_json), 400, "must be a JSON object, got list"),
+            (client.post("/generate", content=b"{'a': 1}", headers=as_json), 400, "not valid JSON"),
             (client.post("/init_weights_update_group", json={}), 400, "needs its own rank_offset"),
             (client.get("/metrics", params={"format": "xml"}), 400, "use format=json"),
+            (client.post("/generate", content=b"{}"), 415, "must be JSON"),
         ]
         for response, status, says in cases:
             assert response.status_code == status, response.text
@@ -129,3 +131,24 @@ def test_bad_input_gets_a_4xx_that_says_how_to_fix_it(engines: list[StandinEngin
         # nothing was lost or changed by the bad requests
         assert client.get("/list_workers").json()["urls"] == [a.url]
         assert client.post("/generate", json={"input_ids": [1]}).status_code == 200
+
+
+def test_a_paused_engine_is_probed_as_paused_never_quarantined(engines: list[StandinEngine]) -> None:
+    import time
+
+    from miles_router.health import Probe
+
+    a, b = engines
+    with router_for([a.url, b.url], health_interval=0.05, failure_threshold=1) as client:
+        router = client.server.router
+        original = router.monitor._probe
+
+        async def paused_probe(worker):  # a's /health answers 503 {"status": "paused"}
+            return Probe("0", paused=True) if worker.url == a.url else await original(worker)
+
+        router.monitor._probe = paused_probe
+        time.sleep(0.5)  # many probe rounds, with a failure threshold of 1
+        view = worker_view(client, a.url)
+        assert view["state"] == "healthy" and view["paused"] is True
+        answers = [client.post("/generate", json={"input_ids": [1]}) for _ in range(4)]
+        assert {r.headers["x-miles-worker"] for r in answers} == {b.url}

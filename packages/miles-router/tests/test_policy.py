@@ -139,12 +139,29 @@ def test_a_worker_behind_the_fleet_does_not_rejoin_until_it_catches_up() -> None
     assert b.state is WorkerState.HEALTHY
 
 
-def test_a_newer_worker_joins_and_moves_the_fleet_forward() -> None:
+def test_the_fleet_moves_forward_once_a_majority_of_serving_workers_has_the_newer_version() -> None:
     fleet = _fleet(A)
     worker, _ = fleet.add(B)
     assert fleet.record_alive(worker, "3") is True
     fleet.admit(worker)
+    assert fleet.version == "0"  # one worker of two is not a majority
+    fleet.observe_version(fleet.get(A), "3")
     assert fleet.version == "3"
+
+
+def test_a_worker_claiming_a_far_newer_version_cannot_pin_the_fleet() -> None:
+    fleet = _fleet(A, B)
+    for worker in fleet:
+        fleet.observe_version(worker, "4")
+    liar, _ = fleet.add(C)
+    assert fleet.record_alive(liar, str(10**9)) is True
+    fleet.admit(liar)
+    assert fleet.version == "4"
+    b = fleet.get(B)
+    for _ in range(3):
+        fleet.record_failure(b, "refused")
+    fleet.observe_version(fleet.get(A), "5")  # the next sync reaches A and, once back, B
+    assert fleet.record_alive(b, "5") is True  # not locked out by the claim
 
 
 def test_a_serving_worker_whose_version_goes_down_restarted_and_is_held_back() -> None:
@@ -246,3 +263,14 @@ def test_config_file_router_section_then_flags(tmp_path) -> None:
     config.write_text("router:\n  failure_treshold: 7\n")
     with pytest.raises(ConfigError, match="router.failure_treshold: Extra inputs are not permitted"):
         section_from_args(_parse(["--config", str(config)]))
+
+
+def test_new_requests_avoid_paused_workers_unless_every_serving_worker_is_paused() -> None:
+    fleet = _fleet(A, B)
+    a, b = fleet.get(A), fleet.get(B)
+    a.paused = True  # its probe answered 503 {"status": "paused"}: alive, not a failure
+    assert fleet.routable() == [b] and a.serving and a.consecutive_failures == 0
+    b.paused = True  # a weight sync pauses every engine at once: requests queue on them meanwhile
+    assert set(fleet.routable()) == {a, b}
+    fleet.record_pause(None, [a, b])  # /continue_generation fanned out through the router
+    assert not a.paused and not b.paused

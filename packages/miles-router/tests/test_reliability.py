@@ -19,6 +19,7 @@ import pytest
 from miles.kernel import Kernel
 from miles.sections import RouterSection
 from miles_contracts import EngineSpec
+from miles_contracts.wire.auth import auth_headers
 from miles_contracts.wire.engine import ROUTING_KEY_HEADER, GenerateResponse
 from miles_router import router_command
 from router_support import ManagedProcess, free_port, wait_until
@@ -39,7 +40,7 @@ class Cluster:
         self.processes: list[ManagedProcess] = []  # every one ever started, stopped at the end
         self.router: ManagedProcess | None = None
         self.url = f"http://127.0.0.1:{free_port()}"
-        self.client = httpx.Client(base_url=self.url, timeout=120)
+        self.client = httpx.Client(base_url=self.url, timeout=120, headers=auth_headers())
 
     def engine_url(self, port: int) -> str:
         return f"http://127.0.0.1:{port}"
@@ -114,7 +115,7 @@ def test_real_engines_answer_through_the_router(cluster: Cluster) -> None:
 async def _generate_all(cluster: Cluster, victim: int, n: int = 64) -> tuple[list[httpx.Response], int]:
     """Send ``n`` requests at once; SIGKILL ``victim`` once the router has dispatched them all."""
     limits = httpx.Limits(max_connections=n + 8)
-    async with httpx.AsyncClient(base_url=cluster.url, timeout=300, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=cluster.url, timeout=300, limits=limits, headers=auth_headers()) as client:
         baseline = sum(w["dispatched"] for w in (await client.get("/list_workers")).json()["workers"])
         tasks = [asyncio.create_task(client.post("/generate", json=_prompt(i, max_new_tokens=32))) for i in range(n)]
         while True:  # until the router has placed every request (its own counters, not a timer)

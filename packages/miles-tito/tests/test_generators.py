@@ -16,7 +16,7 @@ from miles_contracts.wire.engine import SamplingParams
 from miles_tito.generators.agentic import AgenticGenerator
 from miles_tito.generators.multi_turn import MultiTurnGenerator
 from miles_tito.tokenizer import TitoTokenizer
-from tito_support import always_calls, family_with_parser, free_port, session_server
+from tito_support import always_calls, authed, family_with_parser, free_port, session_server
 
 pytestmark = pytest.mark.slow
 
@@ -133,13 +133,13 @@ def test_agentic_trains_on_the_calculator_agents_exact_tokens(engine_url: str, t
     assert len(sample.weight_versions) == 3
     messages = sample.metadata["messages"]
     assert messages[0]["role"] == "system" and [m["content"] for m in messages if m["role"] == "tool"] == ["42", "42"]
-    assert httpx.get(f"{calls_server}/health").json()["sessions"] == 0  # collected and deleted
+    assert authed.get(f"{calls_server}/health").json()["sessions"] == 0  # collected and deleted
 
 
 async def failing_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any], metadata: dict[str, Any]) -> dict:
     import openai
 
-    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=metadata["api_key"], max_retries=0) as client:
         await client.chat.completions.create(model="m", messages=prompt, **request_kwargs)
     raise ValueError("the environment crashed")
 
@@ -161,12 +161,12 @@ def test_a_failing_or_slow_agent_costs_its_sample(engine_url: str, tokenizer: An
     assert (sample.status, sample.exit_reason) == (Status.ABORTED, reason)
     assert detail in (sample.exit_detail or "")
     assert len(sample.weight_versions) == turns  # what the agent did before failing is kept
-    assert httpx.get(f"{calls_server}/health").json()["sessions"] == 0
+    assert authed.get(f"{calls_server}/health").json()["sessions"] == 0
 
 
 def test_agentic_starts_a_session_server_in_process_when_the_run_has_none(engine_url: str, tokenizer: Any) -> None:
     async def one_turn(base_url: str, prompt: Any, request_kwargs: dict[str, Any], metadata: dict[str, Any]) -> dict:
-        async with httpx.AsyncClient() as http:
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {metadata['api_key']}"}) as http:
             body = {"messages": prompt, **request_kwargs}
             answer = (await http.post(f"{base_url}/chat/completions", json=body)).json()
         return {"session": metadata["session_id"], "content": answer["choices"][0]["message"]["content"]}

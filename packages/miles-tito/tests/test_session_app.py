@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import httpx
 import pytest
 from miles.engine_client import EngineRequestError
 from miles_contracts.wire.engine import GenerateRequest, GenerateResponse
@@ -13,6 +12,7 @@ from miles_tito.server.app import create_app
 from miles_tito.server.background import BackgroundServer
 from miles_tito.server.service import SessionService
 from miles_tito.tokenizer import TitoTokenizer
+from tito_support import authed
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -50,52 +50,55 @@ def healthy_engine(engine: StandInEngine) -> None:
 
 
 def test_chat_round_trip_and_session_lifecycle(server: str) -> None:
-    created = httpx.post(f"{server}/sessions", json={"metadata": {"task": 1}}).json()
+    created = authed.post(f"{server}/sessions", json={"metadata": {"task": 1}}).json()
     assert created["base_url"] == f"{server}/sessions/{created['session_id']}/v1"
-    answer = httpx.post(f"{created['base_url']}/chat/completions", json=CHAT)
+    answer = authed.post(f"{created['base_url']}/chat/completions", json=CHAT)
     assert answer.status_code == 200 and answer.headers["content-type"] == "application/json"
     assert answer.json()["usage"]["completion_tokens"] == 2
-    models = httpx.get(f"{created['base_url']}/models").json()
+    models = authed.get(f"{created['base_url']}/models").json()
     assert models["data"][0]["id"] == "tiny"
-    view = httpx.delete(f"{server}/sessions/{created['session_id']}").json()
+    view = authed.delete(f"{server}/sessions/{created['session_id']}").json()
     assert view["metadata"] == {"task": 1} and [r["output_ids"] for r in view["records"]] == [[28, 29]]
-    assert httpx.get(f"{server}/health").json()["sessions"] == 0
+    assert authed.get(f"{server}/health").json()["sessions"] == 0
 
 
 def test_streaming_sends_server_sent_events(server: str) -> None:
-    base = httpx.post(f"{server}/sessions").json()["base_url"]
-    with httpx.stream("POST", f"{base}/chat/completions", json={**CHAT, "stream": True}) as response:
+    base = authed.post(f"{server}/sessions").json()["base_url"]
+    with authed.stream("POST", f"{base}/chat/completions", json={**CHAT, "stream": True}) as response:
         assert response.headers["content-type"] == "text/event-stream; charset=utf-8"
         events = [line for line in response.iter_lines() if line]
     assert events[-1] == "data: [DONE]" and len(events) >= 3
 
 
 def test_unknown_paths_methods_and_trailing_slashes_answer_as_fastapi_did(server: str) -> None:
-    missing = httpx.get(f"{server}/nope")
+    missing = authed.get(f"{server}/nope")
     assert (missing.status_code, missing.text) == (404, '{"detail":"Not Found"}')
-    assert httpx.get(f"{server}/sessions//v1/models").status_code == 404
-    wrong = httpx.put(f"{server}/sessions/abc")
+    assert authed.get(f"{server}/sessions//v1/models").status_code == 404
+    wrong = authed.put(f"{server}/sessions/abc")
     assert (wrong.status_code, wrong.text) == (405, '{"detail":"Method Not Allowed"}')
     assert wrong.headers["allow"] == "GET, DELETE"
-    assert httpx.get(f"{server}/sessions").headers["allow"] == "POST"
-    redirect = httpx.post(f"{server}/sessions/", follow_redirects=False)
+    assert authed.get(f"{server}/sessions").headers["allow"] == "POST"
+    redirect = authed.post(f"{server}/sessions/", follow_redirects=False)
     assert redirect.status_code == 307 and redirect.headers["location"] == f"{server}/sessions"
 
 
 def test_errors_are_openai_shaped_with_retry_advice(server: str, engine: StandInEngine) -> None:
-    base = httpx.post(f"{server}/sessions").json()["base_url"]
-    bad = httpx.post(f"{base}/chat/completions", content=b"\xff\xfe")
+    base = authed.post(f"{server}/sessions").json()["base_url"]
+    bad = authed.post(f"{base}/chat/completions", content=b"\xff\xfe", headers={"content-type": "application/json"})
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_request"
-    engine.fail = EngineRequestError(400, "input too long")
-    refused = httpx.post(f"{base}/chat/completions", json=CHAT)
-    assert refused.status_code == 502 and refused.headers["x-should-retry"] == "false"
+    engine.fail = EngineRequestError(400, "input too long")  # the engine judged the request: the client's to fix
+    refused = authed.post(f"{base}/chat/completions", json=CHAT)
+    assert refused.status_code == 400 and refused.headers["x-should-retry"] == "false"
     assert "input too long" in refused.json()["error"]["message"]
+    engine.fail = EngineRequestError(500, "engine bug")
+    failed = authed.post(f"{base}/chat/completions", json=CHAT)
+    assert failed.status_code == 502 and failed.headers["x-should-retry"] == "false"
 
 
 def test_an_unexpected_error_is_a_plain_500(server: str, engine: StandInEngine) -> None:
-    base = httpx.post(f"{server}/sessions").json()["base_url"]
+    base = authed.post(f"{server}/sessions").json()["base_url"]
     engine.fail = RuntimeError("a bug")
-    response = httpx.post(f"{base}/chat/completions", json=CHAT)
+    response = authed.post(f"{base}/chat/completions", json=CHAT)
     assert (response.status_code, response.text) == (500, "Internal Server Error")
     assert response.headers["content-type"] == "text/plain; charset=utf-8"
 

@@ -12,10 +12,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from miles_contracts.wire.auth import auth_headers, run_token
 from miles_tito.conversation import Conversation
 from miles_tito.errors import TokenChainBroken
 from miles_tito.tokenizer import TitoTokenizer
-from tito_support import LONG_GENERATION, free_port, session_server, wait_until_generating
+from tito_support import LONG_GENERATION, authed, free_port, session_server, wait_until_generating
 
 pytestmark = pytest.mark.slow
 
@@ -36,12 +37,12 @@ def roomy_server(engine_url: str, chatml: TitoTokenizer) -> Iterator[str]:
 
 
 def new_session(server: str) -> dict[str, Any]:
-    return httpx.post(f"{server}/sessions").json()
+    return authed.post(f"{server}/sessions").json()
 
 
 def chat(base_url: str, body: Any, *, raw: bool = False) -> httpx.Response:
-    kwargs = {"content": body} if raw else {"json": body}
-    return httpx.post(f"{base_url}/chat/completions", timeout=120, **kwargs)
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if raw else {"json": body}
+    return authed.post(f"{base_url}/chat/completions", timeout=120, **kwargs)
 
 
 def error_of(response: httpx.Response, status: int, code: str) -> str:
@@ -80,7 +81,7 @@ def test_400_role_not_allowed_and_the_failure_is_kept(server: str) -> None:
     body = {"messages": [USER, answer, {"role": "assistant", "content": "injected"}, USER]}
     message = error_of(chat(session["base_url"], body), 400, "role_not_allowed")
     assert "messages[2] has role 'assistant'" in message and "chatml" in message
-    failures = httpx.get(f"{server}/sessions/{session['session_id']}").json()["failures"]
+    failures = authed.get(f"{server}/sessions/{session['session_id']}").json()["failures"]
     assert [(f["status_code"], f["code"]) for f in failures] == [(400, "role_not_allowed")]
 
 
@@ -91,11 +92,11 @@ def test_400_context_length_exceeded(server: str) -> None:
 
 
 def test_404_session_not_found_through_the_openai_client(server: str) -> None:
-    client = openai.OpenAI(base_url=f"{server}/sessions/nope/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=f"{server}/sessions/nope/v1", api_key=run_token(), max_retries=0)
     with pytest.raises(openai.NotFoundError, match="no session 'nope'"):
         client.chat.completions.create(model="m", messages=[USER])
-    assert httpx.get(f"{server}/sessions/nope").status_code == 404
-    assert httpx.delete(f"{server}/sessions/nope").status_code == 404
+    assert authed.get(f"{server}/sessions/nope").status_code == 404
+    assert authed.delete(f"{server}/sessions/nope").status_code == 404
 
 
 def test_409_history_conflict(server: str) -> None:
@@ -113,7 +114,7 @@ def test_409_session_closing(roomy_server: str, engine_url: str) -> None:
     async def scenario() -> tuple[httpx.Response, httpx.Response]:
         session = new_session(roomy_server)
         long = {"messages": [USER], **LONG_GENERATION}
-        async with httpx.AsyncClient(timeout=300) as http:
+        async with httpx.AsyncClient(headers=auth_headers(), timeout=300) as http:
             in_flight = asyncio.create_task(http.post(f"{session['base_url']}/chat/completions", json=long))
             await wait_until_generating(engine_url)
             queued = asyncio.create_task(http.post(f"{session['base_url']}/chat/completions", json=long))
@@ -131,7 +132,7 @@ def test_422_template_not_prefix_invariant(engine_url: str, qwen3: TitoTokenizer
     with session_server(engine_url, stock) as url:
         session = new_session(url)
         answer = first_turn(session["base_url"])
-        client = openai.OpenAI(base_url=session["base_url"], api_key="unused", max_retries=0)
+        client = openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
         with pytest.raises(openai.UnprocessableEntityError) as error:
             client.chat.completions.create(model="m", messages=[USER, answer, {"role": "user", "content": "more"}])
     body = error.value.body
@@ -164,7 +165,7 @@ def test_502_engine_unreachable(chatml: TitoTokenizer) -> None:
         session = new_session(url)
         response = chat(session["base_url"], {"messages": [USER]})
         message = error_of(response, 502, "engine_error")
-        state = httpx.get(f"{url}/sessions/{session['session_id']}").json()
+        state = authed.get(f"{url}/sessions/{session['session_id']}").json()
     assert "could not be reached" in message
     assert state["records"] == [] and state["failures"][0]["code"] == "engine_error"
 
@@ -172,7 +173,7 @@ def test_502_engine_unreachable(chatml: TitoTokenizer) -> None:
 def test_503_engine_aborted_is_retryable_and_changes_nothing(roomy_server: str, engine_url: str) -> None:
     async def scenario() -> httpx.Response:
         session = new_session(roomy_server)
-        async with httpx.AsyncClient(timeout=300) as http:
+        async with httpx.AsyncClient(headers=auth_headers(), timeout=300) as http:
             request = asyncio.create_task(http.post(f"{session['base_url']}/chat/completions",
                                                     json={"messages": [USER], **LONG_GENERATION}))
             await wait_until_generating(engine_url)
@@ -188,5 +189,5 @@ def test_503_engine_aborted_is_retryable_and_changes_nothing(roomy_server: str, 
 
 
 def test_error_bodies_are_json_objects(server: str) -> None:
-    response = httpx.post(f"{server}/sessions", content=b"[1, 2]")
+    response = authed.post(f"{server}/sessions", content=b"[1, 2]", headers={"content-type": "application/json"})
     assert response.status_code == 400 and json.loads(response.text)["error"]["code"] == "invalid_request"

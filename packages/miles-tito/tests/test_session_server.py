@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from miles_contracts.wire.auth import auth_headers
 from miles_contracts.wire.session import SessionView
 from miles_tito.assembly import assemble
 from miles_tito.tokenizer import TitoTokenizer
@@ -17,6 +18,7 @@ from tito_support import (
     LONG_GENERATION,
     always_calls,
     always_malformed,
+    authed,
     family_with_parser,
     session_server,
     wait_until_generating,
@@ -46,12 +48,12 @@ def chat_server(router_url: str, chatml: TitoTokenizer) -> Iterator[str]:
 
 
 def open_session(server: str, **body: Any) -> tuple[str, openai.OpenAI]:
-    created = httpx.post(f"{server}/sessions", json=body or None).json()
-    return created["session_id"], openai.OpenAI(base_url=created["base_url"], api_key="unused", max_retries=0)
+    created = authed.post(f"{server}/sessions", json=body or None).json()
+    return created["session_id"], openai.OpenAI(base_url=created["base_url"], api_key=created["api_key"], max_retries=0)
 
 
 def view(server: str, session_id: str) -> SessionView:
-    return SessionView.model_validate(httpx.get(f"{server}/sessions/{session_id}").json())
+    return SessionView.model_validate(authed.get(f"{server}/sessions/{session_id}").json())
 
 
 def test_multi_turn_tool_calls_keep_every_turns_tokens(calls_server: str, chatml: TitoTokenizer) -> None:
@@ -120,8 +122,8 @@ def test_plain_chat_through_the_router_with_logprobs_and_session_defaults(chat_s
     assert again.choices[0].message.content == response.choices[0].message.content  # temperature 0 by default
     state = view(chat_server, session_id)
     assert state.metadata == {"task": 1} and [r.rolled_back for r in state.records] == [True, False]
-    assert httpx.get(f"{chat_server}/sessions/{session_id}/v1/models").json()["data"][0]["id"] == "tiny"
-    health = httpx.get(f"{chat_server}/health").json()
+    assert authed.get(f"{chat_server}/sessions/{session_id}/v1/models").json()["data"][0]["id"] == "tiny"
+    health = authed.get(f"{chat_server}/health").json()
     assert health["status"] == "ok" and health["family"] == "chatml"
 
 
@@ -157,7 +159,7 @@ async def _hundred_sessions(chat_server: str) -> None:
         return SessionView.model_validate((await http.delete(f"{chat_server}/sessions/{session['session_id']}")).json())
 
     limits = httpx.Limits(max_connections=200)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+    async with httpx.AsyncClient(headers=auth_headers(), timeout=300, limits=limits) as http:
         open_before = (await http.get(f"{chat_server}/health")).json()["sessions"]
         views = await asyncio.gather(*(one(http, n) for n in range(100)))
         assert (await http.get(f"{chat_server}/health")).json()["sessions"] == open_before  # all deleted
@@ -173,7 +175,7 @@ def test_two_racing_requests_on_one_session_are_serialised(chat_server: str) -> 
 
 
 async def _racing_requests(chat_server: str) -> None:
-    async with httpx.AsyncClient(timeout=120) as http:
+    async with httpx.AsyncClient(headers=auth_headers(), timeout=120) as http:
         session = (await http.post(f"{chat_server}/sessions")).json()
         url = f"{session['base_url']}/chat/completions"
         first = (await http.post(url, json={"messages": [{"role": "user", "content": "a"}], "max_tokens": 3})).json()
@@ -194,7 +196,7 @@ def test_delete_waits_for_the_request_in_flight_and_keeps_its_turn(chat_server: 
 
 
 async def _delete_during_request(chat_server: str, engine_url: str) -> None:
-    async with httpx.AsyncClient(timeout=300) as http:
+    async with httpx.AsyncClient(headers=auth_headers(), timeout=300) as http:
         session = (await http.post(f"{chat_server}/sessions")).json()
         url = f"{session['base_url']}/chat/completions"
         long = {"messages": [{"role": "user", "content": "write"}], **LONG_GENERATION}

@@ -19,10 +19,26 @@ from typing import Any
 
 import httpx
 from miles_contracts.chat import ChatFamily, ParsedTurn, ToolCall
+from miles_contracts.wire.auth import auth_headers
 from miles_model_llama.chat import parse_chatml
 from miles_tito.server.background import BackgroundServer
 from miles_tito.server.factory import app_factory
 from miles_tito.tokenizer import TitoTokenizer
+
+
+class _Authed:
+    """httpx's module-level calls (``authed.post(...)``) with the run's token, as Miles clients send it."""
+
+    def __getattr__(self, name: str) -> Any:
+        call = getattr(httpx, name)
+
+        def with_token(*args: Any, headers: dict[str, str] | None = None, **kwargs: Any) -> Any:
+            return call(*args, headers={**auth_headers(), **(headers or {})}, **kwargs)
+
+        return with_token
+
+
+authed = _Authed()
 
 
 def free_port() -> int:
@@ -107,7 +123,7 @@ async def wait_until_generating(engine_url: str, timeout: float = 60.0) -> None:
     import asyncio
 
     deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient(timeout=10) as http:
+    async with httpx.AsyncClient(timeout=10, headers=auth_headers()) as http:
         while time.monotonic() < deadline:
             info = (await http.get(f"{engine_url}/get_server_info")).json()
             if info.get("running", 0) > 0:

@@ -71,7 +71,8 @@ def tied_engines(tied_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     """``target`` (synced) and ``reference`` (never touched), both bf16 on CPU."""
     from miles_weights.launch import EngineLaunch, running_engines
 
-    with running_engines(tied_dir, [EngineLaunch("cpu", "bfloat16")] * 2, tmp_path_factory.mktemp("tied")) as engines:
+    with running_engines(tied_dir, [EngineLaunch("cpu", "bfloat16")] * 2, tmp_path_factory.mktemp("tied"),
+                         weight_dirs=[tmp_path_factory.getbasetemp()]) as engines:
         yield dict(zip(["target", "reference"], engines.urls, strict=True))
 
 
@@ -118,7 +119,8 @@ def moe_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from miles_models.testing import tiny_model
     from miles_weights.launch import EngineLaunch, running_engines
 
-    with running_engines(tiny_model("moe"), [EngineLaunch("cpu", "float32")], tmp_path_factory.mktemp("moe")) as engines:
+    with running_engines(tiny_model("moe"), [EngineLaunch("cpu", "float32")], tmp_path_factory.mktemp("moe"),
+                         weight_dirs=[tmp_path_factory.getbasetemp()]) as engines:
         yield engines.urls[0]
 
 

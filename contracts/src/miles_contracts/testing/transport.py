@@ -28,6 +28,8 @@ import urllib.request
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from miles_contracts.wire.auth import auth_headers
+
 if TYPE_CHECKING:
     import torch
 
@@ -46,7 +48,7 @@ def _checksum(tensor: torch.Tensor) -> str:
 def _call(url: str, path: str, body: dict[str, Any] | None = None, *, timeout: float = 300.0) -> dict[str, Any]:
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url + path, data=data, method="GET" if body is None else "POST",
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **auth_headers()})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             raw = response.read()

@@ -26,9 +26,42 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 """Header the router reads for session affinity (the same key reaches the same engine)."""
 
+HEALTH, DATA, CONTROL = "health", "data", "control"
+ENGINE_ROUTES: dict[str, str] = {
+    "/health": HEALTH,
+    "/generate": DATA,
+    "/health_generate": DATA,  # runs a generation: it costs the engine work, so it needs the token
+    "/get_model_info": DATA,
+    "/get_server_info": DATA,
+    "/abort_request": CONTROL,
+    "/pause_generation": CONTROL,
+    "/continue_generation": CONTROL,
+    "/flush_cache": CONTROL,
+    "/update_weights_from_disk": CONTROL,
+    "/update_weights_from_tensor": CONTROL,
+    "/init_weights_update_group": CONTROL,
+    "/destroy_weights_update_group": CONTROL,
+    "/update_weights_from_distributed": CONTROL,
+    "/update_weight_version": CONTROL,
+    "/fill_weights_noise": CONTROL,
+    "/weights_checksum": CONTROL,
+}
+"""Every engine route by kind: ``health`` answers anyone (liveness only), ``data`` serves
+generation to the run's clients, ``control`` changes what the engine serves (weights, pause,
+aborts, process groups). Both data and control need the run's token; the kinds are kept apart so
+that a deployment can expose or proxy one without the other (see docs/design/security.md)."""
+
+
+INT32_MAX = 2**31 - 1
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 2048
+MAX_STOP_TOKEN_IDS = 4096
+"""Limits of :class:`SamplingParams`: each stop string is matched against the text at every
+decode step, so their number bounds the per-token cost one request may impose on its batch."""
+
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class _Response(BaseModel):
@@ -36,27 +69,39 @@ class _Response(BaseModel):
 
 
 class SamplingParams(_Request):
-    """SGLang sampling parameters. ``temperature == 0`` means greedy; ``top_k == -1`` means off."""
+    """SGLang sampling parameters. ``temperature == 0`` means greedy; ``top_k == -1`` means off.
 
-    max_new_tokens: int = Field(default=128, ge=0)
+    Every field is bounded to what the sampling kernels accept (ints fit int32, seeds a torch
+    generator, penalties SGLang's ranges, floats finite), so a request that validates cannot fail
+    inside a batched step and take its batch-mates with it.
+    """
+
+    max_new_tokens: int = Field(default=128, ge=0, le=INT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1)
-    min_new_tokens: int = Field(default=0, ge=0)
+    top_k: int = Field(default=-1, ge=-1, le=INT32_MAX)
+    min_new_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
-    sampling_seed: int | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    sampling_seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 (disabled) or >= 1, got 0")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must not exceed max_new_tokens ({self.max_new_tokens})")
+        if len(self.stop_strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop_strings)}")
+        long_stops = [s for s in self.stop_strings if len(s) > MAX_STOP_STRING_CHARS]
+        if long_stops:
+            raise ValueError(f"stop strings are at most {MAX_STOP_STRING_CHARS} characters; one has {len(long_stops[0])}")
         return self
 
     @property
@@ -78,7 +123,7 @@ class GenerateRequest(_Request):
     text: str | None = None
     input_ids: list[int] | None = None
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
-    rid: str | None = None
+    rid: str | None = Field(default=None, max_length=256)
     return_logprob: bool = False
     logprob_start_len: int = -1
     return_routed_experts: bool = False

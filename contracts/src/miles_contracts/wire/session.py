@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles_contracts.capture import CaptureSpec
+from miles_contracts.wire.engine import INT32_MAX, MAX_STOP_STRINGS
 
 
 class _Request(BaseModel):
@@ -30,12 +31,12 @@ class _Response(BaseModel):
 class SessionSampling(_Request):
     """Sampling defaults of a session; a chat request's own values win (OpenAI names)."""
 
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    temperature: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = None
-    seed: int | None = None
-    stop: list[str] | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    stop: list[str] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
 
 
 class CreateSessionRequest(_Request):
@@ -50,6 +51,8 @@ class CreateSessionRequest(_Request):
 class CreateSessionResponse(_Response):
     session_id: str
     base_url: str = Field(description="OpenAI base URL of the session: <server>/sessions/<id>/v1")
+    api_key: str | None = Field(default=None, description="key for the session's own OpenAI routes only "
+                                "(the agent's OpenAI api_key); records and deletion need the run's token")
 
 
 FinishReason = Literal["stop", "length", "tool_calls"]

@@ -8,8 +8,12 @@ Two formats, named by ``load_format``:
   file after the engine answered.
 * ``"cuda_ipc"`` (GPU): each tensor is flattened into one CUDA buffer per dtype and shared through
   torch's CUDA IPC reductions; the handle is pickled (``torch.multiprocessing`` ForkingPickler),
-  which is what SGLang's ``update_weights_from_tensor`` accepts too. Only ever accept this from
-  loopback peers: unpickling runs code.
+  which is what SGLang's ``update_weights_from_tensor`` accepts too, so a trainer speaks the same
+  bytes to SGLang and to the embedded engine. The receiver never runs ``pickle.loads`` on them:
+  :func:`deserialize_cuda_ipc` is a restricted unpickler that resolves exactly the names torch's
+  CUDA reduction writes (``rebuild_cuda_tensor``, the tensor, parameter and storage classes as
+  inert markers, ``torch.Size``, dtypes), checks every argument of each rebuild, and refuses
+  anything else before it is called (see :mod:`miles_contracts.wire.cuda_ipc`).
 
 torch is imported inside functions; importing this module is free.
 """
@@ -74,8 +78,58 @@ def tensor_layout(tensors: list[tuple[str, torch.Tensor]], align: int = _ALIGN) 
     return metas, offset
 
 
+_PREFIX = "miles-weights-"
+
+
 def shm_dir() -> Path:
     return Path(os.environ.get("MILES_SHM_DIR", "/dev/shm"))
+
+
+def create_shm_file(size: int) -> Path:
+    """A new ``size``-byte file for a bucket under :func:`shm_dir`, readable by this user only
+    (mode 0600: the weights of a run are not for other local users). Its name carries this
+    process's id, so a later run can tell an orphan (:func:`remove_stale_shm_files`)."""
+    path = shm_dir() / f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    except OSError:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    return path
+
+
+def remove_stale_shm_files() -> list[Path]:
+    """Delete this user's bucket files whose creating process is gone (a driver killed with
+    SIGKILL cannot clean up after itself); returns what was removed. Files of live processes stay."""
+    removed = []
+    folder = shm_dir()
+    try:
+        candidates = list(folder.glob(_PREFIX + "*"))
+    except OSError:
+        return removed
+    for path in candidates:
+        pid = path.name[len(_PREFIX):].split("-", 1)[0]
+        try:
+            if not pid.isdigit() or path.stat().st_uid != os.getuid() or _alive(int(pid)):
+                continue
+            path.unlink()
+        except OSError:  # gone meanwhile, or not ours to remove
+            continue
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process holds this pid
+        return True
+    return True
 
 
 def write_shm_bucket(tensors: Iterable[tuple[str, torch.Tensor]]) -> ShmBucket:
@@ -84,7 +138,7 @@ def write_shm_bucket(tensors: Iterable[tuple[str, torch.Tensor]]) -> ShmBucket:
 
     items = [(n, t.detach()) for n, t in tensors]
     metas, size = tensor_layout(items)
-    path = shm_dir() / f"miles-weights-{os.getpid()}-{uuid.uuid4().hex}"
+    path = create_shm_file(max(size, 1))
     flat = torch.from_file(str(path), shared=True, size=max(size, 1), dtype=torch.uint8)
     for meta, (_, t) in zip(metas, items, strict=True):
         view = flat[meta.offset : meta.offset + meta.nbytes]
@@ -97,7 +151,7 @@ def read_shm_bucket(bucket: ShmBucket) -> list[tuple[str, torch.Tensor]]:
     import torch
 
     path = Path(bucket.path)
-    if path.parent != shm_dir() or not path.name.startswith("miles-weights-"):
+    if path.parent != shm_dir() or not path.name.startswith(_PREFIX) or path.is_symlink():
         raise ValueError(f"refusing shared-memory path {bucket.path!r}: not a Miles weight bucket under {shm_dir()}")
     flat = torch.from_file(str(path), shared=False, size=max(bucket.size, 1), dtype=torch.uint8)
     out = []
@@ -120,8 +174,8 @@ def serialize_cuda_ipc(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 
 def deserialize_cuda_ipc(payload: str) -> list[tuple[str, torch.Tensor]]:
-    import pickle
+    """The ``[(name, cuda_tensor)]`` of a :func:`serialize_cuda_ipc` payload, through the restricted
+    loader of :mod:`miles_contracts.wire.cuda_ipc` (raises ``UnsafePayloadError`` for anything else)."""
+    from miles_contracts.wire.cuda_ipc import load_named_tensors
 
-    import torch.multiprocessing  # noqa: F401  (registers the reductions)
-
-    return pickle.loads(base64.b64decode(payload))
+    return load_named_tensors(base64.b64decode(payload, validate=True))

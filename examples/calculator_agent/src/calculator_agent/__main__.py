@@ -10,14 +10,18 @@ import asyncio
 import json
 
 import httpx
+from miles_contracts.wire.auth import auth_headers
 
 from calculator_agent.agent import run_agent
 
 
 async def main(server: str, question: str, max_tokens: int, temperature: float) -> None:
-    async with httpx.AsyncClient(base_url=server, timeout=600) as http:
+    # The run's token opens and collects the session (MILES_AUTH_TOKEN, as the server was given);
+    # the agent itself gets only the session's own key.
+    async with httpx.AsyncClient(base_url=server, timeout=600, headers=auth_headers()) as http:
         session = (await http.post("/sessions")).json()
-        result = await run_agent(session["base_url"], question, {"max_tokens": max_tokens, "temperature": temperature}, {})
+        result = await run_agent(session["base_url"], question, {"max_tokens": max_tokens, "temperature": temperature},
+                                 {"api_key": session["api_key"]})
         view = (await http.delete(f"/sessions/{session['session_id']}")).json()
     print(json.dumps({"agent_result": result}, indent=2))
     for record in view["records"]:

@@ -49,14 +49,15 @@ async def run_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any], 
     :param base_url: the session's OpenAI base URL (``.../sessions/<id>/v1``).
     :param prompt: the task as OpenAI messages (or a string).
     :param request_kwargs: sampling settings of the run, passed to every request.
-    :param metadata: the sample's metadata; ``max_turns`` caps the tool loop (default 4).
+    :param metadata: the sample's metadata; ``api_key`` is the session's key (the OpenAI client's
+        ``api_key``), ``max_turns`` caps the tool loop (default 4).
     """
     messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if not messages or messages[0].get("role") != "system":
         messages.insert(0, {"role": "system", "content": SYSTEM_PROMPT})
     max_turns = int(metadata.get("max_turns", 4))
     calls = 0
-    async with AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+    async with AsyncOpenAI(base_url=base_url, api_key=metadata["api_key"], max_retries=0) as client:
         for turn in range(1, max_turns + 1):
             response = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR_TOOL], **request_kwargs)
             choice = response.choices[0]

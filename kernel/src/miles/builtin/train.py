@@ -23,6 +23,16 @@ first use), a synthetic arithmetic task, GRPO, a few steps on CPU.
 
 
 def _train(args: argparse.Namespace) -> int:
+    from miles_contracts.wire.auth import ensure_run_token
+
+    from miles.loop.interrupts import exit_code_of
+
+    # One secret per run, in this process's environment: every service the run starts inherits it.
+    ensure_run_token()
+    return exit_code_of(lambda: _train_run(args))
+
+
+def _train_run(args: argparse.Namespace) -> str:
     from miles.config import load_config
     from miles.loop.run_dir import new_run_dir
     from miles.loop.runner import run_training
@@ -36,11 +46,9 @@ def _train(args: argparse.Namespace) -> int:
             raise MilesError(f"{run_dir} is not a run folder (no config.yaml); runs live under run.output_dir")
         config = load_config(run_dir / "config.yaml", overrides)
         (run_dir / "config.yaml").write_text(config.to_yaml())
-        status = run_training(config, run_dir, resume=True)
-    else:
-        config = load_config(config_path, overrides)
-        status = run_training(config, new_run_dir(config))
-    return 0 if status == "completed" else 1
+        return run_training(config, run_dir, resume=True)
+    config = load_config(config_path, overrides)
+    return run_training(config, new_run_dir(config))
 
 
 def _args(p: argparse.ArgumentParser) -> None:

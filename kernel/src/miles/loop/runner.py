@@ -12,14 +12,18 @@ import asyncio
 import math
 import random
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
+
+from miles_contracts import Status
 
 from miles.config import MilesConfig
 from miles.data.source import eval_prompts, open_data_source
 from miles.engine_client import HttpEngineClient
 from miles.errors import MilesError
 from miles.kernel import Kernel
+from miles.loop.interrupts import stop_requested
 from miles.loop.learner import Learner
 from miles.loop.progress import Progress
 from miles.loop.rollout import RolloutManager, StepRollout
@@ -58,6 +62,7 @@ class Run:
         self.backend: Any = None
         self.transport: Any = None
         self.metrics_logger: Any = None
+        self._failed_step = -1  # the last step whose samples were all aborted
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -66,6 +71,8 @@ class Run:
         try:
             await self._start()
             await self._loop()
+            if stop_requested():  # a cancellation was swallowed on the way: still an interruption
+                raise asyncio.CancelledError
             status = "completed"
         except (KeyboardInterrupt, asyncio.CancelledError):
             status = "interrupted"
@@ -129,7 +136,7 @@ class Run:
         overlap = cfg.run.mode == "one_step_off"
         pending: asyncio.Task[StepRollout] | None = None
         unsynced = False
-        while self.step < cfg.run.steps:
+        while self.step < cfg.run.steps and not stop_requested():
             self.step += 1
             step = self.step
             rollout = await (pending if pending is not None else self._collect(step))
@@ -156,11 +163,20 @@ class Run:
 
     async def _collect(self, step: int) -> StepRollout:
         assert self.services is not None
-        await asyncio.to_thread(self.services.wait_ready, self.config.executor.startup_timeout)
+        await asyncio.to_thread(self.services.wait_ready, self.config.executor.startup_timeout, router=True)
         return await self.rollout.collect(step, progress=lambda d, t: self.progress.rollout(step, d, t))
 
     async def _train(self, rollout: StepRollout) -> dict[str, float]:
         samples = rollout.train_samples
+        error = failed_step_error(self.step, rollout, previous_failed=self._failed_step == self.step - 1,
+                                  last_step=self.step == self.config.run.steps)
+        if error is not None:
+            raise error
+        if rollout.all_samples and not samples and all(s.status is Status.ABORTED for s in rollout.all_samples):
+            self._failed_step = self.step
+            self.progress.message(f"step {self.step}: every sample was aborted (engines restarting?); skipping the "
+                                  "update. A second such step in a row stops the run")
+            return {"train/skipped": 1.0, "train/all_aborted": 1.0}
         if not samples:
             self.progress.message(f"step {self.step}: no trainable samples (all groups filtered); skipping the update")
             return {"train/skipped": 1.0}
@@ -255,6 +271,27 @@ class Run:
         self.kernel.step_end(step, metrics)
         self.metrics_logger.log(metrics, step)
         self.progress.step(step, metrics)
+
+
+def failed_step_error(step: int, rollout: StepRollout, *, previous_failed: bool, last_step: bool) -> MilesError | None:
+    """The error that ends the run when a step had nothing to learn from because every sample was
+    aborted or failed, or None to go on.
+
+    One sample that FAILED (the engine refused the request: a setting it cannot serve) makes the
+    failure deterministic: stop at once. All ABORTED (engines died or restarted) may be transient:
+    one such step is skipped with a warning, a second in a row (or the run's last step) stops the
+    run. Either way the run never reports success over steps that trained on nothing.
+    """
+    samples = rollout.all_samples
+    if not samples or any(s.status not in (Status.ABORTED, Status.FAILED) for s in samples):
+        return None
+    deterministic = any(s.status is Status.FAILED for s in samples)
+    if not (deterministic or previous_failed or last_step):
+        return None
+    reasons = Counter(f"{s.status.value}: {s.exit_detail or s.exit_reason}"[:300] for s in samples)
+    listed = "; ".join(f"{count}x {reason}" for reason, count in reasons.most_common(3))
+    return MilesError(f"step {step}: all {len(samples)} samples were aborted or failed, so there is nothing to "
+                      f"train on ({listed}); every sample is in the run folder's samples/")
 
 
 def _jsonable_random_state() -> list[Any]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_contracts import EngineSpec
+from miles_contracts.wire.auth import ensure_run_token
 
 from miles.config import MilesConfig
 from miles.errors import MilesError
@@ -44,14 +45,18 @@ class Services:
             self.stale_engines.clear()
             return names
 
-    def wait_ready(self, timeout: float = 600.0) -> float:
+    def wait_ready(self, timeout: float = 600.0, *, router: bool = False) -> float:
         """Block until every engine process is alive and healthy (the supervisor may be restarting
-        one); returns the seconds waited. Raises :class:`MilesError` after ``timeout``."""
+        one), and with ``router`` until the router serves too (it re-admits a restarted engine at
+        its next probe; a rollout started before would see every request refused); returns the
+        seconds waited. Raises :class:`MilesError` after ``timeout``."""
         start = time.monotonic()
         pending = dict(self.engine_urls)
+        if router:
+            pending["router"] = self.router_url
         while pending:
             for name, url in list(pending.items()):
-                if self.executor.alive(name) and _healthy(url):
+                if self.executor.alive(name) and _healthy(url):  # the router answers 503 while no engine serves
                     del pending[name]
             if pending:
                 if time.monotonic() - start > timeout:
@@ -97,6 +102,7 @@ def _optional(module: str, name: str, distribution: str) -> Any:
 
 
 def start_services(config: MilesConfig, kernel: Kernel, model_path: Path, run_dir: Path) -> Services:
+    ensure_run_token()  # in this process's environment, so every service started below inherits it
     executor = kernel.executors().get(config.executor.name)(config, run_dir)
     try:
         engine = kernel.inference_engines().get(config.rollout.engine)
@@ -105,7 +111,8 @@ def start_services(config: MilesConfig, kernel: Kernel, model_path: Path, run_di
         for i in range(config.rollout.num_engines):
             spec = EngineSpec(model_path=str(model_path), port=free_port(HOST), host=HOST,
                               device=config.model.device, dtype=config.model.dtype, options=dict(options),
-                              deterministic=config.run.deterministic)
+                              deterministic=config.run.deterministic,
+                              weight_dirs=[str(run_dir.resolve())])
             name = f"engine-{i}"
             executor.start(name, engine.command(spec), health_url=f"{spec.url}/health")
             engine_urls[name] = spec.url
@@ -142,8 +149,10 @@ def start_services(config: MilesConfig, kernel: Kernel, model_path: Path, run_di
 
 
 def _healthy(url: str, timeout: float = 5.0) -> bool:
-    """``GET {url}/health`` answers 200. Plain ``http.client``: called before every weight sync, and
-    ``httpx.get`` builds a client (and its TLS context) per call, ~30 ms."""
+    """``GET {url}/health`` answers 200, or 503 ``{"status": "paused"}``: an engine paused on
+    purpose (a weight sync that failed half-way leaves engines paused until the next one) is up and
+    can take weights. Plain ``http.client``: called before every weight sync, and ``httpx.get``
+    builds a client (and its TLS context) per call, ~30 ms."""
     import http.client
     from urllib.parse import urlsplit
 
@@ -152,8 +161,11 @@ def _healthy(url: str, timeout: float = 5.0) -> bool:
     connection = connection_class(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
     try:
         connection.request("GET", f"{parts.path.rstrip('/')}/health")
-        return connection.getresponse().status == 200
-    except (OSError, http.client.HTTPException):
+        response = connection.getresponse()
+        if response.status == 200:
+            return True
+        return response.status == 503 and json.loads(response.read() or b"{}").get("status") == "paused"
+    except (OSError, http.client.HTTPException, ValueError, AttributeError):
         return False
     finally:
         connection.close()

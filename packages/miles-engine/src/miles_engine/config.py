@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 Device = Literal["auto", "cpu", "cuda"]
@@ -45,6 +45,12 @@ class EngineConfig:
         Only fp32 CPU engines with oneDNN can do it (every linear on the packed oneDNN path,
         decode attention row by row, new requests prefilled one at a time: slower); elsewhere the
         engine logs that only the seeds apply. See ``docs/design/reproducibility.md``.
+    :ivar weight_dir: folders ``/update_weights_from_disk`` may read, besides the folder the model
+        was loaded from; any other path (and any shard an index names outside its folder) is refused.
+    :ivar weight_group_timeout: seconds to join a weight broadcast group (and for each collective
+        in it): a trainer that never shows up costs a clear error, not a hang.
+    :ivar paused_request_timeout: a request that has waited this long on a paused engine is
+        aborted with a message saying so (a pause that is never continued must not hold callers forever).
     """
 
     model_path: str
@@ -63,6 +69,9 @@ class EngineConfig:
     enable_deterministic_inference: bool = False
     tokenizer_path: str | None = None
     served_model_name: str | None = None
+    weight_dir: list[str] = field(default_factory=list)
+    weight_group_timeout: float = 300.0
+    paused_request_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         errors = []
@@ -80,5 +89,9 @@ class EngineConfig:
             errors.append(f"prefill_wait_ms must be >= 0, got {self.prefill_wait_ms}")
         if self.prefill_gap_ms < 0:
             errors.append(f"prefill_gap_ms must be >= 0, got {self.prefill_gap_ms}")
+        if self.weight_group_timeout <= 0:
+            errors.append(f"weight_group_timeout must be > 0, got {self.weight_group_timeout}")
+        if self.paused_request_timeout <= 0:
+            errors.append(f"paused_request_timeout must be > 0, got {self.paused_request_timeout}")
         if errors:
             raise ValueError("invalid engine options: " + "; ".join(errors))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import time
 import uuid
 from pathlib import Path
@@ -28,6 +27,7 @@ from miles_contracts.wire.engine import (
     SamplingParams,
     encode_routed_experts,
 )
+from pydantic import ValidationError
 
 from miles_engine.config import EngineConfig
 from miles_engine.loading import LoadedModel, load_model
@@ -36,6 +36,8 @@ from miles_engine.scheduler import PauseMode, Scheduler
 from miles_engine.sequence import Sequence
 from miles_engine.weight_updates import WeightUpdates
 
+INLINE_TOKENIZE_CHARS = 4096
+"""Texts up to this long are tokenized on the event loop (a thread hop costs more than they do)."""
 _DEFAULT_CPU_KV_GB = 2.0
 _CUDA_KV_FRACTION = 0.4
 
@@ -52,7 +54,9 @@ class Engine:
         self.loaded: LoadedModel = load_model(self.config)
         self.max_kv_tokens = self._kv_budget()
         self.scheduler = Scheduler(self.loaded, self.config, self.max_kv_tokens)
-        self.weights = WeightUpdates(self.scheduler, self.loaded)
+        self.weights = WeightUpdates(self.scheduler, self.loaded,
+                                     allowed_dirs=[self.config.model_path, *self.config.weight_dir],
+                                     group_timeout=self.config.weight_group_timeout)
         self._inflight: dict[str, asyncio.Future[Sequence]] = {}
         self.started_at = time.time()
         if background:
@@ -74,7 +78,11 @@ class Engine:
         def on_finish(seq: Sequence) -> None:
             loop.call_soon_threadsafe(_resolve, done, seq)
 
-        seq = self._sequence(request, on_finish)
+        text_ids = None
+        if request.text is not None and len(request.text) > INLINE_TOKENIZE_CHARS:
+            # A long text tokenizes for seconds: not on the event loop, which also answers /health.
+            text_ids = await asyncio.to_thread(self.scheduler.codec.encode, request.text)
+        seq = self._sequence(request, on_finish, text_ids)
         self._inflight[seq.rid] = done
         try:
             self.scheduler.submit(seq)
@@ -87,7 +95,7 @@ class Engine:
             self._inflight.pop(seq.rid, None)
         return self._response(finished)
 
-    def _sequence(self, request: GenerateRequest, on_finish: Any) -> Sequence:
+    def _sequence(self, request: GenerateRequest, on_finish: Any, text_ids: list[int] | None = None) -> Sequence:
         loaded = self.loaded
         params = request.sampling_params
         if request.stream:
@@ -100,7 +108,7 @@ class Engine:
                 raise BadRequestError(f"input_ids holds {len(bad)} token id(s) outside [0, {loaded.vocab_size}), "
                                       f"first at position {bad[0][0]}: {bad[0][1]}")
         else:
-            ids = self.scheduler.codec.encode(request.text)
+            ids = text_ids if text_ids is not None else self.scheduler.codec.encode(request.text)
             if not ids:
                 raise BadRequestError("'text' tokenizes to no tokens; send a non-empty prompt")
         context = loaded.context_length
@@ -257,20 +265,14 @@ class Engine:
 
 
 def _check_sampling(params: SamplingParams) -> None:
-    """SGLang's ranges for what the wire schema itself leaves open; all problems at once."""
-    problems = []
-    if not math.isfinite(params.temperature):
-        problems.append(f"temperature must be finite, got {params.temperature}")
-    if not 0.0 < params.repetition_penalty <= 2.0:
-        problems.append(f"repetition_penalty must be in (0, 2] (1 = off), got {params.repetition_penalty}")
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = getattr(params, name)
-        if not -2.0 <= value <= 2.0:
-            problems.append(f"{name} must be in [-2, 2], got {value}")
-    if params.min_new_tokens > params.max_new_tokens:
-        problems.append(f"min_new_tokens ({params.min_new_tokens}) must not exceed max_new_tokens ({params.max_new_tokens})")
-    if problems:
-        raise BadRequestError("invalid sampling_params: " + "; ".join(problems))
+    """The wire schema's bounds, again: in-process callers may build requests without validation
+    (``model_construct`` / ``model_copy``), and a value outside them would fail inside a batched
+    step, where it would cost every request of the batch."""
+    try:
+        SamplingParams.model_validate(dict(params))
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'sampling_params'}: {e['msg']}" for e in exc.errors())
+        raise BadRequestError(f"invalid sampling_params: {problems}") from None
 
 
 def _resolve(future: asyncio.Future[Sequence], seq: Sequence) -> None:

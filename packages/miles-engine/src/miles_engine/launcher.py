@@ -25,4 +25,5 @@ class EmbeddedEngine:
             "--model", str(spec.model_path), "--host", spec.host, "--port", str(spec.port),
             "--device", spec.device, "--dtype", spec.dtype,
             *options_argv({**spec.options, "enable_deterministic_inference": spec.deterministic}),
+            *[part for folder in spec.weight_dirs for part in ("--weight-dir", str(folder))],
         ]

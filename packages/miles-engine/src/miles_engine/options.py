@@ -21,12 +21,16 @@ class Flag:
         return "--" + self.name.replace("_", "-")
 
     def add_to(self, parser: argparse.ArgumentParser) -> None:
-        if self.type is bool:
+        if self.type is list:
+            parser.add_argument(self.option, dest=self.name, action="append", default=None, metavar="DIR", help=self.help)
+        elif self.type is bool:
             parser.add_argument(self.option, dest=self.name, action="store_true", default=None, help=self.help)
         else:
             parser.add_argument(self.option, dest=self.name, type=self.type, default=None, help=self.help)
 
     def argv(self, value: Any) -> list[str]:
+        if self.type is list:
+            return [part for item in value for part in (self.option, str(item))]
         if self.type is bool:
             return [self.option] if value else []
         return [self.option, str(value)]
@@ -47,6 +51,12 @@ ENGINE_FLAGS = (
          "log-probs in any batch (fp32 CPU with oneDNN only; slower)"),
     Flag("tokenizer_path", str, "tokenizer folder if not the model's"),
     Flag("served_model_name", str, "name reported by /get_model_info"),
+    Flag("weight_dir", list, "a folder /update_weights_from_disk may read (repeat for several; the model's own "
+                             "folder is always allowed)"),
+    Flag("weight_group_timeout", float, "seconds to join a weight broadcast group, and for each of its "
+                                        "collectives (default 300)"),
+    Flag("paused_request_timeout", float, "a request waiting on a paused engine is aborted after this many "
+                                          "seconds (default 600)"),
 )
 _BY_NAME = {flag.name: flag for flag in ENGINE_FLAGS}
 
@@ -81,6 +91,14 @@ class EngineSection(BaseModel):
     plain_linear: bool = False
     disable_cuda_graph: bool = False
     seed: int = 0
+    weight_dir: list[str] = Field(
+        default_factory=list, description="folders /update_weights_from_disk may read besides the model's own and "
+        "the run's (add weight_transport.disk_dir here when you set it outside the run folder)",
+    )
+    weight_group_timeout: float = Field(default=300.0, gt=0, description="seconds to join a weight broadcast group")
+    paused_request_timeout: float = Field(
+        default=600.0, gt=0, description="a request waiting on a paused engine is aborted after this many seconds",
+    )
 
     def options(self) -> dict[str, Any]:
         """As ``EngineSpec.options``."""

@@ -77,7 +77,14 @@ def _sample(logits: torch.Tensor, rows: Sequence[RowSampling], outputs: Sequence
             ) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
 
-    logits = logits.float()  # edited in place below (penalties, bans): it is this step's own tensor
+    edits = any(row.penalised or (row.banned_until_min and len(outputs[i]) < row.min_new_tokens)
+                for i, row in enumerate(rows))
+    original = logits
+    logits = logits.float()
+    if edits and logits is original:
+        # edited in place below (penalties, bans): never the caller's tensor, which a failed batch
+        # draw hands again, row by row, to the per-request retry
+        logits = logits.clone()
     _apply_penalties(logits, rows, outputs, prompts)
     _ban_until_min_tokens(logits, rows, outputs)
     if all(row.greedy for row in rows):

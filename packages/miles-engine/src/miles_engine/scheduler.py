@@ -6,9 +6,11 @@ there is room (prefilling each and sampling its first token), then one decode st
 running request. A request joins at the next iteration after it arrives and leaves as soon as it
 finishes, so the batch changes at every step.
 
-Failures stay local: an exception while prefilling a request aborts that request; one in a
-decode step aborts the requests of that step (the only ones whose state is in doubt); the loop
-keeps serving. Every finish goes through ``on_finish``, so no caller waits forever.
+Failures stay local: a batched prefill that fails is retried request by request, so only the
+request that fails alone is aborted; a batched draw that fails is redone row by row, so only the
+row whose sampling fails is aborted; a decode forward that fails aborts the requests of that step
+(the only ones whose state is in doubt); the loop keeps serving. Every finish goes through
+``on_finish``, so no caller waits forever.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # running[i] lives in KV slot i
         self.paused = False
+        self.paused_since = 0.0  # perf_counter() when the current pause began
         self.weight_version = "0"
         self.stats = SchedulerStats()
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -169,10 +172,28 @@ class Scheduler:
                 self.waiting.appendleft(seq)
             self.running.clear()
             self.runner.cache.release()
+        if not self.paused:
+            self.paused_since = time.perf_counter()
         self.paused = True
 
     def resume(self) -> None:
         self.paused = False
+
+    def _expire_paused_waits(self) -> None:
+        """Abort requests that have waited on this pause longer than ``paused_request_timeout``."""
+        limit = self.config.paused_request_timeout
+        now = time.perf_counter()
+        late = [s for s in [*self.waiting, *self.running] if now - max(s.created, self.paused_since) > limit]
+        if not late:
+            return
+        for seq in late:
+            seq.abort(f"the engine has been paused for more than {limit:g} s (paused_request_timeout); "
+                      "nobody continued generation")
+        self.waiting = deque(s for s in self.waiting if not s.finished)
+        for seq in late:
+            if seq not in self.running:
+                self._deliver(seq)
+        self._retire_finished()
 
     def flush_cache(self) -> None:
         if not self.running:
@@ -190,6 +211,8 @@ class Scheduler:
             if self._stopping:
                 break
             if self.paused or not self.has_work():
+                if self.paused:
+                    self._expire_paused_waits()
                 self._wakeup.wait(timeout=1.0)
                 continue
             try:
@@ -289,47 +312,88 @@ class Scheduler:
                 logits = self.runner.prefill(seqs[0], first_slot)
             else:
                 logits = self.runner.prefill_batch(seqs, first_slot)
-            tokens, logprobs = sample(logits, [s.sampling for s in seqs], [s.output_ids for s in seqs],
-                                      [s.prompt_ids for s in seqs], self.generator)
-            for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist(), strict=True):
-                seq.append(int(token), float(logprob), self.stop_checker)
-            self.stats.prefill_requests += len(seqs)
-            self.stats.prefill_forwards += 1
-            self.stats.prefill_tokens += fed
+            prefilled = seqs
         except Exception as exc:
             log.exception("prefill of %d request(s) failed", len(seqs))
             self.stats.step_errors += 1
-            for seq in seqs:
-                seq.abort(f"engine error while prefilling this request: {type(exc).__name__}: {exc}")
+            prefilled, logits = self._prefill_one_by_one(seqs, first_slot, exc)
+        if prefilled:
+            self._append_sampled(prefilled, logits)
+            self.stats.prefill_requests += len(prefilled)
+            self.stats.prefill_forwards += 1
+            self.stats.prefill_tokens += fed
         self.stats.prefill_seconds += time.perf_counter() - started
         self._retire_finished()
+
+    def _prefill_one_by_one(self, seqs: list[Sequence], first_slot: int, error: Exception) -> tuple[list[Sequence], Any]:
+        """After a failed prefill of several requests: each alone, so only the one that fails is lost."""
+        import torch
+
+        if len(seqs) == 1:
+            seqs[0].abort(f"engine error while prefilling this request: {type(error).__name__}: {error}")
+            return [], None
+        done, rows = [], []
+        for offset, seq in enumerate(seqs):
+            try:
+                rows.append(self.runner.prefill(seq, first_slot + offset))
+                done.append(seq)
+            except Exception as exc:
+                log.exception("prefill of request %s failed on its own", seq.rid)
+                seq.abort(f"engine error while prefilling this request: {type(exc).__name__}: {exc}")
+        return done, (torch.cat(rows) if rows else None)
 
     def _decode(self) -> None:
         seqs = list(self.running)
         started = time.perf_counter()
         try:
             logits = self.runner.decode(seqs)
-            tokens, logprobs = sample(logits, [s.sampling for s in seqs], [s.output_ids for s in seqs],
-                                      [s.prompt_ids for s in seqs], self.generator)
-            token_list, logprob_list = tokens.tolist(), logprobs.tolist()
-        except Exception as exc:
+        except Exception as exc:  # the forward of the whole batch: every request's state is in doubt
             log.exception("decode step of %d requests failed", len(seqs))
             self.stats.step_errors += 1
             for seq in seqs:
                 seq.abort(f"engine error in a decode step: {type(exc).__name__}: {exc}")
             self._retire_finished()
             return
+        self._append_sampled(seqs, logits)
         self.stats.decode_seconds += time.perf_counter() - started
         self.stats.decode_steps += 1
         self.stats.decode_tokens += len(seqs)
         self.stats.max_decode_batch = max(self.stats.max_decode_batch, len(seqs))
-        for seq, token, logprob in zip(seqs, token_list, logprob_list, strict=True):
+        self._retire_finished()
+
+    def _append_sampled(self, seqs: list[Sequence], logits: Any) -> None:
+        """Sample the next token of every request from its row of ``logits`` ``[B, V]``; a request
+        whose sampling fails is aborted alone, the others go on."""
+        for seq, outcome in zip(seqs, self._sample_rows(seqs, logits), strict=True):
+            if isinstance(outcome, Exception):
+                seq.abort(f"engine error while sampling this request: {type(outcome).__name__}: {outcome}")
+                continue
             try:
-                seq.append(token, logprob, self.stop_checker)
+                seq.append(outcome[0], outcome[1], self.stop_checker)
             except Exception as exc:
                 log.exception("stop check of request %s failed", seq.rid)
                 seq.abort(f"engine error after sampling: {type(exc).__name__}: {exc}")
-        self._retire_finished()
+
+    def _sample_rows(self, seqs: list[Sequence], logits: Any) -> list[tuple[int, float] | Exception]:
+        """One batched draw; if it fails, one draw per row, so the failure stays with its request."""
+        try:
+            tokens, logprobs = sample(logits, [s.sampling for s in seqs], [s.output_ids for s in seqs],
+                                      [s.prompt_ids for s in seqs], self.generator)
+            return list(zip(tokens.tolist(), logprobs.tolist(), strict=True))
+        except Exception as exc:
+            log.exception("sampling a batch of %d requests failed", len(seqs))
+            self.stats.step_errors += 1
+            if len(seqs) == 1:
+                return [exc]
+        outcomes: list[tuple[int, float] | Exception] = []
+        for row, seq in enumerate(seqs):
+            try:
+                token, logprob = sample(logits[row : row + 1], [seq.sampling], [seq.output_ids], [seq.prompt_ids],
+                                        self.generator)
+                outcomes.append((int(token[0]), float(logprob[0])))
+            except Exception as exc:
+                outcomes.append(exc)
+        return outcomes
 
     def _retire_finished(self) -> None:
         """Deliver finished running requests; keep the rest dense in slots 0 .. B-1."""

@@ -6,6 +6,12 @@ starts and shuts the engine down (``miles serve engine`` does both). Every error
 negative ``max_new_tokens``, prompt beyond the context, token ids outside the vocabulary ...),
 503 when the engine cannot serve. Weight updates answer ``{"success": bool, "message": str}``
 with 200 or 400, as SGLang does.
+
+In front of everything sits :class:`~miles_contracts.wire.guard.RequestGuard`: every route but
+``/health`` needs the run's token, bodies are JSON and bounded, cross-origin requests are refused.
+Routes are listed by kind (health, data, control) in
+:data:`miles_contracts.wire.engine.ENGINE_ROUTES`; ``/health`` answers 503 while the engine is
+paused, so a router sends its work elsewhere.
 """
 
 from __future__ import annotations
@@ -19,7 +25,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from miles_contracts.wire.auth import ensure_run_token
 from miles_contracts.wire.engine import (
+    ENGINE_ROUTES,
+    HEALTH,
     AbortRequest,
     GenerateRequest,
     InitWeightsUpdateGroupRequest,
@@ -29,33 +38,35 @@ from miles_contracts.wire.engine import (
     UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
 )
-from pydantic import BaseModel, ConfigDict, ValidationError
+from miles_contracts.wire.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
+from pydantic import BaseModel, ValidationError
 
 from miles_engine.engine import BadRequestError, Engine
+from miles_engine.openapi import FillWeightsNoiseRequest, GroupNameRequest, engine_openapi
 from miles_engine.weights import WeightUpdateError
 
 log = logging.getLogger(__name__)
 HEALTH_GENERATE_TIMEOUT_S = 60.0
+INLINE_VALIDATE_BYTES = 1 << 20
+"""``/generate`` bodies up to this size are validated on the event loop; larger ones in a thread."""
 _LOOPBACK = ("127.", "::1", "localhost")
 
 
-class FillWeightsNoiseRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    seed: int = 0
-
-
-class GroupNameRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    group_name: str = "weight_update_group"
-
-
-def create_app(engine: Engine) -> GenerateFastPath:
-    """The ASGI app: ``POST /generate`` on :class:`GenerateFastPath`, every other route on FastAPI."""
-    return GenerateFastPath(_fastapi_app(engine), engine)
+def create_app(engine: Engine, *, auth_token: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> RequestGuard:
+    """The ASGI app: the request guard, then ``POST /generate`` on :class:`GenerateFastPath`, every
+    other route on FastAPI. ``auth_token`` defaults to the run's (``MILES_AUTH_TOKEN``; a new one is
+    set there when it is unset, so this process's clients and children share it)."""
+    token = auth_token or ensure_run_token()
+    public = [path for path, kind in ENGINE_ROUTES.items() if kind == HEALTH]
+    return RequestGuard(GenerateFastPath(_fastapi_app(engine), engine), token=token, public_paths=public,
+                        max_body_bytes=max_body_bytes)
 
 
 def _fastapi_app(engine: Engine) -> FastAPI:
     app = FastAPI(title="miles embedded engine", docs_url=None, redoc_url=None)
+    schema = engine_openapi()
+    app.openapi = lambda: schema  # type: ignore[method-assign]  # the routes' real bodies (see openapi.py)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -93,14 +104,12 @@ def _fastapi_app(engine: Engine) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Any:
-        if not engine.scheduler.alive:
-            return JSONResponse({"detail": "the scheduler thread is not running"}, status_code=503)
-        return {"status": "ok"}
+        return _health(engine)
 
     @app.get("/health_generate")
     async def health_generate() -> Any:
-        if engine.paused:  # generation is held on purpose (weight sync), not broken
-            return {"status": "ok", "paused": True}
+        if engine.paused or not engine.scheduler.alive:
+            return _health(engine)
         probe = GenerateRequest(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0})
         try:
             await asyncio.wait_for(engine.generate(probe), HEALTH_GENERATE_TIMEOUT_S)
@@ -123,7 +132,7 @@ def _fastapi_app(engine: Engine) -> FastAPI:
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request) -> Any:
-        if not _is_loopback(request):  # the cuda_ipc payload is a pickle: never from another host
+        if not _is_loopback(request):  # shared memory and CUDA IPC handles exist on this host only
             return JSONResponse({"success": False, "message": "update_weights_from_tensor is accepted from "
                                  "loopback clients only; use update_weights_from_distributed across hosts"},
                                 status_code=403)
@@ -195,8 +204,12 @@ class GenerateFastPath:
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
+        body = b"".join(chunks)
         try:
-            request = GenerateRequest.model_validate_json(b"".join(chunks))
+            if len(body) > INLINE_VALIDATE_BYTES:  # keep the event loop (and /health) responsive
+                request = await asyncio.to_thread(GenerateRequest.model_validate_json, body)
+            else:
+                request = GenerateRequest.model_validate_json(body)
         except ValidationError as exc:
             await _send_json(send, 400, {"detail": _describe(exc.errors())})
             return
@@ -267,6 +280,17 @@ def _describe(errors: Any) -> str:
         message = "unknown field; check the spelling against the API" if kind == "extra_forbidden" else error.get("msg", "")
         parts.append(f"{where}: {message}")
     return "invalid request: " + "; ".join(parts)
+
+
+def _health(engine: Engine) -> Any:
+    """200 only when a request sent now would be served: not while paused (a weight sync, or an
+    operator's ``/pause_generation``), so a router sends new work to other engines meanwhile."""
+    if not engine.scheduler.alive:
+        return JSONResponse({"status": "stopped", "detail": "the scheduler thread is not running"}, status_code=503)
+    if engine.paused:
+        return JSONResponse({"status": "paused", "detail": "generation is paused; POST /continue_generation "
+                             "resumes it", "weight_version": engine.weight_version}, status_code=503)
+    return {"status": "ok"}
 
 
 def _is_loopback(request: Request) -> bool:

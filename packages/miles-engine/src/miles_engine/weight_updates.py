@@ -5,13 +5,22 @@ half-copied tensor inside one forward), then sets ``weight_version``: the reques
 ``weight_version`` when given, else the previous version plus one. Responses finished after the
 update carry the new version. Bad updates raise :class:`~miles_engine.weights.WeightUpdateError`
 before any tensor is touched.
+
+What an update may name is bounded: a disk update reads only inside the allowed folders (the
+model's own and ``EngineConfig.weight_dir``); a tensor update is JSON (``flattened_shm``) or CUDA
+IPC handles read by a restricted unpickler (``cuda_ipc``, CUDA engines only); a broadcast group is
+joined as a non-zero rank (the trainer hosts the group) within ``weight_group_timeout``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import threading
 from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles_contracts.wire.distributed import FLATTENED_BUCKET_FORMAT, bucket_nbytes, unflatten_bucket
@@ -29,7 +38,7 @@ from miles_contracts.wire.tensors import (
     read_shm_bucket,
 )
 
-from miles_engine.weights import WeightStore, WeightUpdateError, parse_dtype
+from miles_engine.weights import WeightStore, WeightUpdateError, confined, parse_dtype
 
 if TYPE_CHECKING:
     from miles_engine.loading import LoadedModel
@@ -39,11 +48,14 @@ TENSOR_FORMATS = (SHM_FORMAT, CUDA_IPC_FORMAT)
 
 
 class WeightUpdates:
-    def __init__(self, scheduler: Scheduler, loaded: LoadedModel) -> None:
+    def __init__(self, scheduler: Scheduler, loaded: LoadedModel, *, allowed_dirs: list[str] | None = None,
+                 group_timeout: float = 300.0) -> None:
         self.scheduler = scheduler
         self.loaded = loaded
         self.store = WeightStore(loaded.model)
         self.groups: dict[str, Any] = {}
+        self.allowed_dirs = [Path(d).expanduser().resolve() for d in allowed_dirs or ()]
+        self.group_timeout = group_timeout
 
     async def _run(self, load: Callable[[], int] | None, *, version: str | None, abort_all: bool) -> int:
         """On the scheduler thread: abort if asked, ``load`` (``None``: only the version moves),
@@ -67,7 +79,8 @@ class WeightUpdates:
     async def from_disk(self, request: UpdateWeightsFromDiskRequest) -> int:
         if request.load_format not in (None, "auto", "safetensors"):
             raise WeightUpdateError(f"load_format {request.load_format!r} is not supported from disk; use 'safetensors'")
-        return await self._run(lambda: self.store.load_from_disk(request.model_path),
+        folder = confined(request.model_path, self.allowed_dirs)
+        return await self._run(lambda: self.store.load_from_disk(folder),
                                version=request.weight_version, abort_all=request.abort_all_requests)
 
     async def from_tensor(self, request: UpdateWeightsFromTensorRequest) -> int:
@@ -75,9 +88,14 @@ class WeightUpdates:
             raise WeightUpdateError(f"serialized_named_tensors has {len(request.serialized_named_tensors)} payloads; "
                                     "the embedded engine has one rank and takes exactly one")
         payload = request.serialized_named_tensors[0]
-        fmt = request.load_format or CUDA_IPC_FORMAT  # SGLang's default payload is the same pickle
+        on_cuda = self.loaded.device.type == "cuda"
+        # No format named: SGLang's default (CUDA IPC handles) on a CUDA engine, shared memory on CPU.
+        fmt = request.load_format or (CUDA_IPC_FORMAT if on_cuda else SHM_FORMAT)
         if fmt not in TENSOR_FORMATS:
             raise WeightUpdateError(f"load_format {fmt!r} is not supported; use one of {', '.join(TENSOR_FORMATS)}")
+        if fmt == CUDA_IPC_FORMAT and not on_cuda:
+            raise WeightUpdateError("load_format 'cuda_ipc' needs an engine on CUDA; this engine runs on CPU, "
+                                    f"send {SHM_FORMAT!r}")
         if fmt == SHM_FORMAT:
             try:
                 bucket = ShmBucket.from_json(json.loads(payload))
@@ -98,6 +116,9 @@ class WeightUpdates:
 
         if request.backend == "nccl" and self.loaded.device.type != "cuda":
             raise WeightUpdateError("backend 'nccl' needs an engine on CUDA; this engine runs on CPU, use 'gloo'")
+        if not 1 <= request.rank_offset < request.world_size:
+            raise WeightUpdateError(f"rank_offset must be in [1, world_size) = [1, {request.world_size}): the trainer is "
+                                    f"rank 0 and hosts the group; an engine never does (got {request.rank_offset})")
         if request.group_name in self.groups:
             raise WeightUpdateError(f"weight group {request.group_name!r} exists; destroy it first "
                                     "(/destroy_weights_update_group) or use another group_name")
@@ -105,11 +126,19 @@ class WeightUpdates:
             import torch
 
             torch.cuda.set_device(self.loaded.device)  # a bare "cuda" is the current device already
-        # Joining blocks until the trainer (rank 0) joins too: keep it off the event loop.
-        group = await asyncio.to_thread(
-            create_weight_group, request.backend, request.master_address, request.master_port,
-            request.rank_offset, request.world_size, request.group_name,
-        )
+        # Joining blocks until the trainer (rank 0) joins too, at most group_timeout: keep it off the
+        # event loop, on a daemon thread (one still waiting must not hold the process at exit).
+        timeout = self.group_timeout
+        try:
+            group = await _on_daemon_thread(
+                create_weight_group, request.backend, request.master_address, request.master_port,
+                request.rank_offset, request.world_size, request.group_name, timedelta(seconds=timeout),
+            )
+        except (RuntimeError, OSError, ValueError) as exc:  # torch reports store and connect timeouts as these
+            raise WeightUpdateError(
+                f"could not join weight group {request.group_name!r} at {request.master_address}:{request.master_port} "
+                f"within {timeout:g} s (weight_group_timeout): {type(exc).__name__}: {str(exc)[:300]}"
+            ) from exc
         self.groups[request.group_name] = (group, request.backend)
 
     def destroy_group(self, group_name: str) -> None:
@@ -172,6 +201,32 @@ class WeightUpdates:
     def close(self) -> None:
         for name in list(self.groups):
             self.destroy_group(name)
+
+
+async def _on_daemon_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """``await fn(*args)`` run on a new daemon thread (``asyncio.to_thread`` uses pool threads,
+    which the interpreter waits for at exit)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(value)
+        else:
+            future.set_exception(error)
+
+    def work() -> None:
+        try:
+            value, error = fn(*args), None
+        except BaseException as exc:  # handed to the awaiting task
+            value, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (the engine shut down)
+            loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=work, name="miles-engine-weight-group", daemon=True).start()
+    return await future
 
 
 def _read_bucket(bucket: ShmBucket) -> list:

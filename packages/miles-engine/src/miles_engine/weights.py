@@ -213,7 +213,7 @@ class WeightStore:
         self.check((n, tuple(t.shape)) for n, t in named)
         return self.load(named)
 
-    def load_from_disk(self, folder: str) -> int:
+    def load_from_disk(self, folder: str | Path) -> int:
         """Load every tensor of the safetensors files in ``folder``. Files in a naming this store
         takes (checkpoint or runtime names) load directly; any other Hugging Face layout goes
         through transformers' loader first."""
@@ -239,7 +239,7 @@ class WeightStore:
 
         dtype = next(iter(self.stored.values())).dtype
         try:
-            other = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map="cpu")
+            other = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map="cpu", use_safetensors=True)
         except Exception as exc:
             raise WeightUpdateError(f"cannot load {folder} as a checkpoint of this model: {exc}") from exc
         state = other.state_dict()
@@ -282,21 +282,48 @@ class WeightStore:
                 follower.copy_(self.stored[source])
 
 
+def confined(path: str | Path, allowed: list[Path]) -> Path:
+    """``path`` resolved (symlinks, ``..``), if it lies inside one of the ``allowed`` folders
+    (resolved already); a :class:`WeightUpdateError` naming them otherwise."""
+    resolved = Path(path).expanduser().resolve()
+    if not any(resolved == root or resolved.is_relative_to(root) for root in allowed):
+        roots = ", ".join(str(r) for r in allowed) or "none"
+        raise WeightUpdateError(f"model_path {str(path)!r} is outside the folders this engine may load weights from "
+                                f"({roots}); start the engine with --weight-dir <folder> (config engine.weight_dir) "
+                                "to allow another")
+    return resolved
+
+
 def _safetensors_files(folder: Path) -> list[str]:
     if not folder.is_dir():
         raise WeightUpdateError(f"model_path {str(folder)!r} is not a folder on the engine's host")
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [folder / s for s in shards]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise WeightUpdateError(f"{index} is not a safetensors index ({type(exc).__name__}: {exc})") from None
+        files = [_shard(folder, shard) for shard in shards]
     else:
-        files = sorted(folder.glob("*.safetensors"))
+        files = [_shard(folder, f.name) for f in sorted(folder.glob("*.safetensors"))]
     if not files:
         raise WeightUpdateError(f"no *.safetensors files in {folder}")
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise WeightUpdateError(f"the index in {folder} names missing shards: {_preview(missing)}")
     return [str(f) for f in files]
+
+
+def _shard(folder: Path, name: object) -> Path:
+    """A shard an index names: a file name inside ``folder`` (no path, no link out of it)."""
+    root = folder.resolve()
+    if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+        raise WeightUpdateError(f"the index in {folder} names shard {name!r}; shards must be plain file names in its folder")
+    path = (folder / name).resolve()
+    if path.parent != root:
+        raise WeightUpdateError(f"shard {name!r} of the index in {folder} resolves outside the folder ({path})")
+    return path
 
 
 def _preview(items: list[str], limit: int = 5) -> str:

@@ -7,6 +7,9 @@ Layout of a checkpoint folder::
       trainer_state.json        step, scheduler states, the caller's extra_state (written by rank 0)
       rng/rank_<r>.pt           RNG states of each rank (torch, CUDA, Python, NumPy)
 
+Loading unpickles nothing unchecked: DCP's ``.metadata`` and non-tensor values go through
+:mod:`miles_fsdp.safe_dcp`, RNG files load with ``weights_only=True``, the rest is JSON.
+
 ``trainer_state.json`` is deleted when a save starts and written (atomically) when every rank is
 done, so an interrupted save is never loaded as complete; other files in the folder (the
 caller's) are left alone. DCP reshards on load, so a checkpoint can resume on a different number
@@ -25,6 +28,7 @@ from typing import Any
 import torch
 
 from miles_fsdp.distributed import DistContext, barrier
+from miles_fsdp.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
 FORMAT_VERSION = 1
 STATE_FILE = "trainer_state.json"  # written last: its presence marks a complete checkpoint
@@ -147,7 +151,8 @@ def load_checkpoint(path: Path, modules: list[TrainedModule], dist_ctx: DistCont
         model_sd, optim_sd = get_state_dict(m.module, m.optimizer)
         state[m.name] = model_sd
         state[f"{m.name}_optim"] = optim_sd
-    dcp.load(state, checkpoint_id=str(path))
+    # through the checks of safe_dcp: a folder given to --resume may come from anywhere
+    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
     for m in modules:
         set_state_dict(m.module, m.optimizer, model_state_dict=state[m.name], optim_state_dict=state[f"{m.name}_optim"])
         m.scheduler.load_state_dict(trainer_state["schedulers"][m.name])

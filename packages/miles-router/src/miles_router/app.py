@@ -6,6 +6,10 @@ Own endpoints: ``POST /add_worker`` and ``POST /remove_worker`` (``?url=`` or ``
 (:mod:`miles_router.fanout`); every other path -- ``/generate``, ``/get_model_info``,
 ``/health_generate``, ``/v1/...`` -- goes to one worker with failover (:mod:`miles_router.proxy`).
 Errors are ``{"detail": <what was wrong and how to fix it>}`` with a 4xx status.
+
+Every route but ``/health`` needs the run's token (:class:`~miles_contracts.wire.guard.RequestGuard`
+in front of the app); :data:`ROUTER_ROUTES` lists the router's own routes by kind. Forwarded
+requests go to the engines with the router's token, never the caller's ``Authorization`` header.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from miles.sections import RouterSection
 from miles_contracts import RouterRequest, RouterResponse
-from miles_contracts.wire.engine import ROUTING_KEY_HEADER
+from miles_contracts.wire.auth import ensure_run_token
+from miles_contracts.wire.engine import CONTROL, HEALTH, ROUTING_KEY_HEADER
+from miles_contracts.wire.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
 
 from miles_router.aborts import router_abort
 from miles_router.fleet import UnknownWorker
@@ -30,19 +36,33 @@ from miles_router.workers import InvalidWorkerUrl
 
 log = logging.getLogger(__name__)
 
+ROUTER_ROUTES: dict[str, str] = {
+    "/health": HEALTH,
+    "/add_worker": CONTROL,
+    "/remove_worker": CONTROL,
+    "/list_workers": CONTROL,
+    "/metrics": CONTROL,
+}
+"""The router's own routes by kind; every other path is forwarded to engines (fan-out paths are
+engine control routes, the rest data routes: see ``miles_contracts.wire.engine.ENGINE_ROUTES``)."""
+
 _PER_ENGINE_ONLY = {
     "/init_weights_update_group": "each engine needs its own rank_offset in the weight-update group",
 }
 
 
 def create_app(section: RouterSection | None = None, workers: Sequence[str] = (),
-               middlewares: Sequence[NamedMiddleware] | None = None) -> FastAPI:
+               middlewares: Sequence[NamedMiddleware] | None = None, *, auth_token: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The router app. ``middlewares`` defaults to those ``section.middlewares`` names, built from
-    the registered factories with ``section.middleware_options``."""
+    the registered factories with ``section.middleware_options``. ``auth_token`` (default the run's,
+    ``MILES_AUTH_TOKEN``, made and set there when unset) is what callers must send and what the
+    router sends to its engines."""
     section = section or RouterSection()
     if middlewares is None:
         middlewares = build_middlewares(section.middlewares, section.middleware_options)
-    router = Router(section, workers, middlewares)
+    token = auth_token or ensure_run_token()
+    router = Router(section, workers, middlewares, auth_token=token)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -52,8 +72,10 @@ def create_app(section: RouterSection | None = None, workers: Sequence[str] = ()
         finally:
             await router.close()
 
-    app = FastAPI(title="miles router", lifespan=lifespan)
+    app = FastAPI(title="miles router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = router
+    app.add_middleware(RequestGuard, token=token, public_paths=[p for p, kind in ROUTER_ROUTES.items() if kind == HEALTH],
+                       max_body_bytes=max_body_bytes)
 
     @app.post("/add_worker")
     async def add_worker(request: Request) -> JSONResponse:

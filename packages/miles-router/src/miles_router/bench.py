@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.cli import emit_json
+from miles_contracts.wire.auth import auth_headers, ensure_run_token
 
 PATHS = ("direct_httpx", "direct_lean", "router_httpx", "router_lean")
 
@@ -63,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         "max_new_tokens": 1, "repeats": args.repeats, "cpu_count": os.cpu_count(), "python": platform.python_version(),
         "paths": {},
     }
+    ensure_run_token()  # one token for the services this bench starts and its clients
     with _services(model, args.device, args.requests) as urls:
         bodies = [_body(i, args.prompt_tokens) for i in range(args.requests)]
         for path in PATHS:
@@ -123,7 +125,8 @@ def _client(lean: bool, url: str, connections: int):
 
     # The driver's settings before the lean client (max_connections 512, keep-alive for all).
     client = httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0, connect=10.0),
-                               limits=httpx.Limits(max_connections=512, max_keepalive_connections=512))
+                               limits=httpx.Limits(max_connections=512, max_keepalive_connections=512),
+                               headers=auth_headers())
 
     async def send_httpx(body: dict[str, Any]) -> None:
         response = await client.post("/generate", json=body)

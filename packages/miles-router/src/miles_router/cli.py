@@ -12,6 +12,7 @@ import json
 
 from miles.errors import ConfigError
 from miles.sections import RouterSection
+from miles.server_process import add_server_security_arguments
 
 # flag -> RouterSection field, for flags that map one to one
 _FIELD_FLAGS = {
@@ -37,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-weight-version-check", action="store_true",
                         help="serve workers whatever their weight_version (default: hold back stale ones)")
     parser.add_argument("--config", default=None, help="a miles config whose `router` section to start from")
+    add_server_security_arguments(parser)
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -71,6 +73,8 @@ def section_from_args(args: argparse.Namespace) -> RouterSection:
 
 
 def run(args: argparse.Namespace) -> int:
+    from miles_contracts.wire.auth import server_token
+
     from miles_router.server import serve
     from miles_router.workers import InvalidWorkerUrl, normalize_worker_url
 
@@ -79,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
         workers = [normalize_worker_url(url) for url in args.worker]
     except InvalidWorkerUrl as exc:
         raise ConfigError([f"--worker: {exc}"]) from None
-    serve(workers, port=args.port, host=args.host, section=section, log_level=args.log_level)
+    token = server_token(args.auth_token, name="router")
+    serve(workers, port=args.port, host=args.host, section=section, log_level=args.log_level, auth_token=token,
+          max_body_bytes=int(args.max_body_mb * 2**20))
     return 0
 
 

@@ -95,7 +95,7 @@ class Broadcaster:
             response = await self.client.request(
                 request.method, worker.url + request.path, params=request.state.get(STATE_QUERY) or None,
                 content=None if request.body is None else json.dumps(request.body).encode(),
-                headers={"content-type": "application/json"}, timeout=self.timeout,
+                headers={"content-type": "application/json"}, timeout=self.timeout,  # + the client's token
             )
         except _SLOW_ANSWER as exc:  # the engine is there, only slow: not a health failure
             return WorkerResult(worker.url, False, error=f"no answer within the timeout ({describe_error(exc)})")
@@ -131,13 +131,15 @@ Outcome = list[tuple[Worker, WorkerResult]]
 
 
 async def _paused(broadcaster: Broadcaster, request: RouterRequest, outcome: Outcome) -> None:
-    if any(result.success for _, result in outcome):
-        broadcaster.fleet.record_pause(dict(request.body or {}))
+    reached = [worker for worker, result in outcome if result.success]
+    if reached:
+        broadcaster.fleet.record_pause(dict(request.body or {}), reached)
 
 
 async def _continued(broadcaster: Broadcaster, request: RouterRequest, outcome: Outcome) -> None:
-    if any(result.success for _, result in outcome):
-        broadcaster.fleet.record_pause(None)
+    reached = [worker for worker, result in outcome if result.success]
+    if reached:
+        broadcaster.fleet.record_pause(None, reached)
 
 
 async def _weights_updated(broadcaster: Broadcaster, request: RouterRequest, outcome: Outcome) -> None:

@@ -3,9 +3,12 @@ decision is made here (no I/O; the health monitor, proxy and fan-out report what
 
 Weight-version policy (see docs/design/router.md):
 
-* the fleet's version is the newest version a serving worker reported (numeric versions), the
-  version every serving worker agrees on (opaque versions), or what a weight update fanned out
-  through the router set;
+* the fleet's version starts as the newest version the workers it was started with report; from
+  then on it follows the newest version a strict majority of the serving workers reported
+  (numeric versions; it only moves forward), the version every serving worker agrees on (opaque
+  versions), or what a weight update fanned out through the router set. A majority, not the
+  newest: one worker (added later, say) claiming a version far ahead must not pin the fleet there
+  and lock out every engine that restarts;
 * a worker *joins* (first admission, re-admission after quarantine) only if its version is not
   behind the fleet's; otherwise it waits as ``STALE_WEIGHTS`` -- still probed and still sent
   fan-outs, so the next weight update brings it back;
@@ -21,7 +24,7 @@ import collections
 from collections.abc import Iterator
 from typing import Any
 
-from miles_router.versions import all_numeric, consensus, is_behind, is_newer, newest, went_backwards
+from miles_router.versions import all_numeric, consensus, is_behind, is_newer, majority, went_backwards
 from miles_router.workers import Worker, WorkerState, normalize_worker_url
 
 
@@ -78,6 +81,13 @@ class Fleet:
 
     def serving(self) -> list[Worker]:
         return [w for w in self._workers.values() if w.serving]
+
+    def routable(self) -> list[Worker]:
+        """Where a new request may go: serving workers that are not paused; when every serving
+        worker is paused (a weight sync pauses them all at once) all of them, since an engine holds
+        the request until generation continues (at most its ``paused_request_timeout``)."""
+        serving = self.serving()
+        return [w for w in serving if not w.paused] or serving
 
     def reachable(self) -> list[Worker]:
         """Workers that answer: those serving, and those held back for their weights."""
@@ -165,7 +175,8 @@ class Fleet:
     def seed_version(self, versions: list[str]) -> None:
         """Before the first admission: start from what the answering workers hold together, so a
         fleet found at mixed versions admits the newest and holds back the rest, whatever order
-        the probes finish in."""
+        the probes finish in. (These are the workers the router was started with: an operator's
+        list, not a claim anyone could register.)"""
         if self.version is None and versions:
             self.version = consensus(versions)
 
@@ -174,7 +185,7 @@ class Fleet:
         if not versions:
             return
         if all_numeric(versions):
-            top = newest(versions)
+            top = majority(versions)
             if is_newer(top, self.version):
                 self.version = top
         elif len(set(versions)) == 1 or self.version is None:
@@ -183,10 +194,13 @@ class Fleet:
 
     # ------------------------------------------------------------------ pause state
 
-    def record_pause(self, request: dict[str, Any] | None) -> None:
-        """``/pause_generation`` (a body) or ``/continue_generation`` (None) reached the fleet."""
+    def record_pause(self, request: dict[str, Any] | None, workers: list[Worker] | None = None) -> None:
+        """``/pause_generation`` (a body) or ``/continue_generation`` (None) reached the fleet
+        (``workers``: those that took it)."""
         self.pause_request = request
         self.pause_known = True
+        for worker in workers or ():
+            worker.paused = request is not None
 
     def describe(self) -> dict[str, Any]:
         return {

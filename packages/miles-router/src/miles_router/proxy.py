@@ -48,7 +48,9 @@ _FAILOVER_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, h
                     httpx.WriteTimeout, httpx.RemoteProtocolError, httpx.CloseError)
 _LEAN_FAILOVER_ERRORS = (ConnectFailed, ConnectionLost, ProtocolError)
 _HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
-               "trailer", "upgrade", "proxy-authorization", "proxy-authenticate", "accept-encoding"}
+               "trailer", "upgrade", "proxy-authorization", "proxy-authenticate", "accept-encoding",
+               "authorization", "origin"}
+"""Not forwarded: hop-by-hop headers, and the caller's credentials (the router sends its own token)."""
 
 
 class _Retry(Exception):
@@ -57,8 +59,10 @@ class _Retry(Exception):
 
 class Forwarder:
     def __init__(self, fleet: Fleet, policy: LeastInFlight, client: httpx.AsyncClient, *,
-                 max_attempts: int, request_timeout: float, connect_timeout: float, lean: bool = True) -> None:
+                 max_attempts: int, request_timeout: float, connect_timeout: float, lean: bool = True,
+                 auth_token: str | None = None) -> None:
         self.fleet = fleet
+        self.auth_token = auth_token
         self.policy = policy
         self.client = client
         self.max_attempts = max_attempts
@@ -78,7 +82,7 @@ class Forwarder:
         if client is None:
             # Keep-alive shorter than uvicorn's 5 s so an engine never closes a connection we reuse.
             client = HttpClient(url, timeout=self.request_timeout, connect_timeout=self.connect_timeout,
-                                max_connections=4096, keepalive_expiry=2.0)
+                                max_connections=4096, keepalive_expiry=2.0, auth_token=self.auth_token)
             self._lean[url] = client
         return client
 
@@ -87,7 +91,7 @@ class Forwarder:
         failures: list[str] = []
         request.state[STATE_TRIED] = tried
         while len(tried) < self.max_attempts:
-            worker = self.policy.choose(self.fleet.serving(), request.routing_key, exclude=tried)
+            worker = self.policy.choose(self.fleet.routable(), request.routing_key, exclude=tried)
             if worker is None:
                 break
             tried.append(worker.url)
@@ -139,6 +143,7 @@ class Forwarder:
         self.fleet.record_success(worker)
         body = _decode(content, content_type)
         if request.path == GENERATE_PATH and status == 200:
+            worker.paused = False  # it generated: whatever held it has been continued
             self._observe_version(worker, body)
         return RouterResponse(status_code=status, body=body, worker_url=worker.url,
                               headers={"content-type": content_type, WORKER_HEADER: worker.url})

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 from miles.sections import RouterSection
 from miles_contracts import RouterRequest, RouterResponse
+from miles_contracts.wire.auth import auth_headers
 
 from miles_router.fanout import FANOUT_PATHS, Broadcaster
 from miles_router.fleet import Fleet
@@ -34,8 +35,9 @@ class Router:
     """
 
     def __init__(self, section: RouterSection, workers: Sequence[str] = (),
-                 middlewares: Sequence[NamedMiddleware] = ()) -> None:
+                 middlewares: Sequence[NamedMiddleware] = (), *, auth_token: str | None = None) -> None:
         self.section = section
+        self.auth_token = auth_token  # sent to the engines (None: the run's, MILES_AUTH_TOKEN)
         self.fleet = Fleet(failure_threshold=section.failure_threshold,
                            check_weight_version=section.check_weight_version)
         for url in workers:
@@ -51,13 +53,15 @@ class Router:
     async def start(self) -> None:
         # Keep-alive shorter than uvicorn's 5 s so an engine never closes a connection we reuse.
         self._client = httpx.AsyncClient(limits=httpx.Limits(max_connections=4096, max_keepalive_connections=1024,
-                                                             keepalive_expiry=2.0))
+                                                             keepalive_expiry=2.0),
+                                         headers=auth_headers(self.auth_token))
         timeouts = {"connect_timeout": min(CONNECT_TIMEOUT, self.section.request_timeout)}
         self.monitor = HealthMonitor(self.fleet, self._client, interval=self.section.health_interval,
                                      timeout=self.section.health_timeout)
         self.forwarder = Forwarder(self.fleet, self.policy, self._client, max_attempts=self.section.max_attempts,
                                    request_timeout=self.section.request_timeout,
-                                   lean=self.section.forward_client == "lean", **timeouts)
+                                   lean=self.section.forward_client == "lean", auth_token=self.auth_token,
+                                   **timeouts)
         self.broadcaster = Broadcaster(self.fleet, self._client, request_timeout=self.section.request_timeout,
                                        probe_timeout=self.section.health_timeout, **timeouts)
         await self.monitor.check_all()

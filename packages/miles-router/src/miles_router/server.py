@@ -44,15 +44,21 @@ def router_command(workers: Sequence[str], *, port: int, host: str = "127.0.0.1"
     return argv
 
 
+SHUTDOWN_GRACE_S = 5.0
+"""On SIGTERM, requests still in flight get this long before the router exits anyway."""
+
+
 def serve(workers: Sequence[str], *, port: int, host: str = "127.0.0.1", section: RouterSection | None = None,
-          log_level: str = "info") -> None:
+          log_level: str = "info", auth_token: str | None = None, max_body_bytes: int | None = None) -> None:
     """Serve the router until interrupted (what ``miles serve router`` runs)."""
     import uvicorn
+    from miles_contracts.wire.guard import DEFAULT_MAX_BODY_BYTES
 
     from miles_router.app import create_app
 
-    app = create_app(section, workers)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5)
+    app = create_app(section, workers, auth_token=auth_token, max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5,
+                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
 
 
 class RouterServer:
@@ -66,15 +72,15 @@ class RouterServer:
 
     def __init__(self, workers: Sequence[str] = (), *, port: int = 0, host: str = "127.0.0.1",
                  section: RouterSection | None = None, middlewares: Sequence[NamedMiddleware] | None = None,
-                 log_level: str = "warning") -> None:
+                 log_level: str = "warning", auth_token: str | None = None) -> None:
         import uvicorn
 
         from miles_router.app import create_app
 
-        self.app = create_app(section, workers, middlewares)
+        self.app = create_app(section, workers, middlewares, auth_token=auth_token)
         self.router = self.app.state.router
         self._server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
-                                                     timeout_keep_alive=5))
+                                                     timeout_keep_alive=5, timeout_graceful_shutdown=5))
         self._thread = threading.Thread(target=self._run, name="miles-router", daemon=True)
         self.host = host
         self.port = port

@@ -64,3 +64,10 @@ def consensus(versions: list[str]) -> str:
     if all_numeric(versions):
         return newest(versions)
     return collections.Counter(versions).most_common(1)[0][0]
+
+
+def majority(versions: list[str]) -> str:
+    """The newest numeric version that a strict majority of ``versions`` has reached: one worker
+    claiming a version far ahead of the others does not move it."""
+    ordered = sorted(versions, key=lambda v: _as_int(v) or 0, reverse=True)
+    return ordered[len(ordered) // 2]

@@ -37,6 +37,8 @@ class Worker:
     :ivar dispatched: requests ever dispatched to it (tie-break: spread an idle fleet evenly).
     :ivar consecutive_failures: failed probes or connections since its last success.
     :ivar reason: why it is not healthy, for people reading ``/list_workers``.
+    :ivar paused: its last probe said generation is paused (a weight sync, or an operator): it
+        stays healthy (no failure counted), but new requests go to unpaused workers while any serve.
     """
 
     url: str
@@ -48,6 +50,7 @@ class Worker:
     weight_version: str | None = None
     last_error: str | None = None
     reason: str | None = "not probed yet"
+    paused: bool = False
     state_since: float = field(default_factory=time.time)
 
     @property
@@ -66,6 +69,7 @@ class Worker:
             "url": self.url,
             "state": self.state.value,
             "healthy": self.serving,
+            "paused": self.paused,
             "in_flight": self.in_flight,
             "dispatched": self.dispatched,
             "failed_requests": self.failed_requests,

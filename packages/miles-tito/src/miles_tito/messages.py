@@ -47,11 +47,16 @@ class ChatMessage:
     def from_openai(cls, data: Any, index: int) -> ChatMessage:
         if not isinstance(data, Mapping):
             raise MessageError(index, f"expected an object with 'role' and 'content', got {type(data).__name__}")
-        role = _ROLE_ALIASES.get(data.get("role"), data.get("role"))
+        if not isinstance(data.get("role"), str):
+            raise MessageError(index, f"'role' must be a string, got {type(data.get('role')).__name__}")
+        role = _ROLE_ALIASES.get(data["role"], data["role"])
         if role not in ROLES:
             raise MessageError(index, f"unknown role {data.get('role')!r}; use one of {sorted(ROLES | set(_ROLE_ALIASES))}")
         content = _content_text(data.get("content"), index)
-        tool_calls = tuple(_tool_call(c, index, k) for k, c in enumerate(data.get("tool_calls") or ()))
+        raw_calls = data.get("tool_calls") or ()
+        if not isinstance(raw_calls, list | tuple):
+            raise MessageError(index, f"tool_calls must be a list, got {type(raw_calls).__name__}")
+        tool_calls = tuple(_tool_call(c, index, k) for k, c in enumerate(raw_calls))
         if tool_calls and role != "assistant":
             raise MessageError(index, f"only assistant messages carry tool_calls, this one has role {role!r}")
         reasoning = data.get("reasoning_content")

@@ -22,7 +22,7 @@ from miles_contracts.wire.session import FinishReason, TurnCapture, TurnRecord
 from pydantic import ValidationError
 
 from miles_tito.conversation import Conversation
-from miles_tito.errors import ContextLengthExceeded, EngineAborted, EngineFailed
+from miles_tito.errors import ContextLengthExceeded, EngineAborted, EngineFailed, InvalidRequest
 from miles_tito.messages import ChatMessage
 
 
@@ -71,9 +71,11 @@ async def run_turn(
             param="messages",
         )
     stop_ids = sorted(set(request.sampling.stop_token_ids or ()) | set(tito.stop_token_ids))
-    sampling = request.sampling.model_copy(
-        update={"max_new_tokens": min(request.sampling.max_new_tokens, budget), "stop_token_ids": stop_ids}
-    )
+    max_new = min(request.sampling.max_new_tokens, budget)
+    sampling = request.sampling.model_copy(update={
+        "max_new_tokens": max_new, "stop_token_ids": stop_ids,
+        "min_new_tokens": min(request.sampling.min_new_tokens, max_new),  # the context cuts both
+    })
     # Built without validation: the ids are the tokenizer's own ints and ``sampling`` is validated
     # already; re-checking every id cost ~85 us per 8k-token prompt on each turn.
     generate = GenerateRequest.model_construct(input_ids=prepared.input_ids, sampling_params=sampling, return_logprob=True)
@@ -120,6 +122,9 @@ async def _generate(engine: EngineClient, request: GenerateRequest, routing_key:
     try:
         return await engine.generate(request, routing_key=routing_key)
     except EngineRequestError as exc:
+        if 400 <= exc.status_code < 500 and exc.status_code not in (401, 403, 404):
+            # the engine judged the request itself (e.g. a prompt beyond its context): the caller's to fix
+            raise InvalidRequest(f"the engine refused the request: {exc}") from exc
         raise EngineFailed(f"the engine refused the request: {exc}") from exc
     except EngineUnavailableError as exc:
         raise EngineFailed(f"the engine could not be reached: {exc}") from exc

@@ -140,7 +140,7 @@ def _bench_device(device: str, transports: list[tuple[str, str, dict[str, Any]]]
     out: dict[str, Any] = {"device": device, "dtype": dtype_name, "num_tensors": len(tensors), "num_bytes": num_bytes,
                            "baselines_gbps": baselines, "transports": {}}
     work_dir.mkdir(parents=True, exist_ok=True)
-    with running_engines(model_dir, launches, work_dir) as engines:
+    with running_engines(model_dir, launches, work_dir) as engines:  # the disk transport writes in work_dir
         urls = engines.urls
         for label, name, overrides in transports:
             if device == "cuda" and name == "broadcast":

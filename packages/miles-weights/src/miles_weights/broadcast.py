@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 
 import httpx
 from miles_contracts.weights import WeightBucket
+from miles_contracts.wire.auth import auth_headers
 from miles_contracts.wire.distributed import FLATTENED_BUCKET_FORMAT
 
 from miles_weights.errors import WeightSyncError
@@ -272,7 +273,8 @@ class BroadcastTransport(BucketedTransport):
 
         for url in group.urls:
             with suppress(httpx.HTTPError):
-                httpx.post(f"{url}/destroy_weights_update_group", json={"group_name": group.name}, timeout=5.0)
+                httpx.post(f"{url}/destroy_weights_update_group", json={"group_name": group.name}, timeout=5.0,
+                           headers=auth_headers())
         destroy_weight_group(group.handle)
 
     def _alongside_engines(self, work: Callable[[], Any], futures: Mapping[str, Future[dict[str, Any]]], step: str) -> Any:

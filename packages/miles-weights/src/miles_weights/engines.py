@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+from miles_contracts.wire.auth import auth_headers
 
 from miles_weights.errors import WeightSyncError
 
@@ -56,9 +57,11 @@ def _detail(response: httpx.Response) -> str:
 class EngineCalls:
     """Concurrent JSON calls to engine base URLs, turning every failure into a clear error."""
 
-    def __init__(self, *, timeout: float, connect_timeout: float = 10.0) -> None:
+    def __init__(self, *, timeout: float, connect_timeout: float = 10.0, auth_token: str | None = None) -> None:
         self.timeout = timeout
-        self._client = httpx.Client(timeout=httpx.Timeout(timeout, connect=connect_timeout))
+        # every call carries the run's token (engines refuse control routes without it)
+        self._client = httpx.Client(timeout=httpx.Timeout(timeout, connect=connect_timeout),
+                                    headers=auth_headers(auth_token))
         self._pool_size = 16
         self._pool = ThreadPoolExecutor(max_workers=self._pool_size, thread_name_prefix="miles-weights-http")
 

@@ -4,7 +4,7 @@ orphans), on free loopback ports."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,8 +36,13 @@ class RunningEngines:
 
 @contextmanager
 def running_engines(model_path: str | Path, launches: list[EngineLaunch], work_dir: Path, *,
-                    engine: str = "embedded", startup_timeout: float = 600.0) -> Iterator[RunningEngines]:
-    """Start one engine per launch, in order; stop them all on exit."""
+                    engine: str = "embedded", startup_timeout: float = 600.0,
+                    weight_dirs: Sequence[str | Path] = ()) -> Iterator[RunningEngines]:
+    """Start one engine per launch, in order; stop them all on exit. Disk updates may read
+    ``work_dir`` and ``weight_dirs``; the engines share this process's run token."""
+    from miles_contracts.wire.auth import ensure_run_token
+
+    ensure_run_token()
     from miles.executor.local import LocalExecutor, free_port
     from miles.kernel import Kernel
     from miles_contracts import EngineSpec
@@ -48,7 +53,8 @@ def running_engines(model_path: str | Path, launches: list[EngineLaunch], work_d
     try:
         for index, launch in enumerate(launches):
             spec = EngineSpec(str(model_path), free_port(), device=launch.device, dtype=launch.dtype,
-                              options=dict(launch.options))
+                              options=dict(launch.options),
+                              weight_dirs=[str(Path(d).resolve()) for d in (work_dir, *weight_dirs)])
             executor.start(f"engine-{index}", server.command(spec), health_url=f"{spec.url}/health", env=launch.env)
             urls.append(spec.url)
         yield RunningEngines(urls, executor)

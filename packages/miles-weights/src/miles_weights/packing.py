@@ -3,13 +3,16 @@
 ``/dev/shm`` files are kept and reused from sync to sync (:class:`ShmArena`): a fresh file costs a
 page fault and a zeroed page for every 4 KiB written, which would make packing about twice as slow
 as the copy itself. The price is two buckets of ``/dev/shm`` held while the transport lives.
+
+The files are readable by this user only (mode 0600) and named after the process that made them;
+an arena removes, when it is created, the files of processes that are gone (a driver killed with
+SIGKILL leaves its buckets behind), and ``miles weights cleanup`` does the same on demand.
 """
 
 from __future__ import annotations
 
-import os
+import logging
 import threading
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +24,8 @@ from miles_contracts.wire.tensors import (
     SHM_FORMAT,
     ShmBucket,
     TensorMeta,
+    create_shm_file,
+    remove_stale_shm_files,
     shm_dir,
     tensor_layout,
 )
@@ -30,6 +35,7 @@ from miles_weights.errors import WeightSyncError
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger(__name__)
 _ALIGN = 256  # byte offset of every tensor: any dtype can be viewed there, and copies stay aligned
 _GROW = 1 << 20  # /dev/shm files grow in whole MiB
 
@@ -70,6 +76,8 @@ class ShmArena:
     """Reusable ``/dev/shm`` files, one per bucket in flight. Thread-safe; :meth:`close` removes them."""
 
     def __init__(self) -> None:
+        for orphan in remove_stale_shm_files():
+            log.info("removed %s, left by a process that is gone", orphan)
         self._lock = threading.Lock()
         self._free: list[_ShmFile] = []
         self._files: list[_ShmFile] = []
@@ -119,13 +127,13 @@ class ShmArena:
         import torch
 
         capacity = max(_GROW, (size + _GROW - 1) // _GROW * _GROW)
-        path = shm_dir() / f"miles-weights-{os.getpid()}-{uuid.uuid4().hex}"
+        path = None
         try:
-            with open(path, "wb") as handle:
-                os.ftruncate(handle.fileno(), capacity)
+            path = create_shm_file(capacity)
             data = torch.from_file(str(path), shared=True, size=capacity, dtype=torch.uint8)
         except (OSError, RuntimeError) as exc:
-            path.unlink(missing_ok=True)
+            if path is not None:
+                path.unlink(missing_ok=True)
             raise WeightSyncError(
                 f"could not create a {capacity / 1e6:.0f} MB shared-memory file under {shm_dir()}: {exc}; "
                 f"lower weights.bucket_mb or give /dev/shm more space"

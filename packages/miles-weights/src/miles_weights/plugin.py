@@ -1,5 +1,5 @@
 """Plugin ``weights``: the ``disk``, ``shared_memory`` and ``broadcast`` weight transports, the
-``weight_transport`` config section and the ``miles bench weights`` command.
+``weight_transport`` config section, and the ``miles bench weights`` and ``miles weights cleanup`` commands.
 
 Transports are imported inside their factories, so loading this plugin costs nothing.
 """
@@ -49,6 +49,16 @@ def miles_register_config_sections(register: Register) -> None:
     register("weight_transport", WeightTransportSection)
 
 
+def _cleanup(args: object) -> int:
+    from miles_contracts.wire.tensors import remove_stale_shm_files, shm_dir
+
+    removed = remove_stale_shm_files()
+    for path in removed:
+        print(f"removed {path}")
+    print(f"{len(removed)} shared-memory weight file(s) of processes that are gone removed from {shm_dir()}")
+    return 0
+
+
 @hookimpl
 def miles_register_commands(register: Register) -> None:
     from miles_weights.bench import add_arguments, run
@@ -56,4 +66,8 @@ def miles_register_commands(register: Register) -> None:
     register("bench weights", Command(
         help="GB/s of a full weight sync trainer -> engine per transport, against a memory copy",
         run=run, add_arguments=add_arguments,
+    ))
+    register("weights cleanup", Command(
+        help="remove /dev/shm weight buckets left by runs that were killed (their process is gone)",
+        run=_cleanup,
     ))

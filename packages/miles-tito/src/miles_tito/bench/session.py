@@ -86,7 +86,9 @@ def _free_port() -> int:
 def _start(stack: ExitStack, argv: list[str], timeout: float) -> tuple[str, int]:
     """Start ``argv --port P`` and wait for its /health: ``(url, pid)``; stopped when ``stack`` closes."""
     import httpx
+    from miles_contracts.wire.auth import ensure_run_token
 
+    ensure_run_token()  # the servers inherit it; the bench's clients send it
     port = _free_port()
     process = subprocess.Popen([*argv, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     stack.callback(_stop, process)

@@ -5,13 +5,14 @@ Per sample: open a session on the session server, call the registered agent
 always, whatever the agent did -- delete the session, which returns its records, and assemble them
 into the trajectory sample.
 
-* ``base_url`` is the session's OpenAI base URL (``.../sessions/<id>/v1``): ``AsyncOpenAI(base_url=
-  base_url, api_key="-")`` works as it is.
+* ``base_url`` is the session's OpenAI base URL (``.../sessions/<id>/v1``); ``metadata["api_key"]`` is
+  the session's key, which reaches that session only: ``AsyncOpenAI(base_url=base_url,
+  api_key=metadata["api_key"])`` is all an agent needs (the session server refuses requests without it).
 * ``prompt`` is the sample's prompt as OpenAI messages; the agent re-sends the whole history each turn.
 * ``request_kwargs`` are the run's sampling settings in OpenAI names (``max_tokens``, ``temperature``,
   ``top_p``, ``stop``, ``seed``; ``extra_body`` for ``top_k``); the session also uses them as defaults,
   so an agent that ignores them still samples as the run says.
-* ``metadata`` is the sample's metadata plus ``session_id``, ``index``, ``group_index``,
+* ``metadata`` is the sample's metadata plus ``session_id``, ``api_key``, ``index``, ``group_index``,
   ``max_context_len`` and ``max_turns`` (``rollout.max_turns``). The agent's return value is kept in ``sample.metadata["agent_result"]``.
 
 The run's engine captures (``ctx.captures``) are given to the session when it is created; every
@@ -30,6 +31,7 @@ from typing import Any
 
 import httpx
 from miles_contracts import EngineCapture, ExitReason, GenerateContext, Sample, Status
+from miles_contracts.wire.auth import auth_headers
 from miles_contracts.wire.engine import SamplingParams
 from miles_contracts.wire.session import SessionView
 
@@ -50,7 +52,8 @@ class AgenticGenerator:
         settings = settings_from(ctx, need_agent=True)
         server_url = settings.tito.session_server_url or ctx.session_server_url or self._embedded_server(ctx, settings)
         sampling = request_kwargs(ctx.sampling_params)
-        async with httpx.AsyncClient(base_url=server_url, timeout=settings.tito.collect_timeout) as http:
+        async with httpx.AsyncClient(base_url=server_url, timeout=settings.tito.collect_timeout,
+                                     headers=auth_headers()) as http:
             try:
                 created = await http.post("/sessions", json={
                     "metadata": sample.metadata, "sampling": session_sampling(ctx.sampling_params),
@@ -61,7 +64,8 @@ class AgenticGenerator:
                 return sample.finish(Status.ABORTED, ExitReason.ENGINE_ERROR, f"cannot open a session on {server_url}: {exc}")
             session = created.json()
             metadata = {
-                **sample.metadata, "session_id": session["session_id"], "index": sample.index,
+                **sample.metadata, "session_id": session["session_id"], "api_key": session.get("api_key"),
+                "index": sample.index,
                 "group_index": sample.group_index, "max_context_len": ctx.max_context_len, "max_turns": settings.max_turns,
             }
             outcome: tuple[Status, ExitReason, str] | None = None

@@ -6,6 +6,14 @@
 ``GET    /sessions/{id}``                        :class:`SessionView`: records with exact token ids
 ``DELETE /sessions/{id}``                        waits for the request in flight, returns the final view
 ``GET    /health``
+``GET    /openapi.json``                         this API as OpenAPI 3.1
+
+Every route but ``/health`` needs the run's token (``Authorization: Bearer $MILES_AUTH_TOKEN``;
+:class:`~miles_contracts.wire.guard.RequestGuard` in front of the app, which also bounds bodies,
+requires JSON and refuses cross-origin requests). A session's own OpenAI routes
+(``/sessions/{id}/v1/...``) also take that session's ``api_key``, returned by ``POST /sessions``:
+an agent holds a key that reaches its own session and nothing else, and passes it the ordinary way,
+``AsyncOpenAI(base_url=base_url, api_key=api_key)``.
 
 Errors are OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``) with the status
 codes of :mod:`miles_tito.errors`. Deterministic errors carry ``x-should-retry: false`` so OpenAI
@@ -27,7 +35,11 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles_contracts.wire.auth import ensure_run_token
+from miles_contracts.wire.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
+
 from miles_tito.errors import EngineAborted, InvalidRequest, TitoError
+from miles_tito.server.openapi import session_openapi
 from miles_tito.server.responses import completion, error_body, stream_events
 from miles_tito.server.service import SessionService
 
@@ -109,6 +121,7 @@ class SessionApp:
         # Routes by path shape: the path's segments, with the session id's segment as "*".
         self._routes: dict[tuple[str, ...], dict[str, Handler]] = {
             ("health",): {"GET": self.health},
+            ("openapi.json",): {"GET": self.openapi},
             ("sessions",): {"POST": self.create_session},
             ("sessions", "*"): {"GET": self.get_session, "DELETE": self.delete_session},
             ("sessions", "*", "v1", "models"): {"GET": self.models},
@@ -132,9 +145,13 @@ class SessionApp:
             "model": service.model_name, "stop_token_ids": service.tito.stop_token_ids,
         })
 
+    async def openapi(self, call: Call) -> Reply:
+        return json_reply(session_openapi())
+
     async def create_session(self, call: Call) -> Reply:
         session = self.service.create(await call.json(optional=True))
-        return json_reply({"session_id": session.id, "base_url": f"{call.base_url()}/sessions/{session.id}/v1"})
+        return json_reply({"session_id": session.id, "base_url": f"{call.base_url()}/sessions/{session.id}/v1",
+                           "api_key": session.api_key})
 
     async def get_session(self, call: Call) -> Reply:
         service = self.service
@@ -202,8 +219,19 @@ class SessionApp:
         return self._routes.get(tuple(parts)), session_id
 
 
-def create_app(service: SessionService) -> SessionApp:
-    return SessionApp(service)
+def create_app(service: SessionService, *, auth_token: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> RequestGuard:
+    """The session server behind the request guard. ``auth_token`` defaults to the run's
+    (``MILES_AUTH_TOKEN``, made and set there when unset)."""
+    return RequestGuard(SessionApp(service), token=auth_token or ensure_run_token(), public_paths=["/health"],
+                        max_body_bytes=max_body_bytes, also_accept=service.accepts_session_key,
+                        error_body=_guard_error)
+
+
+def _guard_error(status: int, message: str) -> bytes:
+    code = {401: "invalid_api_key", 403: "cross_origin", 413: "request_too_large", 415: "unsupported_media_type"}
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code.get(status)}}
+    return json.dumps(body).encode()
 
 
 def _model_reply(model: Any) -> Reply:

@@ -38,7 +38,8 @@ class BackgroundServer:
 
         def serve() -> None:
             try:
-                config = uvicorn.Config(self._make_app(), log_level="warning", access_log=False, lifespan="off")
+                config = uvicorn.Config(self._make_app(), log_level="warning", access_log=False, lifespan="off",
+                                        timeout_graceful_shutdown=5)
                 self._server = uvicorn.Server(config)
                 ready.set()
                 self._server.run(sockets=[sock])

@@ -6,6 +6,11 @@ import argparse
 import gc
 from typing import Any
 
+from miles.server_process import add_server_security_arguments
+
+SHUTDOWN_GRACE_S = 5.0
+"""On SIGTERM, requests still in flight get this long before the server exits anyway."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router", required=True, help="URL of the router (or of a single engine)")
@@ -20,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-rollback-turns", type=int, default=1, help="generated turns one request may retry")
     parser.add_argument("--session-idle-timeout", type=float, default=3600.0,
                         help="seconds without a request after which a session expires (0: never)")
+    add_server_security_arguments(parser)
     parser.add_argument("--log-level", default="warning")
 
 
@@ -43,12 +49,15 @@ def session_arguments(config: Any) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
+    from miles_contracts.wire.auth import server_token
 
     from miles_tito.server.factory import app_factory, load_tito
 
+    token = server_token(args.auth_token, name="session server")
     tito = load_tito(args.model, args.family, args.render_check)
     make = app_factory(
-        args.router, tito, model_name=str(args.model), max_context_len=args.max_context_len,
+        args.router, tito, model_name=str(args.model), auth_token=token, max_body_bytes=int(args.max_body_mb * 2**20),
+        max_context_len=args.max_context_len,
         default_max_tokens=args.max_tokens, max_rollback_turns=args.max_rollback_turns,
         idle_timeout=args.session_idle_timeout or None,
     )
@@ -58,5 +67,6 @@ def run(args: argparse.Namespace) -> int:
     # every request in flight would wait out.
     gc.freeze()
     print(f"session server: {args.model} (chat family {tito.family.name}) on http://{args.host}:{args.port}, engines at {args.router}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     return 0

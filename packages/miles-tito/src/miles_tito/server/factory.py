@@ -23,21 +23,28 @@ def load_tito(model: str | Path, family: str | None = None, render_check: Render
     return TitoTokenizer(tokenizer, resolve_family(family, path), render_check=render_check)
 
 
-def app_factory(engine_url: str, tito: TitoTokenizer, *, model_name: str, **options: Any) -> Callable[[], Any]:
+def app_factory(engine_url: str, tito: TitoTokenizer, *, model_name: str, auth_token: str | None = None,
+                max_body_bytes: int | None = None, **options: Any) -> Callable[[], Any]:
     """A function that builds the app (call it in the thread or process that serves it).
 
+    :param auth_token: what callers must send and what the server sends upstream (default: the run's).
     :param options: keyword arguments of :class:`~miles_tito.server.service.SessionService`.
     """
 
     def make() -> Any:
         from miles.engine_client import HttpEngineClient
 
+        # One pool for all sessions (its cost does not grow with its connections); room for a
+        # request in flight per session at the concurrencies agentic rollouts run.
+        from miles_contracts.wire.auth import ensure_run_token
+        from miles_contracts.wire.guard import DEFAULT_MAX_BODY_BYTES
+
         from miles_tito.server.app import create_app
         from miles_tito.server.service import SessionService
 
-        # One pool for all sessions (its cost does not grow with its connections); room for a
-        # request in flight per session at the concurrencies agentic rollouts run.
-        engine = HttpEngineClient(engine_url, retries=1, max_connections=UPSTREAM_CONNECTIONS)
-        return create_app(SessionService(engine, tito, model_name=model_name, **options))
+        token = auth_token or ensure_run_token()
+        engine = HttpEngineClient(engine_url, retries=1, max_connections=UPSTREAM_CONNECTIONS, auth_token=token)
+        return create_app(SessionService(engine, tito, model_name=model_name, **options), auth_token=token,
+                          max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES)
 
     return make

@@ -17,9 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from miles_tito.errors import InvalidRequest
 
 IGNORED_FIELDS = frozenset({
-    "user", "store", "metadata", "service_tier", "parallel_tool_calls", "stream_options", "logit_bias",
+    "user", "store", "metadata", "service_tier", "parallel_tool_calls", "stream_options",
     "prediction", "modalities", "reasoning_effort", "web_search_options", "model",
 })
+MAX_MESSAGES = 4096
+MAX_TOOLS = 128  # OpenAI's own limit
+"""Bounds of one request: the history is re-rendered each turn, tools are rendered into every prompt."""
 
 
 class ToolSpec(BaseModel):
@@ -32,8 +35,8 @@ class ToolSpec(BaseModel):
 class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    messages: list[Any]
-    tools: list[ToolSpec] | None = None
+    messages: list[Any] = Field(max_length=MAX_MESSAGES)
+    tools: list[ToolSpec] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
     stream: bool = False
     n: int = 1
@@ -52,6 +55,7 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None  # refused unless empty: the engine has no logit bias
     include_usage: bool = False  # from stream_options
 
     @property
@@ -95,6 +99,9 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
         raise InvalidRequest(_first_error(exc), param=_first_loc(exc)) from None
     if request.n != 1:
         raise InvalidRequest(f"n={request.n} is not supported: a session is one conversation; open one session per sample", param="n")
+    if request.logit_bias:
+        raise InvalidRequest("logit_bias is not supported (the engine samples without per-token biases); "
+                             "leave it out", param="logit_bias")
     if request.top_logprobs:
         raise InvalidRequest("top_logprobs is not supported; logprobs=true returns each sampled token's log-prob", param="top_logprobs")
     if request.response_format and request.response_format.get("type") not in (None, "text"):

@@ -19,7 +19,9 @@ abandoned session's tokens forever.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import secrets
 import time
 import uuid
 from collections import OrderedDict
@@ -62,6 +64,7 @@ class Session:
     captures: list[CaptureSpec] = field(default_factory=list)  # engine captures every turn carries
     closing: bool = False
     last_used: float = field(default_factory=time.monotonic)
+    api_key: str = field(default_factory=lambda: secrets.token_urlsafe(24))  # reaches this session only
 
 
 @dataclass(slots=True)
@@ -126,6 +129,15 @@ class SessionService:
         self.expire_idle()
         self.sessions[session.id] = session
         return session
+
+    def accepts_session_key(self, path: str, presented: str) -> bool:
+        """Whether ``presented`` is the ``api_key`` of the session whose OpenAI routes ``path`` is
+        under (``/sessions/<id>/v1/...``); constant-time. Records and deletion need the run's token."""
+        parts = path.split("/")
+        if len(parts) < 5 or parts[1] != "sessions" or parts[3] != "v1":
+            return False
+        session = self.sessions.get(parts[2])
+        return session is not None and hmac.compare_digest(session.api_key.encode(), presented.encode())
 
     def get(self, session_id: str) -> Session:
         self.expire_idle()

@@ -1,0 +1,165 @@
+"""``RequestGuard``: the checks every Miles HTTP server runs before a request reaches its routes.
+
+An ASGI middleware (no framework needed), wrapped around the engine, router and session server:
+
+1. **Same origin.** A request with an ``Origin`` header naming another site (a browser page that
+   a user has open) is refused with 403: browsers attach ``Origin`` to cross-site requests, other
+   clients do not send it.
+2. **Token.** Every path outside ``public_paths`` needs ``Authorization: Bearer <token>``
+   (:mod:`miles_contracts.wire.auth`); 401 otherwise. ``also_accept`` lets a server take a
+   narrower credential on some paths (the session server's per-session keys).
+3. **Bounded body.** A body over ``max_body_bytes`` is refused with 413 naming the limit, before
+   it is read (``Content-Length``) or as soon as it is exceeded (chunked).
+4. **JSON only.** A non-empty body must be ``application/json`` (or ``*/*+json``); 415 otherwise.
+   With 1 and 2 this closes every way a web page could make a browser send a request the servers
+   would act on (form posts and ``text/plain`` need no CORS pre-flight; JSON does, and nothing here
+   answers one).
+
+The body is read whole by the guard (it is bounded) and handed to the app as one message; later
+``receive()`` calls reach the server, so an app still learns when its client went away.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from miles_contracts.wire.auth import TOKEN_ENV, bearer, is_authorized
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+ErrorBody = Callable[[int, str], bytes]
+
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+"""32 MiB: a 128k-token prompt as JSON ids is ~1 MB, a long agent conversation a few MB."""
+
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def detail_body(status: int, message: str) -> bytes:
+    """``{"detail": message}``: the error shape of the engine and the router (FastAPI's)."""
+    return json.dumps({"detail": message}).encode()
+
+
+class RequestGuard:
+    """``RequestGuard(app, token=...)``; see the module docstring for what it checks.
+
+    :param public_paths: paths served without a token (health checks).
+    :param also_accept: ``(path, presented_token) -> bool``, called when the run's token does not
+        match, for credentials narrower than the run's token.
+    :param error_body: the bytes of an error answer (status, message); JSON ``{"detail": ...}`` by default.
+    """
+
+    def __init__(self, app: Any, *, token: str, public_paths: Iterable[str] = ("/health",),
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 also_accept: Callable[[str, str], bool] | None = None,
+                 error_body: ErrorBody = detail_body) -> None:
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
+        self.app = app
+        self.token = token
+        self.public_paths = frozenset(public_paths)
+        self.max_body_bytes = max_body_bytes
+        self.also_accept = also_accept
+        self.error_body = error_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = _headers(scope)
+        refusal = self._refusal(scope, headers)
+        if refusal is not None:
+            await self._refuse(send, *refusal)
+            return
+        if scope["method"] not in _BODY_METHODS:
+            await self.app(scope, receive, send)
+            return
+        body = await self._read_body(receive)
+        if body is None:  # the client went away
+            return
+        if isinstance(body, tuple):
+            await self._refuse(send, *body)
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    def _refusal(self, scope: Scope, headers: dict[str, str]) -> tuple[int, str] | None:
+        origin = headers.get("origin")
+        if origin is not None and not _same_origin(origin, headers.get("host", "")):
+            return 403, (f"cross-origin request refused (Origin {origin!r}); Miles servers answer programs, "
+                         "not web pages")
+        path = scope["path"]
+        if path not in self.public_paths and not self._authorized(path, headers.get("authorization")):
+            return 401, (f"{path} needs the run's token: send 'Authorization: Bearer <token>' with the value of "
+                         f"{TOKEN_ENV} (miles train sets it for every service it starts)")
+        if scope["method"] in _BODY_METHODS:
+            length = headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+                return 413, self._too_large()
+            has_body = (length is not None and length != "0") or "transfer-encoding" in headers
+            if has_body and not _is_json(headers.get("content-type", "")):
+                return 415, (f"the body must be JSON (Content-Type: application/json), got "
+                             f"{headers.get('content-type') or 'no Content-Type'}")
+        return None
+
+    def _authorized(self, path: str, header: str | None) -> bool:
+        if is_authorized(header, self.token):
+            return True
+        presented = bearer(header)
+        return presented is not None and self.also_accept is not None and self.also_accept(path, presented)
+
+    def _too_large(self) -> str:
+        return (f"request body too large: the limit is {self.max_body_bytes} bytes "
+                f"({self.max_body_bytes / 2**20:g} MiB); send less per request")
+
+    async def _read_body(self, receive: Receive) -> bytes | tuple[int, str] | None:
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return 413, self._too_large()
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _refuse(self, send: Send, status: int, message: str) -> None:
+        body = self.error_body(status, message)
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        if status == 401:
+            headers.append((b"www-authenticate", b"Bearer"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    return {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope.get("headers", ())}
+
+
+def _same_origin(origin: str, host: str) -> bool:
+    scheme, _, rest = origin.partition("://")
+    return scheme in ("http", "https") and bool(host) and rest.rstrip("/").lower() == host.lower()
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    delivered = False
+
+    async def replay() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
