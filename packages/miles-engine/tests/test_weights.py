@@ -100,7 +100,6 @@ def test_update_from_disk_loads_the_folder_and_bumps_the_version(engine, trained
     before = greedy(engine)
     answer = engine.post("/update_weights_from_disk", {"model_path": str(trained_path)})
     assert answer.status_code == 200 and answer.json()["success"], answer.text
-    assert answer.json()["weight_version"] == "1"
     assert_holds(engine, trained)
     after = greedy(engine)
     assert after["meta_info"]["weight_version"] == "1"

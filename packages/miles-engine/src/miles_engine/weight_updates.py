@@ -29,6 +29,7 @@ from miles_contracts.wire.tensors import (
     read_shm_bucket,
 )
 
+from miles_engine.checker import WeightChecker
 from miles_engine.weights import WeightStore, WeightUpdateError, parse_dtype
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ class WeightUpdates:
         self.scheduler = scheduler
         self.loaded = loaded
         self.store = WeightStore(loaded.model)
+        self.checker = WeightChecker(self.store)
         self.groups: dict[str, Any] = {}
 
     async def _run(self, load: Callable[[], int] | None, *, version: str | None, abort_all: bool) -> int:
@@ -51,6 +53,9 @@ class WeightUpdates:
         scheduler = self.scheduler
 
         def job() -> int:
+            if load is not None and "weights" in scheduler.memory.released:
+                raise WeightUpdateError("the weights are released (/release_memory_occupation); "
+                                        "POST /resume_memory_occupation before updating them")
             if abort_all:
                 scheduler.abort(None, "aborted for a weight update (abort_all_requests)")
             count = 0
@@ -165,6 +170,26 @@ class WeightUpdates:
             return count
 
         return await asyncio.wrap_future(self.scheduler.call(fill))
+
+    async def check(self, action: str) -> dict[str, Any]:
+        """``/weights_checker``: snapshot, reset_tensors, compare or checksum (:mod:`miles_engine.checker`);
+        returns what the answer carries besides success and message."""
+        checker, runner = self.checker, self.scheduler.runner
+
+        def reset() -> None:
+            checker.reset_tensors()
+            runner.weights_changed()
+
+        actions: dict[str, Callable[[], Any]] = {"snapshot": checker.snapshot, "reset_tensors": reset,
+                                                 "compare": checker.compare, "checksum": checker.checksum}
+
+        def run() -> dict[str, Any]:
+            if "weights" in self.scheduler.memory.released:
+                raise WeightUpdateError("the weights are released; POST /resume_memory_occupation first")
+            result = actions[action]()
+            return result if isinstance(result, dict) else {}
+
+        return await asyncio.wrap_future(self.scheduler.call(run))
 
     async def checksums(self) -> dict[str, str]:
         return await asyncio.wrap_future(self.scheduler.call(self.store.checksums))
