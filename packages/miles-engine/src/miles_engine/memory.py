@@ -5,7 +5,7 @@ its memory and takes it again before the next one. Tags say what: ``kv_cache`` (
 ``cuda_graph`` (captured decode graphs and their memory pool), ``weights`` (every weight storage).
 No tag means all three.
 
-Weights are kept, not dropped: each storage is copied to host memory and its device allocation is
+Weights are kept, not dropped: each device storage is copied to host memory and its allocation is
 freed by resizing the storage to zero bytes (every view of it, the parameter, a tied alias, the
 weight store's handles, stays valid as an object); resuming reallocates it and copies the bytes
 back. So a resumed engine serves the weights it had, and the next weight sync overwrites them as
@@ -89,11 +89,13 @@ def _tags(tags: Iterable[str] | None) -> set[str]:
 
 
 def _weight_storages(model: torch.nn.Module) -> list[torch.UntypedStorage]:
-    """Every distinct storage behind the model's parameters and persistent buffers."""
+    """Every distinct device storage behind the model's parameters and persistent buffers. Host
+    storages stay: releasing is for accelerator memory, and weights loaded on the CPU are often
+    memory-mapped from the checkpoint (not resizable)."""
     seen: dict[int, torch.UntypedStorage] = {}
     for tensor in model.state_dict(keep_vars=True).values():
         storage = tensor.untyped_storage()
-        if storage.nbytes() and storage.data_ptr() not in seen:
+        if storage.device.type != "cpu" and storage.nbytes() and storage.data_ptr() not in seen:
             seen[storage.data_ptr()] = storage
     return list(seen.values())
 

@@ -1,9 +1,10 @@
 """Weight updates of a running engine: from disk, same-host tensors, a broadcast group.
 
 Each update runs on the scheduler thread between two forwards (no request ever sees a
-half-copied tensor inside one forward), then sets ``weight_version``: the request's
-``weight_version`` when given, else the previous version plus one. Responses finished after the
-update carry the new version. Bad updates raise :class:`~miles_engine.weights.WeightUpdateError`
+half-copied tensor inside one forward), then sets ``weight_version`` to the request's
+``weight_version`` when it gives one; otherwise the version stays, as in SGLang (weight syncs set
+it with ``/update_weight_version`` once every bucket landed). Responses finished after the update
+carry the new version. Bad updates raise :class:`~miles_engine.weights.WeightUpdateError`
 before any tensor is touched.
 """
 
@@ -64,7 +65,8 @@ class WeightUpdates:
                     count = load()
                 finally:  # a load that failed half way still changed what it wrote
                     scheduler.runner.weights_changed(self.store.take_changed())
-            scheduler.weight_version = version if version is not None else _bumped(scheduler.weight_version)
+            if version is not None:  # as SGLang: an update without a version keeps the current one
+                scheduler.weight_version = version
             return count
 
         return await asyncio.wrap_future(scheduler.call(job))
@@ -204,7 +206,3 @@ def _read_bucket(bucket: ShmBucket) -> list:
         return read_shm_bucket(bucket)
     except (ValueError, OSError, RuntimeError) as exc:
         raise WeightUpdateError(f"cannot read shared-memory bucket {bucket.path}: {exc}") from exc
-
-
-def _bumped(version: str) -> str:
-    return str(int(version) + 1) if version.isdigit() else f"{version}+1"
