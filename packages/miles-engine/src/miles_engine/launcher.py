@@ -18,6 +18,8 @@ class EmbeddedEngine:
     ``context_length`` ...); ``spec.model_path`` may be a folder or a name of ``miles models list``.
     """
 
+    config_section = "engine"
+
     def command(self, spec: EngineSpec) -> list[str]:
         return [
             sys.executable, "-m", "miles_engine",
