@@ -1,7 +1,8 @@
 """The engine's HTTP API: SGLang's native endpoints, with SGLang's paths, request fields, status
 codes and answers (``miles_contracts.wire.engine``; the contract suite
 ``miles_contracts.testing.engine`` runs against this server and a real SGLang server alike), plus
-two Miles check-mode endpoints (``/fill_weights_noise``, ``/weights_checksum``).
+Miles' own: two check-mode endpoints (``/fill_weights_noise``, ``/weights_checksum``) and
+``/update_weights_from_mooncake`` (``miles_contracts.wire.mooncake``).
 
 ``create_app(engine)`` serves an :class:`~miles_engine.engine.Engine` it does not own; the caller
 starts and shuts the engine down (``miles serve engine`` does both). A bad request is a 400 with
@@ -35,6 +36,7 @@ from miles_contracts.wire.engine import (
     UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
 )
+from miles_contracts.wire.mooncake import MOONCAKE_PATH, UpdateWeightsFromMooncakeRequest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from miles_engine.checker import WeightCheckFailed
@@ -156,6 +158,11 @@ def _fastapi_app(engine: Engine) -> FastAPI:
     async def update_weights_from_distributed(request: Request) -> Any:
         body = await _parse(request, UpdateWeightsFromDistributedRequest)
         return await _update(engine, lambda: engine.weights.from_distributed(body))
+
+    @app.post(MOONCAKE_PATH)
+    async def update_weights_from_mooncake(request: Request) -> Any:
+        body = await _parse(request, UpdateWeightsFromMooncakeRequest)
+        return await _update(engine, lambda: engine.weights.from_mooncake(body))
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> Any:

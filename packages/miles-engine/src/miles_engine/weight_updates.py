@@ -1,4 +1,4 @@
-"""Weight updates of a running engine: from disk, same-host tensors, a broadcast group.
+"""Weight updates of a running engine: from disk, same-host tensors, a broadcast group, Mooncake.
 
 Each update runs on the scheduler thread between two forwards (no request ever sees a
 half-copied tensor inside one forward), then sets ``weight_version`` to the request's
@@ -22,6 +22,7 @@ from miles_contracts.wire.engine import (
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
 )
+from miles_contracts.wire.mooncake import UpdateWeightsFromMooncakeRequest
 from miles_contracts.wire.tensors import (
     CUDA_IPC_FORMAT,
     SHM_FORMAT,
@@ -47,6 +48,7 @@ class WeightUpdates:
         self.store = WeightStore(loaded.model)
         self.checker = WeightChecker(self.store)
         self.groups: dict[str, Any] = {}
+        self.receivers: dict[str, Any] = {}  # Mooncake protocol -> MooncakeReceiver, made on first use
 
     async def _run(self, load: Callable[[], int] | None, *, version: str | None, abort_all: bool) -> int:
         """On the scheduler thread: abort if asked, ``load`` (``None``: only the version moves),
@@ -159,6 +161,32 @@ class WeightUpdates:
             return self.store.load(received)
 
         return await self._run(receive_all, version=request.weight_version, abort_all=request.abort_all_requests)
+
+    async def from_mooncake(self, request: UpdateWeightsFromMooncakeRequest) -> int:
+        """Pull one bucket with Mooncake's transfer engine (off the scheduler thread, generation is
+        paused around syncs anyway), then load it between two forwards."""
+        from miles_contracts.wire.mooncake import MooncakeError
+
+        self.store.check((t.name, tuple(t.shape)) for t in request.tensors)
+        try:
+            receiver = self._receiver(request)
+            named = await asyncio.to_thread(receiver.pull, request)
+        except (MooncakeError, ValueError, RuntimeError) as exc:
+            raise WeightUpdateError(f"cannot pull the bucket over Mooncake: {exc}") from exc
+        return await self._run(lambda: self.store.load(named), version=request.weight_version,
+                               abort_all=request.abort_all_requests)
+
+    def _receiver(self, request: UpdateWeightsFromMooncakeRequest) -> Any:
+        from miles_contracts.wire.mooncake import MooncakeReceiver, address_towards, session_host
+
+        receiver = self.receivers.get(request.protocol)
+        if receiver is None:
+            # RDMA can land in GPU memory directly; TCP goes through host memory
+            on_device = request.protocol == "rdma" and self.loaded.device.type == "cuda"
+            receiver = MooncakeReceiver(request.protocol, address_towards(session_host(request.session_id)),
+                                        self.loaded.device if on_device else "cpu")
+            self.receivers[request.protocol] = receiver
+        return receiver
 
     async def set_version(self, version: str, *, abort_all: bool) -> None:
         await self._run(None, version=version, abort_all=abort_all)

@@ -165,11 +165,12 @@ class BucketedTransport(ABC):
 
     # ------------------------------------------------------------------ what subclasses decide
 
-    def engine_info(self, urls: list[str], version: int) -> dict[str, EngineInfo]:
+    def engine_info(self, urls: list[str], version: int | None = None) -> dict[str, EngineInfo]:
         """What each engine is (:mod:`miles_weights.engine_info`), asked once per engine."""
+        step = "read the server info" if version is None else f"version {version}: read the server info"
         for url in urls:
             if url not in self._engines:
-                answer = self._calls.get_optional(url, "/server_info", step=f"version {version}: read the server info")
+                answer = self._calls.get_optional(url, "/server_info", step=step)
                 self._engines[url] = EngineInfo.from_server_info(answer or {})
         return {url: self._engines[url] for url in urls}
 
