@@ -94,7 +94,8 @@ PY
         weights.transport=shared_memory weights.check=true eval.every=0 ;;
     sync-broadcast)
       need_sglang; need_model
-      [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "sync-broadcast: needs 2 GPUs (NCCL refuses two ranks on one)"; continue; }
+      [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] || {
+        echo "sync-broadcast: needs 2 GPUs (NCCL refuses two ranks on one): run on the nvidia-h200-x2 kind"; continue; }
       run_config /tmp/sync.json - 1
       miles_train sglang-sync-broadcast /tmp/sync.json run.steps=2 data.source=arithmetic \
         rollout.prompts_per_step=4 rollout.samples_per_prompt=4 rollout.max_new_tokens=16 train.backend=fsdp \
