@@ -14,7 +14,7 @@ from miles_contracts.testing.engine import ENGINE_CHECKS, EngineCheckSkipped, En
 @pytest.fixture(scope="module")
 def engine_under_test(dense_path):
     with serve_engine(dense_path, max_running_requests=8) as running:
-        yield EngineUnderTest(running.url, model_path=str(dense_path), long_tokens=1200, settle_s=0.3)
+        yield EngineUnderTest(running.url, model_path=str(dense_path), long_tokens=600, settle_s=0.3)
 
 
 @pytest.mark.parametrize("check", list(ENGINE_CHECKS))
