@@ -216,16 +216,20 @@ def check_greedy_repeatable(engine: EngineUnderTest) -> None:
 
 @_check
 def check_stop_token_ids(engine: EngineUnderTest) -> None:
-    free = engine.generate(8)["output_ids"]
-    stop = free[3]
+    natural = {"ignore_eos": False}
+    free = engine.generate(8, sampling_params=natural)["output_ids"]  # may end early at EOS: then so does the next
+    stop = free[min(3, len(free) - 1)]
     cut = free.index(stop)  # its first occurrence
-    answer = engine.generate(8, sampling_params={"stop_token_ids": [stop]})
+    answer = engine.generate(8, sampling_params={**natural, "stop_token_ids": [stop]})
     reason = _finish(answer)
     _expect(answer["output_ids"] == free[: cut + 1],
             f"with stop_token_ids [{stop}] the output must end at its first occurrence, inclusive "
             f"({free[: cut + 1]}), got {answer['output_ids']}")
     _expect(reason.get("type") == "stop" and reason.get("matched") in (stop, [stop]),
             f"finish_reason must be {{'type': 'stop', 'matched': {stop}}}, got {reason}")
+    ignored = engine.generate(8, sampling_params={"stop_token_ids": [stop]})  # ignore_eos: true
+    _expect(len(ignored["output_ids"]) == 8,
+            f"ignore_eos switches off every stop token, stop_token_ids included (SGLang); got {ignored['output_ids']}")
 
 
 @_check

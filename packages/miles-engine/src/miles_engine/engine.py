@@ -124,7 +124,8 @@ class Engine:
         bad_stops = [t for t in explicit_stops if not 0 <= t < loaded.vocab_size]
         if bad_stops:
             raise BadRequestError(f"stop_token_ids {sorted(bad_stops)} are outside [0, {loaded.vocab_size})")
-        stop_ids = explicit_stops | (frozenset() if params.ignore_eos else loaded.eos_token_ids)
+        # As SGLang: ignore_eos turns off every token-based stop, stop_token_ids included
+        stop_ids = frozenset() if params.ignore_eos else explicit_stops | loaded.eos_token_ids
         return Sequence(
             rid=rid, prompt_ids=ids, params=params, sampling=self._row_sampling(request, stop_ids),
             max_new_tokens=max_new, stop_ids=stop_ids, return_logprob=request.return_logprob,
