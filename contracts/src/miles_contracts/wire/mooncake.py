@@ -16,6 +16,7 @@ install command.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from typing import TYPE_CHECKING, Any, Literal
@@ -59,6 +60,8 @@ class UpdateWeightsFromMooncakeRequest(BaseModel):
 
 
 def import_transfer_engine() -> Any:
+    # Mooncake logs every connection at INFO; keep its warnings and errors (MC_LOG_LEVEL wins if set)
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:
