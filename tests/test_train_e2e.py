@@ -1,6 +1,7 @@
 """`miles train` end to end on CPU with a tiny random model: the real engine, router, FSDP backend
-and weight transport as the local executor starts them. A tiny model answers garbage, so rewards
-come from a test reward plugin that scores by response length (deterministic, non-trivial)."""
+and weight transport as the local executor starts them. A tiny model answers garbage, which the
+f1 reward scores 0; where a test needs the weights to move, a reward server on loopback scores the
+fraction of vowels in each answer (deterministic, different within a group)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -22,6 +26,33 @@ def tiny_model() -> Path:
     from miles_models.testing import tiny_model
 
     return tiny_model("dense")
+
+
+class VowelReward(BaseHTTPRequestHandler):
+    """The `remote` reward's protocol: {"samples": [...]} in, {"rewards": [...]} out."""
+
+    def do_POST(self) -> None:  # http.server dispatches a POST to do_POST
+        samples = json.loads(self.rfile.read(int(self.headers["content-length"])))["samples"]
+        rewards = [sum(c in "aeiou" for c in s["response"]) / max(len(s["response"]), 1) for s in samples]
+        body = json.dumps({"rewards": rewards}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def vowel_reward() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), VowelReward)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/score"
+    server.shutdown()
+    server.server_close()
 
 
 def _args(tiny_model: Path, out: Path, name: str, *extra: str) -> list[str]:
@@ -76,12 +107,25 @@ def test_two_steps_train_sync_and_checkpoint(tiny_model: Path, tmp_path: Path) -
     assert "run completed" in out.stderr
 
 
+def _without_timings(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not (k.startswith("time") or "per_s" in k or k.endswith("/seconds"))}
+
+
 @pytest.mark.slow
-def test_resume_continues_with_the_same_data_order(tiny_model: Path, tmp_path: Path) -> None:
-    straight = _train(*_args(tiny_model, tmp_path, "straight", "run.steps=3"))
+def test_a_deterministic_run_is_reproduced_by_a_rerun_and_by_a_resume(tiny_model: Path, tmp_path: Path,
+                                                                      vowel_reward: str) -> None:
+    """run.deterministic: a second run, stopped after step 2 and resumed, logs exactly the metrics
+    of a straight 3-step run (fp32 CPU engine, same thread count), with rewards that move the
+    weights every step. Along the way: the final save can be switched off, and keep_checkpoints
+    leaves one checkpoint of several saves."""
+    seeded = ("run.deterministic=true", "reward.name=remote", f"reward.remote_url={vowel_reward}")
+    straight = _train(*_args(tiny_model, tmp_path, "straight", "run.steps=3", "run.save_final=false", *seeded))
     assert straight.returncode == 0, straight.stderr
-    first = _train(*_args(tiny_model, tmp_path, "resumed", "run.steps=2"))
+    assert not (tmp_path / "straight" / "checkpoints").exists()
+    assert "no checkpoints will be written" in straight.stderr
+    first = _train(*_args(tiny_model, tmp_path, "resumed", "run.steps=2", "run.save_every=1", *seeded))
     assert first.returncode == 0, first.stderr
+    assert [p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir()] == ["step_000002"]  # step 1 pruned
     # as if the first run had logged step 3 and crashed before its checkpoint
     with (tmp_path / "resumed" / "metrics.jsonl").open("a") as metrics:
         metrics.write('{"step": 3, "time": 0.0, "rollout/reward_mean": -1.0}\n')
@@ -95,6 +139,12 @@ def test_resume_continues_with_the_same_data_order(tiny_model: Path, tmp_path: P
     assert prompts("resumed") == prompts("straight")
     # the engines were brought to the checkpoint's weights before generating step 3
     assert {tuple(s["weight_versions"]) for s in _samples(tmp_path / "resumed", 3)} == {(2,)}
+    # every metric but timings, bit for bit: losses, gradient norms, rollout-vs-train log-prob gaps
+    expected = [_without_timings(m) for m in _metrics(tmp_path / "straight")]
+    assert [_without_timings(m) for m in _metrics(tmp_path / "resumed")] == expected
+    assert all(m["train/grad_norm"] > 0 for m in expected) and len(expected[0]) > 30
+    tokens = lambda run: [[s["tokens"] for s in _samples(tmp_path / run, step)] for step in (1, 2, 3)]  # noqa: E731
+    assert tokens("resumed") == tokens("straight")
 
 
 def _pids_alive(pids: list[int]) -> list[int]:

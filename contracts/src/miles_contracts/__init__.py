@@ -5,6 +5,8 @@ Nothing here imports torch, transformers or an HTTP framework at import time.
 
 from miles_contracts.algorithm import AlgorithmParams
 from miles_contracts.batch import AdvantageResult, TrainBatch
+from miles_contracts.capture import CapturedPiece, CaptureError, CaptureSpec, EngineCapture, check_tiling
+from miles_contracts.moe import MoeLayerMap
 from miles_contracts.protocols import (
     AdvantageEstimator,
     AgentFn,
@@ -38,7 +40,11 @@ __all__ = [
     "AdvantageResult",
     "AgentFn",
     "AlgorithmParams",
+    "CaptureError",
+    "CaptureSpec",
+    "CapturedPiece",
     "DataSource",
+    "EngineCapture",
     "EngineClient",
     "EngineSpec",
     "Executor",
@@ -50,6 +56,7 @@ __all__ = [
     "Generator",
     "InferenceEngine",
     "ModelBridge",
+    "MoeLayerMap",
     "RewardFn",
     "RouterMiddleware",
     "RouterRequest",
@@ -67,4 +74,5 @@ __all__ = [
     "WeightBucket",
     "WeightTransport",
     "bucketize",
+    "check_tiling",
 ]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from miles_contracts.sample import Sample
+    from miles_contracts.sample import Sample, StashKey
 
 
 @dataclass(slots=True)
@@ -38,8 +38,9 @@ class TrainBatch:
     :ivar values: ``[B, T]`` critic values (PPO).
     :ivar advantages: ``[B, T]`` filled by the advantage estimator.
     :ivar returns: ``[B, T]`` filled by estimators with a critic or discounting.
-    :ivar extras: plugin tensors keyed by name, first dim B (e.g. routed experts
-        ``[B, T, layers, topk]`` for routing replay).
+    :ivar extras: plugin tensors keyed by name, first dim B. :meth:`from_samples` fills it from
+        sample stash keys that have a ``to_batch`` (e.g. routing replay's routed experts
+        ``[B, T, moe_layers, top_k]``); read those with :meth:`extra`.
     """
 
     tokens: torch.Tensor
@@ -64,6 +65,10 @@ class TrainBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum().item())
+
+    def extra(self, key: StashKey[object]) -> torch.Tensor | None:
+        """The batch tensor of stash key ``key`` (see :class:`~miles_contracts.sample.StashKey`)."""
+        return self.extras.get(key.name)
 
     def select(self, rows: torch.Tensor | Sequence[int]) -> TrainBatch:
         """Rows ``rows`` of every tensor (a micro-batch); columns trimmed to the longest row."""
@@ -92,7 +97,11 @@ class TrainBatch:
 
     @classmethod
     def from_samples(cls, samples: Sequence[Sample], pad_token_id: int) -> TrainBatch:
-        """Pad trainable samples into a batch. Each sample's ``rollout_ids`` is its ``index``."""
+        """Pad trainable samples into a batch. Each sample's ``rollout_ids`` is its ``index``.
+
+        Stash values whose key has a ``to_batch`` become ``extras`` (one tensor per key that any
+        sample carries; the key's ``to_batch`` decides what rows without a value hold).
+        """
         import torch
 
         if not samples:
@@ -115,7 +124,14 @@ class TrainBatch:
         rewards = torch.tensor([float(s.reward or 0.0) for s in samples], dtype=torch.float32)
         groups = torch.tensor([s.group_index for s in samples], dtype=torch.long)
         rollouts = torch.tensor([s.index for s in samples], dtype=torch.long)
-        return cls(tokens, attention, loss_mask, logprobs, rewards, groups, rollouts)
+        return cls(tokens, attention, loss_mask, logprobs, rewards, groups, rollouts, extras=_stash_extras(samples, width))
+
+
+def _stash_extras(samples: Sequence[Sample], width: int) -> dict[str, torch.Tensor]:
+    collates = {key: key.to_batch for s in samples for key in s.stash if key.to_batch is not None}
+    lengths = [len(s.tokens) for s in samples]
+    return {key.name: to_batch([s.stash.get(key) for s in samples], lengths, width)
+            for key, to_batch in sorted(collates.items(), key=lambda item: item[0].name)}
 
 
 def _take(t: torch.Tensor, index: torch.Tensor, width: int) -> torch.Tensor:

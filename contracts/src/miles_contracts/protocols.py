@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from miles_contracts.algorithm import AlgorithmParams
     from miles_contracts.batch import AdvantageResult, TrainBatch
+    from miles_contracts.capture import EngineCapture
     from miles_contracts.sample import Sample
     from miles_contracts.weights import TransferReport
     from miles_contracts.wire.engine import GenerateRequest, GenerateResponse, SamplingParams
@@ -83,6 +84,8 @@ class GenerateContext:
     :ivar evaluation: True when generating for evaluation.
     :ivar resources: named objects a generator may need (tools, agents, chat family), keyed by
         name; generators document what they look up.
+    :ivar captures: engine captures every generate call of this rollout must carry (see
+        :mod:`miles_contracts.capture`); empty for evaluation.
     """
 
     engine: EngineClient
@@ -92,6 +95,7 @@ class GenerateContext:
     session_server_url: str | None = None
     evaluation: bool = False
     resources: dict[str, Any] = field(default_factory=dict)
+    captures: Sequence[EngineCapture] = ()
 
 
 @runtime_checkable
@@ -99,8 +103,10 @@ class Generator(Protocol):
     """Produces one rollout for ``sample`` (which carries prompt, label, metadata, group ids).
 
     Returns the same sample filled in (tokens, response, loss_mask, rollout_logprobs, status,
-    weight_versions). An error costs this sample (status ABORTED/FAILED with an exit reason),
-    never the run: generators catch and record, they do not raise for per-sample problems.
+    weight_versions), and the data of ``ctx.captures`` in its stash (``miles.rollout.capture``
+    does both ends for a generator). An error costs this sample (status ABORTED/FAILED with an
+    exit reason), never the run: generators catch and record, they do not raise for per-sample
+    problems.
     """
 
     async def __call__(self, sample: Sample, ctx: GenerateContext) -> Sample: ...
@@ -135,7 +141,13 @@ class DataSource(Protocol):
 
 @dataclass(slots=True)
 class EngineSpec:
-    """How to start one engine."""
+    """How to start one engine.
+
+    :ivar deterministic: start in the engine's deterministic mode (``run.deterministic``): a request's
+        output must not depend on which requests share its batch, and a request's ``sampling_seed``
+        must make its sampling reproducible (SGLang: ``--enable-deterministic-inference``; embedded:
+        the same flag). An engine that cannot do it says so in its log rather than refusing.
+    """
 
     model_path: str
     port: int
@@ -143,6 +155,7 @@ class EngineSpec:
     device: str = "auto"
     dtype: str = "auto"
     options: dict[str, Any] = field(default_factory=dict)
+    deterministic: bool = False
 
     @property
     def url(self) -> str:
@@ -240,6 +253,11 @@ class ModelBridge(Protocol):
     """Model-family knowledge: HF <-> Megatron weights, chat family, MoE layer map.
 
     ``hf_config`` is the model's ``config.json`` as a mapping (no transformers import needed).
+
+    A bridge of a family with mixture-of-experts models also implements
+    ``moe_layers(hf_config) -> MoeLayerMap | None`` (see :class:`~miles_contracts.MoeLayerMap`):
+    where the routers are and how they weigh experts, None for a dense model. It is optional, so
+    dense families need nothing; routing replay refuses a MoE model whose bridge lacks it.
     """
 
     name: str
@@ -294,7 +312,13 @@ class ForwardContext:
     :ivar batch: the (micro-)batch it runs on.
     :ivar backend: registered name of the train backend.
     :ivar bridge: model bridge of the model, if one claimed it.
-    :ivar state: scratch space shared by wrappers of one call.
+    :ivar state: scratch space shared by wrappers of one call. Backends put there what a wrapper
+        needs to relate the model's view to ``batch``; keys every backend should provide:
+        ``"token_positions"``: a callable returning ``[N]`` int64, for each token the model's
+        layers see (in the order they see them: ``[b, t]`` row-major when padded, rows one after
+        the other when packed, a rank's shard under sequence/context parallelism), its flat index
+        ``b * T + t`` into ``batch``, or -1 for a token that is not in ``batch`` (padding);
+        ``"dummy"``: True for a forward that only keeps ranks in step (its result is discarded).
     """
 
     phase: str

@@ -12,8 +12,12 @@ owns, so this class never grows a field per feature.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
+
+if TYPE_CHECKING:
+    import torch
 
 T = TypeVar("T")
 D = TypeVar("D")
@@ -44,21 +48,32 @@ class ExitReason(str, enum.Enum):
     AGENT_EXCEPTION = "agent_exception"
     REWARD_ERROR = "reward_error"
     MAX_TURNS = "max_turns"
+    MISSING_CAPTURE = "missing_capture"  # a plugin's engine capture is required but absent or broken
+
+
+ToBatch = Callable[[Sequence[Any], Sequence[int], int], "torch.Tensor"]
+"""``(values, token_lengths, width) -> tensor [B, width, ...]``: how stash values enter a batch."""
 
 
 class StashKey(Generic[T]):
     """A typed key into :attr:`Sample.stash`. Create one per feature, at module level::
 
-        ROUTED_EXPERTS: StashKey[list[list[list[int]]]] = StashKey("r3.routed_experts")
+        ROUTED_EXPERTS: StashKey[RoutedExperts] = StashKey("r3.routed_experts", to_batch=collate)
         sample.stash[ROUTED_EXPERTS] = experts
 
-    The name is used only when a sample is serialised (and in error messages).
+    The name is used when a sample is serialised, in error messages, and as the key of
+    ``TrainBatch.extras``. ``to_batch``, when given, makes the data travel into training:
+    :meth:`TrainBatch.from_samples` calls it with every row's value (None where a sample has none),
+    the rows' token counts and the batch width, and stores the ``[B, width, ...]`` tensor it returns
+    in ``extras[name]`` (read it back with :meth:`TrainBatch.extra`). Per-token data is aligned with
+    ``tokens``: entry ``[b, t]`` describes token ``t`` of row ``b``.
     """
 
-    __slots__ = ("name",)
+    __slots__ = ("name", "to_batch")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, to_batch: ToBatch | None = None) -> None:
         self.name = name
+        self.to_batch = to_batch
 
     def __repr__(self) -> str:
         return f"StashKey({self.name!r})"
@@ -96,6 +111,9 @@ class Stash:
 
     def __len__(self) -> int:
         return len(self._data)
+
+    def __iter__(self) -> Iterator[StashKey[Any]]:
+        return iter(list(self._data))
 
     def keys(self) -> list[StashKey[Any]]:
         return list(self._data)

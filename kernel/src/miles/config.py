@@ -3,7 +3,9 @@
 Loading order: read YAML, apply overrides, read the ``plugins`` section alone (it decides which
 plugins load), load the kernel for it, then validate every section -- the kernel's own and those
 plugins registered -- and every name that refers to a registry. Nothing is silently rewritten: a
-value the user gave is either used as given or reported.
+value the user gave is either used as given or reported. The one exception is a section named
+after an installed plugin that ``plugins.disable`` / ``plugins.enable`` switched off: it is not
+validated (its plugin is not there to) and has no effect.
 """
 
 from __future__ import annotations
@@ -214,8 +216,11 @@ def build_config(data: Mapping[str, Any], *, source: str | None = None, kernel: 
         errors += [f"{name}: a plugin registered a section that the kernel owns" for name in clashes]
 
     known = [*CORE_SECTIONS, *extra_models]
+    # A disabled plugin's section is left alone: ``plugins.disable: [x]`` turns x off without
+    # having to delete its settings (its section is named after it by convention).
+    switched_off = {info.name for info in kernel.plugins() if info.status != "loaded"}
     for name in data:
-        if name not in known:
+        if name not in known and name not in switched_off:
             errors.append(f"{name}: unknown section; known sections: {', '.join(known)}")
 
     values: dict[str, BaseModel] = {}

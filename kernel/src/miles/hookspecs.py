@@ -14,7 +14,8 @@ Three shapes, each chosen for what the hook decides:
   config order (all filters must keep a group; middleware wrap each other outermost-first);
   ``miles_forward`` is a pluggy wrapper hook around every forward pass of a train backend, so a
   plugin (routing replay) can act inside a backend without the backend knowing it.
-  Lifecycle hooks (``miles_run_start`` ...) are broadcasts: every implementation is called.
+  Lifecycle hooks (``miles_run_start`` ...) are broadcasts: every implementation is called;
+  so is ``miles_engine_captures``, where each plugin answers for its own config section.
 
 Arguments are passed by keyword; an implementation may accept fewer arguments than its spec
 (pluggy's opt-in arguments), so specs can grow without breaking plugins. Types named here come from
@@ -28,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from collections.abc import Generator, Mapping
+    from collections.abc import Generator, Mapping, Sequence
     from pathlib import Path
 
-    from miles_contracts import ForwardContext, ModelBridge
+    from miles_contracts import EngineCapture, ForwardContext, ModelBridge
 
     from miles.config import MilesConfig
     from miles.registry import Register
@@ -75,6 +76,23 @@ def miles_register_agents(register: Register) -> None:
     that talks to ``base_url`` with any OpenAI-compatible client.
 
     :param register: ``register(name, run_agent)``.
+    """
+
+
+@hookspec
+def miles_engine_captures(config: MilesConfig) -> Sequence[EngineCapture]:
+    """Say what per-position data every engine call of this run's rollouts must return.
+
+    Called once when the rollout starts; every implementation is called and the captures are
+    concatenated. Return an empty list unless the run's config asks for your feature (installing a
+    package must not change a run). The generators add each capture's request fields to every
+    generate request (session servers receive the specs when a session is created), keep each
+    answer's payload, and store the stitched data in the sample's stash under ``capture.key``; a
+    sample whose data is missing is marked FAILED (exit reason ``missing_capture``). Evaluation
+    rollouts carry no captures. See :mod:`miles_contracts.capture`.
+
+    :param config: the validated config.
+    :returns: :class:`miles_contracts.EngineCapture` objects (names unique across plugins).
     """
 
 

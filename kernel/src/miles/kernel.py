@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from miles_contracts import (
         AdvantageEstimator,
         AgentFn,
+        EngineCapture,
         Filter,
         ForwardContext,
         Generator,
@@ -226,6 +227,17 @@ class Kernel:
                 f"{', '.join(resolvers) or 'none; pip install miles-models'}); `miles models list` shows known models"
             )
         return Path(resolved)
+
+    # ------------------------------------------------------------------ rollout captures
+
+    def engine_captures(self, config: MilesConfig) -> list[EngineCapture]:
+        """Every plugin's engine captures for ``config`` (see ``miles_engine_captures``)."""
+        captures = [c for answer in self._pm.hook.miles_engine_captures(config=config) for c in answer or ()]
+        names = [c.spec.name for c in captures]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise PluginError(f"engine capture name(s) {twice} are returned by more than one plugin; capture names must be unique")
+        return captures
 
     # ------------------------------------------------------------------ wrappers
 

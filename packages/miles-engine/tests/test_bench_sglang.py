@@ -38,5 +38,6 @@ def test_the_sglang_system_runs_every_concurrency_in_sglangs_environment(tmp_pat
                           attention_backend="triton", timeout=120)
     runs = system.run_all(Workload(prompts=[[1, 2], [3]], max_new_tokens=5), [1, 4], repeats=2)
     assert sorted(runs) == [1, 4]
-    assert [r.tokens for r in runs[4]] == [20, 20] and all(r.seconds > 0 for r in runs[1])
+    assert [r.tokens for r in runs[4].runs] == [20, 20] and runs[4].warmup.tokens == 20
+    assert all(r.seconds > 0 for r in runs[1].runs)
     assert system.info["version"] == "stand-in" and system.info["server"]["attention_backend"] == "triton"

@@ -81,3 +81,11 @@ def test_engine_config_section(kernel):
         build_config({"engine": {"max_running_requests": 0}}, kernel=kernel)
     with pytest.raises(ConfigError, match="typo"):
         build_config({"engine": {"typo": 1}}, kernel=kernel)
+
+
+def test_a_deterministic_spec_starts_the_engine_in_deterministic_mode():
+    engine = EmbeddedEngine()
+    plain = engine.command(EngineSpec(model_path="m", port=1, options={"max_running_requests": 4}))
+    seeded = engine.command(EngineSpec(model_path="m", port=1, options={"max_running_requests": 4}, deterministic=True))
+    assert "--enable-deterministic-inference" not in plain
+    assert seeded == [*plain, "--enable-deterministic-inference"]  # SGLang's flag of the same meaning

@@ -56,3 +56,17 @@ def test_routed_experts_on_a_dense_model_is_a_clear_400(dense):
     answer = dense.post("/generate", {"input_ids": [1, 2], "return_routed_experts": True})
     assert answer.status_code == 400
     assert "mixture-of-experts" in answer.json()["detail"]
+
+
+def test_routed_experts_start_len_returns_only_the_rows_from_there(moe) -> None:
+    """SGLang's ``routed_experts_start_len``: a later turn asks only for positions it lacks."""
+    body = {"input_ids": PROMPTS[2], "return_routed_experts": True,
+            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True, "temperature": 0.0}}
+    full = moe.generate(body)
+    part = moe.generate({**body, "routed_experts_start_len": 5})
+    rows = np.frombuffer(decode_routed_experts(full["meta_info"]["routed_experts"]), dtype="<i4").reshape(-1, 2, 2)
+    tail = np.frombuffer(decode_routed_experts(part["meta_info"]["routed_experts"]), dtype="<i4").reshape(-1, 2, 2)
+    assert part["output_ids"] == full["output_ids"] and len(rows) == len(PROMPTS[2]) + 4 - 1
+    np.testing.assert_array_equal(tail, rows[5:])
+    too_far = moe.post("/generate", {**body, "routed_experts_start_len": len(PROMPTS[2]) + 1})
+    assert too_far.status_code == 400 and "routed_experts_start_len" in too_far.json()["detail"]

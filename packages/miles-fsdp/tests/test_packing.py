@@ -68,6 +68,18 @@ def test_inputs_point_at_the_predicting_position(tiny_dense, packed: bool) -> No
         assert inputs.position_ids[0].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 0, 1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_token_positions_map_what_the_model_sees_back_to_the_batch(tiny_dense, packed: bool) -> None:
+    batch = make_test_batch(tiny_dense, lengths=(6, 3, 5), prompt=2)
+    inputs = build_inputs(batch, packed=packed, device=torch.device("cpu"))
+    positions = inputs.token_positions()
+    seen = inputs.input_ids.reshape(-1)
+    assert positions.shape == seen.shape
+    real = positions >= 0
+    assert torch.equal(batch.tokens.reshape(-1)[positions[real]], seen[real])
+    assert int(real.sum()) == int(batch.attention_mask.sum())  # every real token once, padding -1
+
+
 def test_loss_mask_on_the_first_column_or_on_padding_is_refused(tiny_dense) -> None:
     batch = make_test_batch(tiny_dense, lengths=(4, 2), prompt=1)
     batch.loss_mask[0, 0] = 1

@@ -73,6 +73,9 @@ def test_every_option_becomes_its_flag_and_extra_args_come_last():
                                         "--enable-weights-cpu-backup"))
     assert plan.argv[-2:] == ["--chunked-prefill-size", "8192"]
     assert "--api-key" not in plan.argv and "--dtype" not in plan.argv  # no token: an open server; dtype auto
+    assert "--enable-deterministic-inference" not in plan.argv
+    deterministic = launch_plan(EngineSpec(model_path="/m", port=1, deterministic=True), SGLangSection())
+    assert flags(deterministic.argv)["--enable-deterministic-inference"] is True  # run.deterministic
 
 
 def test_sglang_runs_in_its_own_environment():

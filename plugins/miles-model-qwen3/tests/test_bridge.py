@@ -142,3 +142,19 @@ def test_megatron_model_matches_names_shapes_and_logits(megatron: None, model: s
     report = check_against_megatron(Qwen3Bridge(LOCAL), request.getfixturevalue(model))
     # fp32 on CPU; a wrong q/k norm, head order or routing rule moves logits by > 0.1 here.
     assert report.max_logit_diff < 1e-3, report
+
+
+def test_moe_layer_map_names_every_router(tiny_moe: Path, tiny_moe_unnormalised: Path, tiny_dense_qwen3: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    def config(folder: Path) -> dict[str, Any]:
+        return json.loads((folder / "config.json").read_text())
+
+    layer_map = Qwen3Bridge().moe_layers(config(tiny_moe))
+    assert (layer_map.num_layers, layer_map.moe_layers, layer_map.num_experts, layer_map.top_k) == (2, (0, 1), 4, 2)
+    assert layer_map.scoring == "softmax" and layer_map.normalize_top_k
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe)
+    routers = [model.get_submodule(layer_map.router_path(i)) for i in layer_map.moe_layers]
+    assert [type(r).__name__ for r in routers] == ["Qwen3MoeTopKRouter"] * 2
+    assert Qwen3Bridge().moe_layers(config(tiny_moe_unnormalised)).normalize_top_k is False
+    assert Qwen3Bridge().moe_layers(config(tiny_dense_qwen3)) is None

@@ -77,7 +77,13 @@ class SamplingParams(_Request):
 
 
 class GenerateRequest(_Request):
-    """``POST /generate``. Exactly one of ``text`` and ``input_ids``."""
+    """``POST /generate``. Exactly one of ``text`` and ``input_ids``.
+
+    ``return_routed_experts`` asks a MoE model for the experts each position was routed to (see
+    :attr:`MetaInfo.routed_experts`); ``routed_experts_start_len`` (SGLang's name and meaning)
+    is the first position to report, at most the prompt's length: a later turn of a conversation
+    asks only for the positions the earlier turns did not report.
+    """
 
     text: str | None = None
     input_ids: list[int] | None = None
@@ -86,6 +92,7 @@ class GenerateRequest(_Request):
     return_logprob: bool = False
     logprob_start_len: int = -1
     return_routed_experts: bool = False
+    routed_experts_start_len: int = Field(default=0, ge=0)
     stream: bool = False
 
     @model_validator(mode="after")
@@ -112,8 +119,14 @@ class MetaInfo(_Response):
     """``meta_info`` of a generate response.
 
     :ivar output_token_logprobs: one ``[logprob, token_id, text_or_null]`` per output token.
-    :ivar routed_experts: base64 of int32 ``[prompt_tokens + completion_tokens - 1, layers, topk]``
-        (see :func:`encode_routed_experts`), MoE models only.
+    :ivar routed_experts: base64 of the little-endian int32 array
+        ``[prompt_tokens + completion_tokens - 1 - routed_experts_start_len, layers, top_k]`` (see
+        :func:`encode_routed_experts`): row ``i`` holds the experts position
+        ``routed_experts_start_len + i`` was routed to; the last sampled token was never fed, so it
+        has no row. This is SGLang's encoding (``meta_info["routed_experts"]``, filled when the
+        server runs with ``--enable-return-routed-experts``), where ``layers`` is the model's
+        ``num_hidden_layers`` with dense layers' rows zero; an engine may instead report the MoE
+        layers only. MoE models only.
     """
 
     id: str

@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from miles_contracts.capture import CaptureSpec
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -37,8 +39,12 @@ class SessionSampling(_Request):
 
 
 class CreateSessionRequest(_Request):
+    """:ivar captures: engine captures every turn of the session carries (see
+    :mod:`miles_contracts.capture`); their payloads are kept in the turn records."""
+
     metadata: dict[str, Any] = Field(default_factory=dict)
     sampling: SessionSampling = Field(default_factory=SessionSampling)
+    captures: list[CaptureSpec] = Field(default_factory=list, max_length=8)
 
 
 class CreateSessionResponse(_Response):
@@ -47,6 +53,15 @@ class CreateSessionResponse(_Response):
 
 
 FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class TurnCapture(_Response):
+    """What one turn's engine call returned for a capture: ``payload`` covers positions
+    ``[start, start + rows)`` of the turn's ``input_ids + output_ids`` (None: the engine sent none)."""
+
+    start: int
+    rows: int
+    payload: Any = None
 
 
 class TurnRecord(_Response):
@@ -61,6 +76,7 @@ class TurnRecord(_Response):
     :ivar message: the assistant message returned to the client (content, reasoning, tool calls).
     :ivar format_error: set when the output held a malformed tool call (returned as text).
     :ivar rolled_back: a later request retried this turn; it is not part of the trajectory.
+    :ivar captures: the session's engine captures of this call, by capture name.
     """
 
     turn: int
@@ -75,6 +91,7 @@ class TurnRecord(_Response):
     rolled_back: bool = False
     created_at: float
     latency_s: float = 0.0
+    captures: dict[str, TurnCapture] = Field(default_factory=dict)
 
 
 class RequestFailure(_Response):

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from miles.cli.command import Command
+from miles.cli.config_args import add_config_arguments, split_config_args
 from miles.hookspecs import hookimpl
 from miles.registry import Register
 
@@ -44,17 +45,28 @@ def _plugins_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="apply this config's plugins.enable / plugins.disable")
 
 
+CONFIG_SHOW_DESCRIPTION = """\
+Validate a config and print it fully resolved (defaults included). Takes the same arguments as
+`miles train`: an optional YAML file first, then section.key=value overrides.
+
+  miles config show                                   # the defaults
+  miles config show examples/arithmetic/config.yaml
+  miles config show run.mode=one_step_off rollout.temperature=0.8
+  miles config show examples/arithmetic/config.yaml run.steps=20 --json
+"""
+
+
 def _config_show(args: argparse.Namespace) -> int:
     from miles.config import load_config
 
-    cfg = load_config(args.config, args.overrides)
+    config_path, overrides = split_config_args(args.items)
+    cfg = load_config(config_path, overrides)
     print(json.dumps(cfg.to_dict(), indent=2) if args.json else cfg.to_yaml(), end="" if not args.json else "\n")
     return 0
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", nargs="?", help="YAML config (omit for the defaults)")
-    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    add_config_arguments(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of YAML")
 
 
@@ -66,5 +78,5 @@ def miles_register_commands(register: Register) -> None:
     ))
     register("config show", Command(
         help="validate a config and print it fully resolved (defaults included)",
-        run=_config_show, add_arguments=_config_args,
+        run=_config_show, add_arguments=_config_args, description=CONFIG_SHOW_DESCRIPTION,
     ))

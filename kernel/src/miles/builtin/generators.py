@@ -2,7 +2,8 @@
 
 One engine call per sample: the prompt is tokenized here (chat template for message lists), sent
 as ``input_ids`` so the trajectory is exactly the ids the engine saw and produced, and the answer's
-ids and log-probs are stored as they came back (token in, token out).
+ids and log-probs are stored as they came back (token in, token out). The run's engine captures
+(``ctx.captures``) ride along and land in the sample's stash.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from miles_contracts.wire.engine import GenerateRequest, GenerateResponse
 from miles.engine_client import EngineRequestError, EngineUnavailableError
 from miles.hookspecs import hookimpl
 from miles.registry import Register
+from miles.rollout.capture import capture_request, response_pieces, store_captures
 from miles.rollout.tokens import prompt_token_ids
 
 _FINISH = {
@@ -30,7 +32,8 @@ async def single_turn(sample: Sample, ctx: GenerateContext) -> Sample:
         return sample.finish(Status.TRUNCATED, ExitReason.CONTEXT_OVERFLOW,
                              f"prompt has {len(prompt_ids)} tokens, context is {ctx.max_context_len}")
     params = ctx.sampling_params.model_copy(update={"max_new_tokens": min(ctx.sampling_params.max_new_tokens, budget)})
-    request = GenerateRequest(input_ids=prompt_ids, sampling_params=params, return_logprob=True)
+    specs = [c.spec for c in ctx.captures]
+    request = capture_request(GenerateRequest(input_ids=prompt_ids, sampling_params=params, return_logprob=True), specs)
     try:
         response = await ctx.engine.generate(request, routing_key=f"group-{sample.group_index}")
     except EngineRequestError as exc:
@@ -40,7 +43,9 @@ async def single_turn(sample: Sample, ctx: GenerateContext) -> Sample:
     except EngineUnavailableError as exc:
         sample.tokens = prompt_ids
         return sample.finish(Status.ABORTED, ExitReason.ENGINE_ERROR, str(exc))
-    return apply_response(sample, prompt_ids, response)
+    apply_response(sample, prompt_ids, response)
+    pieces = response_pieces(response.meta_info, specs)
+    return store_captures(sample, ctx.captures, {name: [piece] for name, piece in pieces.items()})
 
 
 def apply_response(sample: Sample, prompt_ids: list[int], response: GenerateResponse) -> Sample:

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from miles.cli.command import Command
+from miles.cli.config_args import add_config_arguments, split_config_args
 from miles.errors import MilesError
 from miles.hookspecs import hookimpl
 from miles.registry import Register
@@ -21,23 +22,12 @@ first use), a synthetic arithmetic task, GRPO, a few steps on CPU.
 """
 
 
-def _split(args: argparse.Namespace) -> tuple[Path | None, list[str]]:
-    items = list(args.items)
-    config = None
-    if items and "=" not in items[0]:
-        config = Path(items.pop(0))
-    bad = [i for i in items if "=" not in i]
-    if bad:
-        raise MilesError(f"expected section.key=value overrides after the config, got {bad}")
-    return config, items
-
-
 def _train(args: argparse.Namespace) -> int:
     from miles.config import load_config
     from miles.loop.run_dir import new_run_dir
     from miles.loop.runner import run_training
 
-    config_path, overrides = _split(args)
+    config_path, overrides = split_config_args(args.items)
     if args.resume:
         run_dir = Path(args.resume)
         if config_path is not None:
@@ -54,8 +44,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("items", nargs="*", metavar="[CONFIG] [section.key=value ...]",
-                   help="a YAML config (optional) followed by overrides")
+    add_config_arguments(p)
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
 
 

@@ -1,10 +1,18 @@
 """Collect one step's training groups: prompts -> generator -> reward -> filters, over-sampling
-until the step has ``rollout.prompts_per_step`` kept groups (or gives up after a few rounds)."""
+until the step has ``rollout.prompts_per_step`` kept groups (or gives up after a few rounds).
+
+Results keep the order the prompts were drawn in, whatever order the engine finishes them in
+(generators fill the samples in place), so a step's batch does not depend on timing. With
+``run.deterministic`` every sample also sends its own ``sampling_seed`` (:func:`sampling_seed`),
+so what it samples does not depend on which requests it shared the engine with.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
+import hashlib
 import math
 import time
 from collections import Counter
@@ -22,6 +30,14 @@ from miles.kernel import Kernel
 from miles.rewards import score_samples
 
 MAX_ROUNDS = 4  # over-sampling rounds before a step trains on fewer groups than asked
+
+
+def sampling_seed(run_seed: int, index: int) -> int:
+    """The ``sampling_seed`` of sample ``index`` (unique over the run, restored on resume) in a
+    deterministic run: hashed, so that neighbouring seeds or indices give unrelated streams, and
+    below 2**31 so that every engine accepts it."""
+    digest = hashlib.blake2b(f"miles-sampling:{run_seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % 2**31
 
 
 @dataclass
@@ -46,6 +62,7 @@ class RolloutManager:
         self.tokenizer = tokenizer
         self.session_url = session_url
         self.over_sampler = over_sampler_for(config.rollout.over_sampling)
+        self.captures = kernel.engine_captures(config)
         self._next_group = 0
         self._next_index = 0
 
@@ -78,6 +95,7 @@ class RolloutManager:
             engine=self.engine, tokenizer=self.tokenizer, sampling_params=self.sampling_params(evaluation=evaluation),
             max_context_len=self.config.rollout.max_context_len, session_server_url=self.session_url,
             evaluation=evaluation, resources={"kernel": self.kernel, "config": self.config},
+            captures=() if evaluation else tuple(self.captures),
         )
 
     def make_groups(self, prompts: Sequence[Sample], n: int) -> list[list[Sample]]:
@@ -102,7 +120,7 @@ class RolloutManager:
             nonlocal done
             async with limit:
                 try:
-                    await self.generator(sample, ctx)
+                    await self.generator(sample, self._seeded(ctx, sample))
                 except Exception as exc:  # a generator bug costs the sample, not the run
                     from miles_contracts import ExitReason
 
@@ -112,6 +130,12 @@ class RolloutManager:
                 on_done(done)
 
         await asyncio.gather(*(one(s) for s in samples))
+
+    def _seeded(self, ctx: GenerateContext, sample: Sample) -> GenerateContext:
+        if not self.config.run.deterministic:
+            return ctx
+        seed = sampling_seed(self.config.run.seed, sample.index)
+        return dataclasses.replace(ctx, sampling_params=ctx.sampling_params.model_copy(update={"sampling_seed": seed}))
 
     async def collect(self, step: int, progress: Callable[[int, int], None] | None = None) -> StepRollout:
         r = self.config.rollout
@@ -183,6 +207,11 @@ def rollout_metrics(samples: list[Sample], kept: list[list[Sample]], drops: Coun
     }
     for status, count in statuses.items():
         m[f"rollout/status_{status}"] = float(count)
+    # why samples could not be trained on (e.g. exit_missing_capture: an engine capture was absent)
+    dropped = Counter(s.exit_reason.value for s in samples
+                      if s.exit_reason is not None and s.status in (Status.FAILED, Status.ABORTED))
+    for reason, count in dropped.items():
+        m[f"rollout/exit_{reason}"] = float(count)
     for reason, count in drops.items():
         m[f"filter/drop_{reason}"] = float(count)
     return m

@@ -6,6 +6,12 @@
     samples/step_000003.jsonl  every sample of a step (prompt, response, reward, status)
     checkpoints/step_000004/   backend state + miles-state.json (written last: its presence marks
                                a complete checkpoint)
+    hf/                      the final model as a Hugging Face folder (``run.export_hf``)
+
+Checkpoints are written every ``run.save_every`` steps and after the last step (``run.save_final``).
+After each save the folder keeps the ``run.keep_checkpoints`` newest complete checkpoints and
+deletes the rest, incomplete ones (a save that was interrupted) included, so disk use stays at
+``keep_checkpoints`` checkpoints, plus the one being written during a save.
 """
 
 from __future__ import annotations
@@ -41,9 +47,22 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step_{step:06d}"
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
+def _checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoint folders, complete or not, oldest step first (by number: names stop sorting
+    numerically past step 999999)."""
     root = run_dir / "checkpoints"
-    complete = sorted(p for p in root.glob("step_*") if (p / STATE_FILE).is_file()) if root.is_dir() else []
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step_*") if p.is_dir() and p.name.removeprefix("step_").isdigit()]
+    return sorted(found, key=lambda p: int(p.name.removeprefix("step_")))
+
+
+def _complete(path: Path) -> bool:
+    return (path / STATE_FILE).is_file()
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    complete = [p for p in _checkpoints(run_dir) if _complete(p)]
     return complete[-1] if complete else None
 
 
@@ -57,11 +76,23 @@ def read_state(path: Path) -> dict[str, Any]:
     return json.loads((path / STATE_FILE).read_text())
 
 
-def prune_checkpoints(run_dir: Path, keep: int) -> None:
-    root = run_dir / "checkpoints"
-    complete = sorted(p for p in root.glob("step_*") if (p / STATE_FILE).is_file())
-    for old in complete[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+def prune_checkpoints(run_dir: Path, keep: int) -> tuple[list[Path], list[Path]]:
+    """Keep the ``keep`` newest complete checkpoints; delete older ones and every incomplete one.
+
+    Call it right after a checkpoint is complete (nothing else is being written then). Returns
+    ``(removed, failed)``: the folders deleted and those that could not be (the caller reports
+    them: a full disk is the reason to prune at all, so a failure must not pass silently).
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    folders = _checkpoints(run_dir)
+    complete = [p for p in folders if _complete(p)]
+    doomed = [p for p in folders if not _complete(p)] + complete[:-keep]
+    removed, failed = [], []
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+        (failed if path.exists() else removed).append(path)
+    return removed, failed
 
 
 def dump_samples(run_dir: Path, step: int, samples: list[Sample], kind: str = "samples", *, tokens: bool = False) -> Path:

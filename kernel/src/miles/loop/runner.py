@@ -101,6 +101,10 @@ class Run:
             self._restore()
         if self.resume or cfg.weights.check:
             self._sync_weights(bump=False)  # engines start from the base model; bring them to ours
+        if not cfg.run.save_every and not cfg.run.save_final:
+            kept = "only <run>/hf will hold the trained model" if cfg.run.export_hf else "the trained model is not kept"
+            self.progress.message(f"no checkpoints will be written (run.save_every=0, run.save_final=false): the run "
+                                  f"cannot be resumed and {kept}")
         kernel.run_start(cfg, self.run_dir)
 
     def _stop(self) -> None:
@@ -146,7 +150,7 @@ class Run:
                 if pending is not None:  # let the next rollout finish: evaluation shares the engines
                     await asyncio.wait([pending])
                 metrics.update(await self._evaluate(step))
-            if (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.run.steps:
+            if (cfg.run.save_every and step % cfg.run.save_every == 0) or (step == cfg.run.steps and cfg.run.save_final):
                 metrics["time/checkpoint"] = self._save()
             self._log(step, metrics)
 
@@ -217,7 +221,10 @@ class Run:
                  "python_random": _jsonable_random_state()}
         self.backend.save_checkpoint(path, extra)
         write_state(path, {"step": self.step, "weight_version": self.version, "saved_at": time.time()})
-        prune_checkpoints(self.run_dir, self.config.run.keep_checkpoints)
+        _, failed = prune_checkpoints(self.run_dir, self.config.run.keep_checkpoints)
+        if failed:
+            self.progress.message(f"could not delete old checkpoint(s) {', '.join(map(str, failed))}: "
+                                  f"run.keep_checkpoints is not holding disk use down; delete them by hand")
         return time.perf_counter() - start
 
     def _supersede_metrics(self) -> None:

@@ -104,7 +104,8 @@ def start_services(config: MilesConfig, kernel: Kernel, model_path: Path, run_di
         engine_urls = {}
         for i in range(config.rollout.num_engines):
             spec = EngineSpec(model_path=str(model_path), port=free_port(HOST), host=HOST,
-                              device=config.model.device, dtype=config.model.dtype, options=dict(options))
+                              device=config.model.device, dtype=config.model.dtype, options=dict(options),
+                              deterministic=config.run.deterministic)
             name = f"engine-{i}"
             executor.start(name, engine.command(spec), health_url=f"{spec.url}/health")
             engine_urls[name] = spec.url

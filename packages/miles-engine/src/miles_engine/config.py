@@ -39,6 +39,12 @@ class EngineConfig:
     :ivar disable_cuda_graph: run decode steps eagerly on CUDA; by default each decode step is a
         replayed CUDA graph (see ``cuda_graphs.py``; not used for MoE models recording routes).
     :ivar seed: seeds the sampler of requests that carry no ``sampling_seed``.
+    :ivar enable_deterministic_inference: batch-invariant numerics (SGLang's flag of the same
+        name): a request's tokens and log-probs do not depend on which requests share its batch.
+        With a ``sampling_seed`` per request, the same request then gives the same bits in any run.
+        Only fp32 CPU engines with oneDNN can do it (every linear on the packed oneDNN path,
+        decode attention row by row, new requests prefilled one at a time: slower); elsewhere the
+        engine logs that only the seeds apply. See ``docs/design/reproducibility.md``.
     """
 
     model_path: str
@@ -54,6 +60,7 @@ class EngineConfig:
     plain_linear: bool = False
     disable_cuda_graph: bool = False
     seed: int = 0
+    enable_deterministic_inference: bool = False
     tokenizer_path: str | None = None
     served_model_name: str | None = None
 

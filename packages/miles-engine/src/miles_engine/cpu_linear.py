@@ -10,6 +10,14 @@ After any in-place weight change, call :meth:`PackedLinears.repack` (with the ch
 that a bucket of a weight sync repacks only its own layers).
 
 The cost is a second copy of the linear weights in memory.
+
+Batch invariance (``batch_invariant=True``, deterministic engines): MKL's sgemm gives a row
+different bits depending on how many rows share the call (1, 2-3 and 4+ rows took three different
+paths here), while the packed oneDNN path gave the same bits for every row count from 2 to 300
+(SmolLM2's and the tiny test model's shapes, 1 and 2 threads, this project's AVX2 CPUs; a single
+row on a K=1536 input differed). So every input goes through the packed path, and inputs of fewer
+than :data:`MIN_ROWS` rows are zero-padded to it. That is measured, not promised by oneDNN: other
+CPUs (AVX-512, AMX) may pick kernels per row count differently.
 """
 
 from __future__ import annotations
@@ -36,9 +44,10 @@ def available() -> bool:
 class PackedLinears:
     """Installs packed forwards on every ``nn.Linear`` of ``model`` (fp32, CPU)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, batch_invariant: bool = False) -> None:
         from torch import nn
 
+        self.batch_invariant = batch_invariant
         self.layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
         self._packed: dict[int, torch.Tensor] = {}
         self.repack()
@@ -64,13 +73,16 @@ class PackedLinears:
 
         packed = self._packed
         key = id(layer)
+        pad_small = self.batch_invariant
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             rows = x.numel() // x.shape[-1]
-            if rows < MIN_ROWS or torch.is_grad_enabled() and layer.weight.requires_grad:
+            if torch.is_grad_enabled() and layer.weight.requires_grad or rows < MIN_ROWS and not pad_small:
                 return F.linear(x, layer.weight, layer.bias)
             flat = x.reshape(rows, x.shape[-1]).contiguous()
-            out = torch.ops.mkldnn._linear_pointwise(flat, packed[key], layer.bias, "none", [], "")
+            if rows < MIN_ROWS:
+                flat = torch.cat([flat, flat.new_zeros(MIN_ROWS - rows, flat.shape[-1])])
+            out = torch.ops.mkldnn._linear_pointwise(flat, packed[key], layer.bias, "none", [], "")[:rows]
             return out.reshape(*x.shape[:-1], out.shape[-1])
 
         return forward

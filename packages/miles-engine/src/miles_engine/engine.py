@@ -31,7 +31,7 @@ from miles_contracts.wire.engine import (
 
 from miles_engine.config import EngineConfig
 from miles_engine.loading import LoadedModel, load_model
-from miles_engine.sampling import RowSampling
+from miles_engine.sampling import RowSampling, request_seed
 from miles_engine.scheduler import PauseMode, Scheduler
 from miles_engine.sequence import Sequence
 from miles_engine.weight_updates import WeightUpdates
@@ -112,6 +112,10 @@ class Engine:
                                   "engine; leave logprob_start_len at -1")
         if request.return_routed_experts and self.scheduler.runner.routing is None:
             raise BadRequestError("return_routed_experts needs a mixture-of-experts model; this model has no routers")
+        routed_start = request.routed_experts_start_len or 0
+        if routed_start > len(ids):
+            raise BadRequestError(f"routed_experts_start_len ({routed_start}) must be at most the "
+                                  f"prompt's length ({len(ids)} tokens)")
         rid = request.rid or uuid.uuid4().hex
         if rid in self._inflight:
             raise BadRequestError(f"a request with rid {rid!r} is already running; rids must be unique")
@@ -127,18 +131,20 @@ class Engine:
         # As SGLang: ignore_eos turns off every token-based stop, stop_token_ids included
         stop_ids = frozenset() if params.ignore_eos else explicit_stops | loaded.eos_token_ids
         return Sequence(
-            rid=rid, prompt_ids=ids, params=params, sampling=self._row_sampling(request, stop_ids),
+            rid=rid, prompt_ids=ids, params=params, sampling=self._row_sampling(request, stop_ids, len(ids)),
             max_new_tokens=max_new, stop_ids=stop_ids, return_logprob=request.return_logprob,
-            return_routed_experts=request.return_routed_experts, on_finish=on_finish,
+            return_routed_experts=request.return_routed_experts, routed_start=routed_start,
+            on_finish=on_finish,
         )
 
-    def _row_sampling(self, request: GenerateRequest, stop_ids: frozenset[int]) -> RowSampling:
+    def _row_sampling(self, request: GenerateRequest, stop_ids: frozenset[int], prompt_len: int) -> RowSampling:
         import torch
 
         params = request.sampling_params
         generator = None
         if params.sampling_seed is not None:
-            generator = torch.Generator(device=self.loaded.device).manual_seed(params.sampling_seed)
+            generator = torch.Generator(device=self.loaded.device).manual_seed(
+                request_seed(params.sampling_seed, prompt_len))
         return RowSampling(
             temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
             min_new_tokens=params.min_new_tokens, banned_until_min=tuple(sorted(stop_ids)),
@@ -164,7 +170,7 @@ class Engine:
         routing = self.scheduler.runner.routing
         rows = max(len(seq.prompt_ids) + len(seq.output_ids) - 1, 0)
         if seq.routed:
-            table = torch.cat(seq.routed)[:rows]
+            table = torch.cat(seq.routed)[seq.routed_start : rows]  # rows [start, positions fed - 1)
         else:
             table = torch.zeros(0, routing.num_layers, routing.top_k, dtype=torch.int32)
         return encode_routed_experts(table.contiguous().numpy().astype("<i4").tobytes())

@@ -15,7 +15,8 @@ class EmbeddedEngine:
     """``command(spec)`` is the argv of ``python -m miles_engine`` serving ``spec``.
 
     ``spec.options`` takes the keys of the ``engine`` config section (``max_running_requests``,
-    ``context_length`` ...); ``spec.model_path`` may be a folder or a name of ``miles models list``.
+    ``context_length`` ...); ``spec.model_path`` may be a folder or a name of ``miles models list``;
+    ``spec.deterministic`` is ``--enable-deterministic-inference``.
     """
 
     config_section = "engine"
@@ -25,5 +26,5 @@ class EmbeddedEngine:
             sys.executable, "-m", "miles_engine",
             "--model", str(spec.model_path), "--host", spec.host, "--port", str(spec.port),
             "--device", spec.device, "--dtype", spec.dtype,
-            *options_argv(dict(spec.options)),
+            *options_argv({**spec.options, "enable_deterministic_inference": spec.deterministic}),
         ]

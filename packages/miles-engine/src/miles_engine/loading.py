@@ -58,7 +58,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     dtype = resolve_dtype(config.dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path)
     # CPU decode attention is faster as two batched matmuls than through SDPA (see attention.py).
-    attn = attention.register() if device.type == "cpu" else "sdpa"
+    per_row = config.enable_deterministic_inference
+    attn = attention.register(per_row=per_row) if device.type == "cpu" else "sdpa"
     model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype, attn_implementation=attn)
     model.to(device)
     model.eval()

@@ -43,6 +43,8 @@ ENGINE_FLAGS = (
     Flag("plain_linear", bool, "CPU: keep transformers' linear layers (no oneDNN weight packing; less memory, slower)"),
     Flag("disable_cuda_graph", bool, "CUDA: run decode steps eagerly instead of as replayed CUDA graphs"),
     Flag("seed", int, "seed of requests without sampling_seed (default 0)"),
+    Flag("enable_deterministic_inference", bool, "batch-invariant numerics: a request gives the same tokens and "
+         "log-probs in any batch (fp32 CPU with oneDNN only; slower)"),
     Flag("tokenizer_path", str, "tokenizer folder if not the model's"),
     Flag("served_model_name", str, "name reported by /get_model_info"),
 )

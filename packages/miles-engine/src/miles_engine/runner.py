@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, max_slots: int, *, pack_linears: bool = True,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, batch_invariant: bool = False) -> None:
         import torch
 
         self.loaded = loaded
@@ -42,7 +42,12 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.cache, max_slots) if graphed else None
         self.packed = None
         if pack_linears and loaded.device.type == "cpu" and loaded.dtype == torch.float32 and cpu_linear.available():
-            self.packed = cpu_linear.PackedLinears(self.model)
+            self.packed = cpu_linear.PackedLinears(self.model, batch_invariant=batch_invariant)
+        if batch_invariant and self.packed is None:
+            log.warning("deterministic inference: batch-invariant numerics need an fp32 CPU engine with oneDNN "
+                        "linears (this one: %s, %s, packed linears %s); requests with a sampling_seed still sample "
+                        "reproducibly, but log-probs (and rarely tokens) can change with the batch",
+                        loaded.device.type, loaded.dtype, "off" if not pack_linears else "unavailable")
 
     def weights_changed(self, storages: Collection[int] | None = None) -> None:
         """Call after any in-place change of the model's weights (derived copies follow);

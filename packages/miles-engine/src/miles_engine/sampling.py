@@ -9,7 +9,11 @@ forward of the same sequence gives.
 Sampling inverts the CDF: one uniform number per request, searched in the cumulative
 probabilities, so the random-number cost is one draw per row (not one per vocabulary entry). A
 request with a ``sampling_seed`` draws from its own generator, so its tokens do not depend on
-which other requests share the batch.
+which other requests share the batch. That generator is seeded from the seed *and* the prompt's
+length (:func:`request_seed`): SGLang keys its seeded draws on (seed, position) as well, and the
+turns of one conversation sent with one seed must not reuse the same random numbers (turn 2 would
+otherwise sample its first token with turn 1's first draw, coupling turns that RL treats as
+independent draws).
 """
 
 from __future__ import annotations
@@ -43,6 +47,13 @@ class RowSampling:
     @property
     def penalised(self) -> bool:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def request_seed(sampling_seed: int, prompt_len: int) -> int:
+    """Seed of a request's generator, in ``torch.Generator.manual_seed``'s range: distinct for
+    distinct (seed, prompt length) pairs while prompts are shorter than 1,000,003 tokens and seeds
+    lie in [0, 9e12)."""
+    return (sampling_seed * 1_000_003 + prompt_len) % 2**63
 
 
 def sample(logits: torch.Tensor, rows: Sequence[RowSampling], outputs: Sequence[Sequence[int]],

@@ -72,7 +72,8 @@ class Scheduler:
         self.config = config
         self.max_kv_tokens = max_kv_tokens
         self.runner = ModelRunner(loaded, config.max_running_requests, pack_linears=not config.plain_linear,
-                                  cuda_graphs=not config.disable_cuda_graph)
+                                  cuda_graphs=not config.disable_cuda_graph,
+                                  batch_invariant=config.enable_deterministic_inference)
         self.codec = TextCodec(loaded.tokenizer)
         self.stop_checker = StopChecker(self.codec)
         self.generator = torch.Generator(device=loaded.device).manual_seed(config.seed)
@@ -276,7 +277,10 @@ class Scheduler:
                 fresh.append(seq)
             else:  # resumed with part of its prompt cached: prefilled on its own
                 self._prefill([seq])
-        if fresh:
+        if fresh and self.config.enable_deterministic_inference:  # a batched prefill pads to the longest prompt
+            for seq in fresh:
+                self._prefill([seq])
+        elif fresh:
             self._prefill(fresh)
 
     def _fits(self, seq: Sequence, admitting: list[Sequence]) -> bool:

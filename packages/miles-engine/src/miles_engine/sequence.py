@@ -33,6 +33,7 @@ class Sequence:
     return_logprob: bool
     return_routed_experts: bool
     on_finish: Callable[[Sequence], None]
+    routed_start: int = 0  # first position whose experts the answer reports (routed_experts_start_len)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     routed: list[torch.Tensor] = field(default_factory=list)

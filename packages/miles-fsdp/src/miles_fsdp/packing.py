@@ -131,6 +131,19 @@ class ModelInputs:
     def num_tokens(self) -> int:
         return int(self.input_ids.numel()) if self.attention_mask is None else int(self.attention_mask.sum())
 
+    def token_positions(self) -> torch.Tensor:
+        """``[N]`` flat index ``b * t + col`` into the micro-batch of each token the model sees, in
+        the order it sees them; -1 for padding (``ForwardContext.state["token_positions"]``)."""
+        import torch
+
+        b, t = self.shape
+        if self.attention_mask is None:  # packed: rows one after the other, no padding
+            starts = self.cu_seqlens if self.cu_seqlens is not None else torch.tensor([0, self.input_ids.shape[-1]])
+            lengths = (starts[1:] - starts[:-1]).tolist()
+            return torch.cat([torch.arange(n) + row * t for row, n in enumerate(lengths)]).to(self.input_ids.device)
+        flat = torch.arange(b * t, device=self.attention_mask.device)
+        return torch.where(self.attention_mask.reshape(-1) > 0, flat, torch.full_like(flat, -1))
+
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """``[K]`` per-wanted-token values -> ``[b, t]`` (zero elsewhere); keeps autograd."""
         out = values.new_zeros(self.shape)

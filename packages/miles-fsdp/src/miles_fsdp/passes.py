@@ -3,8 +3,9 @@
 Each forward runs inside :meth:`miles.kernel.Kernel.run_forward`, so ``miles_forward`` wrappers
 (routing replay, probes) see every pass with its phase, the HF module and the micro-batch (padded
 ``[b, t]`` view). ``ctx.state["inputs"]`` holds the :class:`~miles_fsdp.packing.ModelInputs` the
-module actually receives (packed ``[1, N]`` with ``cu_seqlens``, or padded), so a wrapper can map
-per-token batch tensors to the packed order.
+module actually receives (packed ``[1, N]`` with ``cu_seqlens``, or padded), and
+``ctx.state["token_positions"]`` (see ``ForwardContext``) maps the tokens the layers see back to
+the micro-batch, so a wrapper can line per-token batch tensors up with them.
 
 Every rank runs the same number of forwards (see :mod:`miles_fsdp.packing`); a rank without rows
 for a micro-batch runs a dummy one and contributes zero.
@@ -142,7 +143,7 @@ class PassRunner:
         """``[K]`` outputs of ``module`` on ``inputs``, through the ``miles_forward`` wrappers."""
         hf = module.hf if isinstance(module, PolicyModel) else module.base
         ctx = ForwardContext(phase=phase, model=hf, batch=micro, backend=self.backend_name, bridge=self.bridge,
-                             state={"inputs": inputs, "dummy": dummy})
+                             state={"inputs": inputs, "dummy": dummy, "token_positions": inputs.token_positions})
 
         def run() -> tuple[torch.Tensor, ...]:
             if isinstance(module, ValueModel):

@@ -58,7 +58,8 @@ def launch_plan(spec: EngineSpec, section: SGLangSection, *, token: str | None =
                 gpus: Sequence[int | str] | None = None) -> LaunchPlan:
     """The argv and environment that serve ``spec`` with SGLang.
 
-    :param spec: model folder, host, port, device and dtype (``auto`` leaves SGLang's default).
+    :param spec: model folder, host, port, device and dtype (``auto`` leaves SGLang's default),
+        ``deterministic`` (``--enable-deterministic-inference``).
     :param section: the run's ``sglang`` section.
     :param token: the run token, given to SGLang as ``--api-key`` (``None``: an open server).
     :param gpus: the GPUs this engine may use, as ``CUDA_VISIBLE_DEVICES`` entries; ``None`` leaves
@@ -72,7 +73,7 @@ def launch_plan(spec: EngineSpec, section: SGLangSection, *, token: str | None =
             "--tp-size", str(section.tp_size), "--dp-size", str(section.dp_size), "--ep-size", str(section.ep_size),
             "--weight-version", "0",  # as the embedded engine: the first weight sync makes it 1
             "--log-level", section.log_level]
-    argv += _value_flags(spec, section) + _switches(section)
+    argv += _value_flags(spec, section) + _switches(spec, section)
     if token:
         argv += ["--api-key", token]
     argv += list(section.sglang_args)
@@ -106,8 +107,9 @@ def _value_flags(spec: EngineSpec, section: SGLangSection) -> list[str]:
     return [part for flag, value in values.items() if value is not None for part in (flag, str(value))]
 
 
-def _switches(section: SGLangSection) -> list[str]:
+def _switches(spec: EngineSpec, section: SGLangSection) -> list[str]:
     switches = {
+        "--enable-deterministic-inference": spec.deterministic,  # run.deterministic
         "--enable-return-routed-experts": section.return_routed_experts,
         "--skip-tokenizer-init": section.skip_tokenizer_init,
         "--disable-radix-cache": section.disable_radix_cache,

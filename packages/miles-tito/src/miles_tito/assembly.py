@@ -13,13 +13,20 @@ from its finish reason. Merging folds the turns of a conversation into a single 
 
 Every turn's prompt must be a prefix of the conversation (the token chain); otherwise the merge
 fails with :class:`AssemblyError` naming the turn and token position rather than guessing.
+
+Engine captures (per-position data such as routed experts) follow the same cut: each turn's
+payload covers the positions its call reported (from the first one earlier turns had not), and
+only the positions of its tokens that survive into the trajectory are kept, so the pieces tile the
+trajectory's ``[0, len(tokens) - 1)`` exactly (a gap or an overlap fails the sample; see
+:func:`miles.rollout.capture.store_captures`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from miles_contracts import ExitReason, Sample, Status
+from miles.rollout.capture import store_captures
+from miles_contracts import CapturedPiece, EngineCapture, ExitReason, Sample, Status
 from miles_contracts.wire.session import TurnRecord
 
 _FINISH = {
@@ -118,6 +125,35 @@ def merge_turns(turns: Sequence[Sample], *, max_trim_tokens: int, into: Sample |
 def assemble(records: Sequence[TurnRecord], *, max_trim_tokens: int, into: Sample | None = None) -> Sample:
     """Records of one session -> its trajectory sample (see :func:`merge_turns`)."""
     return merge_turns(turn_samples(records), max_trim_tokens=max_trim_tokens, into=into)
+
+
+def attach_captures(records: Sequence[TurnRecord], sample: Sample, captures: Sequence[EngineCapture]) -> Sample:
+    """Stitch the data of ``captures`` from the records into ``sample`` (assembled from them, its
+    status final): see :func:`miles.rollout.capture.store_captures`."""
+    if not captures or "tito" not in sample.metadata:
+        return store_captures(sample, captures, {})
+    active = [r for r in records if not r.rolled_back]
+    return store_captures(sample, captures, capture_pieces(active, sample, [c.spec.name for c in captures]))
+
+
+def capture_pieces(records: Sequence[TurnRecord], merged: Sample, names: Sequence[str]) -> dict[str, list[CapturedPiece]]:
+    """Each capture's pieces, one per turn, cut to the turn's positions that survive in ``merged``.
+
+    A turn's call reported positions up to its last fed token; its trailing sampled tokens that the
+    next turn's prompt replaced (see ``turn_spans``) are not the trajectory's, nor are their rows.
+    """
+    spans = merged.metadata["tito"]["turn_spans"]
+    pieces: dict[str, list[CapturedPiece]] = {name: [] for name in names}
+    for record, (_, kept_end) in zip(records, spans, strict=True):
+        fed = len(record.input_ids) + len(record.output_ids) - 1
+        stop = min(fed, merged.prompt_length + kept_end)
+        for name in names:
+            got = record.captures.get(name)
+            if got is None:
+                pieces[name].append(CapturedPiece(start=0, rows=0, stop=0, payload=None))
+            else:
+                pieces[name].append(CapturedPiece(start=got.start, rows=got.rows, stop=stop, payload=got.payload))
+    return pieces
 
 
 def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from miles_contracts.wire.session import FinishReason, TurnRecord
+from miles_contracts.wire.session import FinishReason, TurnCapture, TurnRecord
 
 from miles_tito.errors import HistoryConflict, InvalidRequest, RoleNotAllowed, TokenChainBroken
 from miles_tito.messages import ChatMessage
@@ -48,12 +48,16 @@ class PreparedTurn:
     :ivar input_ids: ``[prompt_len]`` the prompt for the engine.
     :ivar kept_turns: how many generated turns remain (the rest roll back on commit).
     :ivar trimmed: trailing ids of the last kept turn that the splice replaced.
+    :ivar known_positions: leading positions of ``input_ids`` whose per-position engine data
+        (captures) the kept turns already hold: the last kept turn's call reported positions
+        ``[.., n - 1)`` of its ``n`` ids, valid up to where the splice replaced trailing ids.
     """
 
     messages: list[ChatMessage]
     input_ids: list[int]
     kept_turns: int
     trimmed: int
+    known_positions: int = 0
 
 
 class Conversation:
@@ -94,7 +98,8 @@ class Conversation:
         self._check_roles(appended, base.message_index + 1)
         input_ids, trimmed = self.tito.appended_ids(history, base.token_ids, appended, tools, extra)
         self._check_token_chain(base.token_ids, input_ids, trimmed)
-        return PreparedTurn(messages, input_ids, kept, trimmed)
+        previous = len(base.token_ids)
+        return PreparedTurn(messages, input_ids, kept, trimmed, known_positions=min(previous - 1, previous - trimmed))
 
     def _matched_prefix(self, request: Sequence[ChatMessage]) -> int:
         matched = 0
@@ -157,6 +162,7 @@ class Conversation:
         message: ChatMessage,
         format_error: str | None = None,
         latency_s: float = 0.0,
+        captures: dict[str, TurnCapture] | None = None,
     ) -> TurnRecord:
         """Record the engine's answer to ``prepared``; rolled-back turns stay, marked."""
         for turn in self.turns[prepared.kept_turns :]:
@@ -175,6 +181,7 @@ class Conversation:
             format_error=format_error,
             created_at=time.time(),
             latency_s=latency_s,
+            captures=captures or {},
         )
         self.records.append(record)
         self.turns.append(Turn(len(self.messages) - 1, prepared.input_ids + output_ids, record))

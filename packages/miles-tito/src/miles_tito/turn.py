@@ -14,10 +14,11 @@ from typing import Any
 
 import httpx
 from miles.engine_client import EngineRequestError, EngineUnavailableError
-from miles_contracts import EngineClient
+from miles.rollout.capture import capture_request, response_pieces
+from miles_contracts import CaptureSpec, EngineClient
 from miles_contracts.chat import ParsedTurn, ToolCall
 from miles_contracts.wire.engine import GenerateRequest, GenerateResponse, SamplingParams
-from miles_contracts.wire.session import FinishReason, TurnRecord
+from miles_contracts.wire.session import FinishReason, TurnCapture, TurnRecord
 from pydantic import ValidationError
 
 from miles_tito.conversation import Conversation
@@ -32,6 +33,8 @@ class TurnRequest:
     :ivar sampling: engine sampling; ``max_new_tokens`` is clipped to the context budget.
     :ivar parse_tool_calls: False for ``tool_choice: none`` (the text is returned as it is).
     :ivar template_extra: extra template variables (``chat_template_kwargs``).
+    :ivar captures: engine captures the call carries; each answer's payload lands in the record
+        (``record.captures``), asked from the first position earlier turns did not report.
     """
 
     messages: Sequence[ChatMessage]
@@ -39,6 +42,7 @@ class TurnRequest:
     sampling: SamplingParams
     parse_tool_calls: bool = True
     template_extra: Mapping[str, Any] | None = None
+    captures: Sequence[CaptureSpec] = ()
 
 
 @dataclass(slots=True)
@@ -73,6 +77,7 @@ async def run_turn(
     # Built without validation: the ids are the tokenizer's own ints and ``sampling`` is validated
     # already; re-checking every id cost ~85 us per 8k-token prompt on each turn.
     generate = GenerateRequest.model_construct(input_ids=prepared.input_ids, sampling_params=sampling, return_logprob=True)
+    generate = capture_request(generate, request.captures, start=prepared.known_positions)
     started = time.perf_counter()
     response = await _generate(engine, generate, routing_key)
     latency = time.perf_counter() - started
@@ -101,8 +106,14 @@ async def run_turn(
         # A turn cut off by the length limit is not a format mistake, even mid tool call.
         format_error=None if truncated else parsed.format_error,
         latency_s=latency,
+        captures=_turn_captures(response, request.captures, prepared.known_positions),
     )
     return TurnResult(record, message, len(prepared.input_ids))
+
+
+def _turn_captures(response: GenerateResponse, specs: Sequence[CaptureSpec], start: int) -> dict[str, TurnCapture]:
+    pieces = response_pieces(response.meta_info, specs, start=start)
+    return {name: TurnCapture(start=p.start, rows=p.rows, payload=p.payload) for name, p in pieces.items()}
 
 
 async def _generate(engine: EngineClient, request: GenerateRequest, routing_key: str | None) -> GenerateResponse:

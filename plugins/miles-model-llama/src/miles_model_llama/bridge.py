@@ -61,6 +61,10 @@ class LlamaBridge:
     def to_hf(self, mcore_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         return self.weight_map(hf_config).to_hf(mcore_state)
 
+    def moe_layers(self, hf_config: Mapping[str, Any]) -> None:
+        """Llama is dense: no MoE layer map."""
+        return None
+
     def megatron_config(self, hf_config: Mapping[str, Any]) -> dict[str, Any]:
         """``{"transformer_config": ..., "gpt_model": ..., "layer_spec": ...}``: kwargs of
         ``TransformerConfig``, of ``GPTModel`` (besides config and spec), and the layer-spec

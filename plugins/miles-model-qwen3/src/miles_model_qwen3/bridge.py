@@ -13,6 +13,9 @@ mlp.experts.local_experts.{e}.linear_fc1.weight (gate; up)         mlp.experts.{
 mlp.experts.local_experts.{e}.linear_fc2.weight                    mlp.experts.{e}.down_proj.weight
 =================================================================  ===========================================
 
+The MoE layer map (:meth:`Qwen3Bridge.moe_layers`, for routing replay) names each layer's router
+``model.layers.{i}.mlp.gate`` and its weighting (softmax, top-k, renormalised by ``norm_topk_prob``).
+
 Experts follow megatron-core's default ``SequentialMLP`` names; ``MegatronLayout(grouped_gemm=True)``
 switches to Transformer Engine's ``TEGroupedMLP`` names (``mlp.experts.linear_fc1.weight{e}``),
 same shapes. transformers 5 keeps a live model's experts packed (``mlp.experts.gate_up_proj``
@@ -27,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from miles_contracts import MoeLayerMap
 from miles_model_llama import (
     TRANSFORMER_ENGINE,
     BridgeError,
@@ -158,6 +162,19 @@ class Qwen3Bridge:
 
     def to_hf(self, mcore_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         return self.weight_map(hf_config).to_hf(mcore_state)
+
+    def moe_layers(self, hf_config: Mapping[str, Any]) -> MoeLayerMap | None:
+        """The MoE layer map (routing replay): every layer of a Qwen3-MoE model routes through
+        ``mlp.gate`` (``Qwen3MoeTopKRouter``): softmax over all experts in float32, top-k, then the
+        chosen scores renormalised when ``norm_topk_prob``. None for dense Qwen3."""
+        moe = MoeShape.from_hf(hf_config)
+        if moe is None:
+            return None
+        layers = DecoderShape.from_hf(hf_config).num_layers
+        return MoeLayerMap(
+            num_layers=layers, moe_layers=tuple(range(layers)), num_experts=moe.num_experts, top_k=moe.top_k,
+            hf_router="model.layers.{layer}.mlp.gate", scoring="softmax", normalize_top_k=moe.normalize_top_k,
+        )
 
     def megatron_config(self, hf_config: Mapping[str, Any]) -> dict[str, Any]:
         """``{"transformer_config", "gpt_model", "layer_spec"}`` as for :class:`miles_model_llama.LlamaBridge`."""

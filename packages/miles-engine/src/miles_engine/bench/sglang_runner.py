@@ -5,8 +5,9 @@ Reads a job as JSON on stdin (model folder, prompt token ids, sampling, concurre
 engine settings), starts ``sglang.Engine`` in process once, then per concurrency runs one warm-up
 and ``repeats`` timed rounds of ``c`` requests submitted at once, timed until the last finished
 (prefill included): what the embedded system measures. Token ids in and out, no prefix cache, as
-the embedded engine. Writes ``{"runs": {c: [{"tokens", "seconds"}]}, "startup_s", "server"}`` to the
-job's ``result_path``. SGLang starts scheduler processes (spawn), hence the ``__main__`` guard.
+the embedded engine. Writes ``{"warmups": {c: {...}}, "runs": {c: [{"tokens", "seconds"}]},
+"startup_s", "server"}`` to the job's ``result_path`` (a warm-up is each concurrency's first,
+untimed round). SGLang starts scheduler processes (spawn), hence the ``__main__`` guard.
 """
 
 import json
@@ -41,14 +42,14 @@ def main() -> None:
         outs = outs if isinstance(outs, list) else [outs]
         return {"tokens": sum(o["meta_info"]["completion_tokens"] for o in outs), "seconds": seconds}
 
-    runs = {}
+    warmups, runs = {}, {}
     for c in job["concurrencies"]:
-        one_round(c)  # warm-up at this concurrency (graphs, allocator)
+        warmups[str(c)] = one_round(c)  # untimed in the summary: graphs, allocator at this batch size
         runs[str(c)] = [one_round(c) for _ in range(job["repeats"])]
         print(f"  sglang    c={c:<3} {runs[str(c)][-1]['tokens'] / runs[str(c)][-1]['seconds']:8.1f} tok/s",
               file=sys.stderr, flush=True)
     info = engine.get_server_info()
-    result = {"runs": runs, "startup_s": round(startup, 1), "version": sglang.__version__,
+    result = {"warmups": warmups, "runs": runs, "startup_s": round(startup, 1), "version": sglang.__version__,
               "server": {k: info.get(k) for k in SERVER_KEYS if k in info}}
     engine.shutdown()
     with open(job["result_path"], "w") as handle:

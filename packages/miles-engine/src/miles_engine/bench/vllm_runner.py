@@ -1,9 +1,9 @@
 """vLLM side of ``miles bench engine``, run by vLLM's own Python (no Miles imports).
 
 Reads a job as JSON on stdin (model, prompt token ids, sampling, concurrencies, repeats), loads
-the model once, warms up, then times ``LLM.generate`` on ``c`` prompts at once, ``repeats`` times
-per concurrency. Writes ``{"runs": {c: [{"tokens", "seconds"}, ...]}}`` to the job's ``result_path``
-(vLLM prints its own logs on stdout).
+the model once, then per concurrency ``c`` runs ``LLM.generate`` on ``c`` prompts at once: one
+warm-up, then ``repeats`` timed runs. Writes ``{"warmups": {c: {"tokens", "seconds"}}, "runs": {c:
+[{"tokens", "seconds"}, ...]}}`` to the job's ``result_path`` (vLLM prints its own logs on stdout).
 vLLM starts worker processes, hence the ``__main__`` guard.
 """
 
@@ -25,17 +25,17 @@ def main() -> None:
     def batch(c):
         return [TokensPrompt(prompt_token_ids=prompts[i % len(prompts)]) for i in range(c)]
 
-    llm.generate(batch(max(job["concurrencies"])), params, use_tqdm=False)  # warm-up
-    runs = {}
+    def timed(c):
+        started = time.perf_counter()
+        outs = llm.generate(batch(c), params, use_tqdm=False)
+        return {"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": time.perf_counter() - started}
+
+    warmups, runs = {}, {}
     for c in job["concurrencies"]:
-        runs[c] = []
-        for _ in range(job["repeats"]):
-            started = time.perf_counter()
-            outs = llm.generate(batch(c), params, use_tqdm=False)
-            seconds = time.perf_counter() - started
-            runs[c].append({"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": seconds})
+        warmups[c] = timed(c)
+        runs[c] = [timed(c) for _ in range(job["repeats"])]
     with open(job["result_path"], "w") as out:
-        json.dump({"runs": runs}, out)
+        json.dump({"warmups": warmups, "runs": runs}, out)
 
 
 if __name__ == "__main__":

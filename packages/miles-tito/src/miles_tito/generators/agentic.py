@@ -14,6 +14,9 @@ into the trajectory sample.
 * ``metadata`` is the sample's metadata plus ``session_id``, ``index``, ``group_index``,
   ``max_context_len`` and ``max_turns`` (``rollout.max_turns``). The agent's return value is kept in ``sample.metadata["agent_result"]``.
 
+The run's engine captures (``ctx.captures``) are given to the session when it is created; every
+turn's payloads come back in the records and are stitched into the sample's stash.
+
 An agent that raises or times out costs its sample (ABORTED, exit reason ``agent_exception`` /
 ``timeout``), never the run; so does a session server that cannot be reached (``engine_error``).
 """
@@ -22,14 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
-from miles_contracts import ExitReason, GenerateContext, Sample, Status
+from miles_contracts import EngineCapture, ExitReason, GenerateContext, Sample, Status
 from miles_contracts.wire.engine import SamplingParams
 from miles_contracts.wire.session import SessionView
 
-from miles_tito.assembly import AssemblyError, assemble
+from miles_tito.assembly import AssemblyError, assemble, attach_captures
 from miles_tito.generators.settings import GeneratorSettings, prompt_messages, settings_from
 from miles_tito.server.background import BackgroundServer
 from miles_tito.tokenizer import TitoTokenizer
@@ -48,7 +52,10 @@ class AgenticGenerator:
         sampling = request_kwargs(ctx.sampling_params)
         async with httpx.AsyncClient(base_url=server_url, timeout=settings.tito.collect_timeout) as http:
             try:
-                created = await http.post("/sessions", json={"metadata": sample.metadata, "sampling": session_sampling(ctx.sampling_params)})
+                created = await http.post("/sessions", json={
+                    "metadata": sample.metadata, "sampling": session_sampling(ctx.sampling_params),
+                    "captures": [c.spec.model_dump() for c in ctx.captures],
+                })
                 created.raise_for_status()
             except (httpx.HTTPError, TypeError, ValueError) as exc:
                 return sample.finish(Status.ABORTED, ExitReason.ENGINE_ERROR, f"cannot open a session on {server_url}: {exc}")
@@ -71,7 +78,7 @@ class AgenticGenerator:
                 outcome = (Status.ABORTED, ExitReason.AGENT_EXCEPTION, f"the agent raised {type(exc).__name__}: {exc}")
             finally:
                 view = await _collect(http, session["session_id"])
-        return _finish(sample, view, outcome)
+        return _finish(sample, view, outcome, ctx.captures)
 
     def _embedded_server(self, ctx: GenerateContext, settings: GeneratorSettings) -> str:
         """A session server in this process, one per engine URL, tokenizer and family."""
@@ -138,7 +145,9 @@ async def _collect(http: httpx.AsyncClient, session_id: str) -> SessionView | st
         return f"could not collect session {session_id}: {type(exc).__name__}: {exc}"
 
 
-def _finish(sample: Sample, view: SessionView | str, outcome: tuple[Status, ExitReason, str] | None) -> Sample:
+def _finish(
+    sample: Sample, view: SessionView | str, outcome: tuple[Status, ExitReason, str] | None, captures: Sequence[EngineCapture]
+) -> Sample:
     if isinstance(view, str):
         return sample.finish(Status.ABORTED, ExitReason.ENGINE_ERROR, view if outcome is None else f"{outcome[2]}; {view}")
     records = view.active_records
@@ -155,4 +164,4 @@ def _finish(sample: Sample, view: SessionView | str, outcome: tuple[Status, Exit
         return sample.finish(*outcome)
     if not records:
         return sample.finish(Status.ABORTED, ExitReason.ABORT, "the agent finished without a single model call")
-    return sample
+    return attach_captures(records, sample, captures)

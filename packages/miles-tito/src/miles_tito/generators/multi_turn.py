@@ -15,12 +15,13 @@ ABORTED / engine_error or abort. A problem costs the sample, never the run.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
-from miles_contracts import ExitReason, GenerateContext, Sample, Status
+from miles_contracts import EngineCapture, ExitReason, GenerateContext, Sample, Status
 from miles_contracts.chat import ChatFamily
 
-from miles_tito.assembly import assemble
+from miles_tito.assembly import assemble, attach_captures
 from miles_tito.conversation import Conversation
 from miles_tito.errors import ContextLengthExceeded, EngineAborted, EngineFailed, TitoError
 from miles_tito.generators.settings import prompt_messages, settings_from
@@ -54,11 +55,12 @@ class MultiTurnGenerator:
             return sample.finish(Status.FAILED, None, f"the prompt is not a valid message list: {exc}")
         specs = tool_specs(settings.tools)
         routing_key = uuid.uuid4().hex  # all turns of this sample go to one engine (prefix cache)
+        captures = [c.spec for c in ctx.captures]
         ending: Ending | None = None
         for _ in range(settings.max_turns):
             try:
                 result = await run_turn(
-                    conversation, ctx.engine, TurnRequest(messages, specs, ctx.sampling_params),
+                    conversation, ctx.engine, TurnRequest(messages, specs, ctx.sampling_params, captures=captures),
                     max_context_len=ctx.max_context_len, routing_key=routing_key,
                 )
             except TitoError as exc:
@@ -75,7 +77,7 @@ class MultiTurnGenerator:
         else:
             if conversation.records and conversation.records[-1].finish_reason == "tool_calls":
                 ending = (Status.TRUNCATED, ExitReason.MAX_TURNS, f"still calling tools after {settings.max_turns} turns")
-        return _finish(sample, conversation, messages, settings.family.max_trim_tokens, ending)
+        return _finish(sample, conversation, messages, settings.family.max_trim_tokens, ending, ctx.captures)
 
 
 def _ending_of(error: TitoError) -> Ending:
@@ -89,7 +91,8 @@ def _ending_of(error: TitoError) -> Ending:
 
 
 def _finish(
-    sample: Sample, conversation: Conversation, messages: list[ChatMessage], max_trim_tokens: int, ending: Ending | None
+    sample: Sample, conversation: Conversation, messages: list[ChatMessage], max_trim_tokens: int, ending: Ending | None,
+    captures: Sequence[EngineCapture],
 ) -> Sample:
     if conversation.records:
         assemble(conversation.records, max_trim_tokens=max_trim_tokens, into=sample)
@@ -101,4 +104,4 @@ def _finish(
         if not conversation.records and status is Status.TRUNCATED:
             status = Status.ABORTED  # nothing was generated: there is no truncated response to train on
         sample.finish(status, reason, detail)
-    return sample
+    return attach_captures(conversation.records, sample, captures)  # after the status is final

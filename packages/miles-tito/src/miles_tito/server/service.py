@@ -26,7 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles_contracts import EngineClient
+from miles_contracts import CaptureSpec, EngineClient
 from miles_contracts.wire.session import (
     CreateSessionRequest,
     RequestFailure,
@@ -59,6 +59,7 @@ class Session:
     created_at: float = field(default_factory=time.time)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     failures: list[RequestFailure] = field(default_factory=list)
+    captures: list[CaptureSpec] = field(default_factory=list)  # engine captures every turn carries
     closing: bool = False
     last_used: float = field(default_factory=time.monotonic)
 
@@ -120,6 +121,7 @@ class SessionService:
             conversation=Conversation(self.tito, max_rollback_turns=self.max_rollback_turns),
             sampling=request.sampling,
             metadata=request.metadata,
+            captures=list(request.captures),
         )
         self.expire_idle()
         self.sessions[session.id] = session
@@ -201,6 +203,7 @@ class SessionService:
                 sampling=request.sampling(session.sampling, self.default_max_tokens),
                 parse_tool_calls=request.parse_tool_calls,
                 template_extra=self._template_extra(request),
+                captures=session.captures,
             )
         except MessageError as exc:
             raise self._fail(session, InvalidRequest(str(exc), param="messages")) from None

