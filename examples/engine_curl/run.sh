@@ -9,7 +9,7 @@ ENGINE=${ENGINE:-http://127.0.0.1:30000}
 call() { echo "== $1 $2"; shift 2; curl -sS -H "Authorization: Bearer $MILES_AUTH_TOKEN" -H 'Content-Type: application/json' "$@"; echo; }
 
 call GET /health "$ENGINE/health"
-call GET /get_model_info "$ENGINE/get_model_info"
+call GET /model_info "$ENGINE/model_info"
 call POST /generate "$ENGINE/generate" -d '{"text": "The capital of France is", "return_logprob": true,
   "sampling_params": {"max_new_tokens": 16, "temperature": 0}}'
 call POST /generate "$ENGINE/generate" -d '{"input_ids": [1, 504, 3458, 282], "rid": "demo-1",
@@ -30,6 +30,7 @@ call POST /continue_generation "$ENGINE/continue_generation" -X POST
 call POST /flush_cache "$ENGINE/flush_cache" -X POST
 call POST /update_weight_version "$ENGINE/update_weight_version" -d '{"new_version": "7"}'
 call GET /health_generate "$ENGINE/health_generate"
-call GET /get_server_info "$ENGINE/get_server_info"
+call GET /server_info "$ENGINE/server_info"
+call POST "/weights_checker (snapshot)" "$ENGINE/weights_checker" -d '{"action": "snapshot"}'
 call GET "/weights_checksum (first 200 chars)" "$ENGINE/weights_checksum" -o /tmp/miles-engine-sums.json
 head -c 200 /tmp/miles-engine-sums.json; echo

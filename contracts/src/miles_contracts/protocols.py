@@ -166,7 +166,12 @@ class EngineSpec:
 
 
 class InferenceEngine(Protocol):
-    """Knows how to start a server that speaks the engine wire protocol."""
+    """Knows how to start a server that speaks the engine wire protocol.
+
+    An engine whose options live in a config section of its own names it in a ``config_section``
+    attribute (the embedded engine: ``engine``; SGLang: ``sglang``); that section's ``options()``
+    arrive as ``spec.options``.
+    """
 
     def command(self, spec: EngineSpec) -> list[str]:
         """argv of a process that serves ``spec.model_path`` on ``spec.host:spec.port``."""

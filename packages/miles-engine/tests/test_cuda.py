@@ -74,3 +74,22 @@ def test_cuda_ipc_weight_update(cuda_engine):
     name = "model.layers.0.self_attn.q_proj.weight"
     raw = trained.state_dict()[name].contiguous().view(-1).view(torch.uint8).numpy()
     assert sums["checksums"][name] == hashlib.sha256(raw).hexdigest()
+
+
+def test_released_memory_goes_back_to_the_gpu_and_comes_back_intact(cuda_engine):
+    """Colocated runs: weights, KV cache and graphs leave the GPU while the trainer trains, and the
+    engine serves the same weights (bit for bit) once resumed."""
+    greedy = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}}
+    before = cuda_engine.generate(greedy)["output_ids"]
+    sums = cuda_engine.get("/weights_checksum").json()["checksums"]
+    held = torch.cuda.memory_allocated()
+    cuda_engine.post("/pause_generation", {"mode": "abort"})
+    assert cuda_engine.post("/release_memory_occupation", {}).status_code == 200
+    freed = held - torch.cuda.memory_allocated()
+    weights = sum(p.numel() * p.element_size() for p in cuda_engine.engine.loaded.model.parameters())
+    assert cuda_engine.info()["memory_released"] == ["cuda_graph", "kv_cache", "weights"]
+    assert freed >= weights  # at least the weights left the GPU (the KV cache too, when allocated)
+    assert cuda_engine.post("/resume_memory_occupation", {}).status_code == 200
+    cuda_engine.post("/continue_generation", {})
+    assert cuda_engine.get("/weights_checksum").json()["checksums"] == sums
+    assert cuda_engine.generate(greedy)["output_ids"] == before

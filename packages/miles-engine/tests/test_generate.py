@@ -61,9 +61,13 @@ def test_stop_token_ids_end_generation_at_the_first_match(dense):
     free = sampled(dense, sampling_seed=5)["output_ids"]
     stop = free[6]
     first = free.index(stop)
-    out = sampled(dense, sampling_seed=5, stop_token_ids=[stop])
+    eos = dense.engine.loaded.eos_token_ids
+    assert not eos & set(free[: first + 1]), "the seed must not sample EOS before the stop token"
+    out = sampled(dense, sampling_seed=5, stop_token_ids=[stop], ignore_eos=False)
     assert out["output_ids"] == free[: first + 1]  # the stop token is kept in output_ids
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    # as SGLang: ignore_eos switches off every stop token, stop_token_ids included
+    assert sampled(dense, sampling_seed=5, stop_token_ids=[stop])["output_ids"] == free
 
 
 def test_stop_string_trims_text_unless_no_stop_trim(dense):
@@ -85,7 +89,7 @@ def test_stop_string_trims_text_unless_no_stop_trim(dense):
 def test_eos_stops_unless_ignored_and_min_new_tokens_holds_it_back(dense):
     eos = sorted(dense.engine.loaded.eos_token_ids)[0]
     # stop_token_ids adds stop tokens; min_new_tokens masks every stop token until it is reached.
-    out = sampled(dense, sampling_seed=3, stop_token_ids=[eos], min_new_tokens=10, max_new_tokens=10)
+    out = sampled(dense, sampling_seed=3, stop_token_ids=[eos], min_new_tokens=10, max_new_tokens=10, ignore_eos=False)
     assert len(out["output_ids"]) == 10
     assert eos not in out["output_ids"]
 

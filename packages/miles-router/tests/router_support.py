@@ -1,7 +1,7 @@
 """Helpers of the router tests.
 
 ``StandinEngine`` is a minimal HTTP server speaking the engine wire protocol (``/generate``,
-``/health``, ``/get_model_info``, the fan-out endpoints). It is a stand-in used ONLY by the
+``/health``, ``/model_info``, the fan-out endpoints). It is a stand-in used ONLY by the
 router-logic tests, where the test must control an engine precisely (hold requests to measure
 load balancing, refuse a weight update, report a given weight_version). Everything the router does
 against real engines -- generation, SIGKILL failover, re-admission -- is tested with real
@@ -86,6 +86,7 @@ class StandinEngine:
         async def health() -> JSONResponse:
             return JSONResponse({}, status_code=200 if self.healthy else 503)
 
+        @app.get("/model_info")
         @app.get("/get_model_info")
         async def model_info() -> dict:
             return {"model_path": "standin", "weight_version": self.version}
@@ -130,7 +131,7 @@ class StandinEngine:
 
 
 class DroppingServer:
-    """Answers ``/health`` and ``/get_model_info`` like an engine, but closes the connection on
+    """Answers ``/health`` and ``/model_info`` like an engine, but closes the connection on
     ``/generate`` without answering (or, for a streamed request, after the first event): an engine
     that dies with the request in hand."""
 

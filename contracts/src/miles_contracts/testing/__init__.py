@@ -12,4 +12,7 @@ lazily. Available suites (one module each):
   builds the megatron-core ``GPTModel`` on CPU and compares names, shapes and logits)
 - :mod:`miles_contracts.testing.transport` -- ``check_weight_transport(transport, engine_urls, tensors)``
 - :mod:`miles_contracts.testing.backend` -- ``check_train_backend(factory)``
+- :mod:`miles_contracts.testing.engine` -- ``check_engine(EngineUnderTest(url, ...))`` against a running
+  inference engine's HTTP API (SGLang's), or one check at a time from ``ENGINE_CHECKS``; also
+  ``python -m miles_contracts.testing.engine URL``
 """

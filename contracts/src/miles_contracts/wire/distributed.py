@@ -43,7 +43,8 @@ def create_weight_group(
     group_name: str,
     timeout: timedelta = _DEFAULT_TIMEOUT,
 ) -> dist.ProcessGroup:
-    """Join (rank 0: host) a process group of ``world_size`` ranks; blocks until all joined.
+    """Join (rank 0: host) a process group of ``world_size`` ranks. A gloo group is connected when
+    this returns (it blocks until every rank joined); an NCCL group connects at its first collective.
 
     :param backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors; call
         ``torch.cuda.set_device`` first).
@@ -63,24 +64,27 @@ def create_weight_group(
     store = dist.TCPStore(
         master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False,
     )
-    prefix = dist.PrefixStore(f"{group_name}/", store)
+    # The keys SGLang's engines use (its init_custom_process_group: a tcp:// rendezvous store,
+    # PrefixStore(group_name) over it, then torch's own f"{group_name}/" and f"{device}/" layers),
+    # so that a trainer here and a real SGLang server find each other's NCCL id in the store.
+    prefix = dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
     group = dist.ProcessGroup(prefix, rank, world_size)
-    device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
     backend_type = dist.ProcessGroup.BackendType.GLOO if backend == "gloo" else dist.ProcessGroup.BackendType.NCCL
-    impl = _backend(backend, dist.PrefixStore(f"{device.type}/", prefix), rank, world_size, timeout, master_address)
     group._set_default_backend(backend_type)
-    group._register_backend(device, backend_type, impl)
-    if backend == "gloo" and torch.cuda.is_available():
-        # gloo can also carry CUDA tensors (staged through host memory); register it for both.
-        group._register_backend(torch.device("cuda"), backend_type, impl)
+    # As torch builds it: one backend on the store prefix of the first device type it serves,
+    # registered for every one (gloo: cpu, and cuda through host memory; NCCL: cuda).
+    devices = ("cpu", "cuda") if backend == "gloo" else ("cuda",)
+    impl = _backend(backend, dist.PrefixStore(f"{devices[0]}/", prefix), rank, world_size, timeout, master_address)
+    for device in devices:
+        group._register_backend(torch.device(device), backend_type, impl)
     group._set_group_name(group_name)
     # What torch.distributed.new_group records, so broadcast(group=...) can map ranks; the
     # group's own store is kept alive by the reference held here.
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     c10d._world.pg_map[group] = (backend, prefix)
     c10d._world.pg_names[group] = group_name
-    # Everyone has connected once this returns (gloo and NCCL connect lazily otherwise).
-    _barrier(group, device)
+    # No collective here: an SGLang engine runs none after joining, so the first one is the first
+    # weight broadcast (NCCL connects then; gloo connected while constructing).
     return group
 
 
@@ -103,16 +107,6 @@ def _backend(name: str, store: dist.Store, rank: int, world_size: int, timeout: 
 
 def _is_loopback(address: str) -> bool:
     return address in ("localhost", "::1") or address.startswith("127.")
-
-
-def _barrier(group: dist.ProcessGroup, device) -> None:
-    import torch
-    import torch.distributed as dist
-
-    token = torch.zeros(1, device=device)
-    dist.all_reduce(token, group=group)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def destroy_weight_group(group: dist.ProcessGroup) -> None:

@@ -6,14 +6,24 @@ unknown fields (a typo must not silently do nothing); responses allow extra fiel
 adds keys across versions.
 
 ``POST /generate``   :class:`GenerateRequest` -> :class:`GenerateResponse`
-``POST /abort_request``  :class:`AbortRequest`
-``POST /pause_generation`` / ``/continue_generation`` / ``/flush_cache``
+``POST /abort_request``  :class:`AbortRequest` -> 200, empty body
+``POST /pause_generation`` :class:`PauseGenerationRequest` / ``/continue_generation``
+:class:`ContinueGenerationRequest` -> ``{"message", "status": "ok"}``
+``POST /flush_cache`` -> 200 (plain text), 400 when requests are still queued or running
 ``POST /update_weights_from_disk``  :class:`UpdateWeightsFromDiskRequest`
 ``POST /update_weights_from_tensor``  :class:`UpdateWeightsFromTensorRequest`
 ``POST /init_weights_update_group``  :class:`InitWeightsUpdateGroupRequest`
+``POST /destroy_weights_update_group``  :class:`DestroyWeightsUpdateGroupRequest`
 ``POST /update_weights_from_distributed``  :class:`UpdateWeightsFromDistributedRequest`
 ``POST /update_weight_version``  :class:`UpdateWeightVersionRequest`
-``GET /health``, ``/health_generate``, ``/get_model_info`` -> :class:`ModelInfo`
+``POST /weights_checker``  :class:`CheckWeightsRequest` (check mode: snapshot, noise, compare)
+``POST /release_memory_occupation`` / ``/resume_memory_occupation``  :class:`MemoryOccupationRequest`
+``GET /health``, ``/health_generate`` (200, body not part of the API), ``/model_info`` -> :class:`ModelInfo`,
+``/server_info`` (``tp_size`` and engine settings)
+
+Weight updates answer ``{"success": bool, "message": str}`` with 200, or 400 and ``"success": false``.
+``miles_contracts.testing.engine`` checks an engine against all of this; docs/design/engine-api.md
+says where SGLang's behaviour is subtle (pause modes, cache flushes, abort by rid prefix).
 """
 
 from __future__ import annotations
@@ -31,7 +41,9 @@ ENGINE_ROUTES: dict[str, str] = {
     "/health": HEALTH,
     "/generate": DATA,
     "/health_generate": DATA,  # runs a generation: it costs the engine work, so it needs the token
-    "/get_model_info": DATA,
+    "/model_info": DATA,
+    "/get_model_info": DATA,  # SGLang's older names of the two info routes
+    "/server_info": DATA,
     "/get_server_info": DATA,
     "/abort_request": CONTROL,
     "/pause_generation": CONTROL,
@@ -42,7 +54,11 @@ ENGINE_ROUTES: dict[str, str] = {
     "/init_weights_update_group": CONTROL,
     "/destroy_weights_update_group": CONTROL,
     "/update_weights_from_distributed": CONTROL,
+    "/update_weights_from_mooncake": CONTROL,
     "/update_weight_version": CONTROL,
+    "/weights_checker": CONTROL,
+    "/release_memory_occupation": CONTROL,
+    "/resume_memory_occupation": CONTROL,
     "/fill_weights_noise": CONTROL,
     "/weights_checksum": CONTROL,
 }
@@ -147,6 +163,7 @@ class FinishReason(_Response):
     matched: int | str | list[int] | None = None  # SGLang may report several matched token ids
     length: int | None = None
     message: str | None = None
+    status_code: int | None = None
 
 
 class MetaInfo(_Response):
@@ -165,8 +182,8 @@ class MetaInfo(_Response):
 
     id: str
     finish_reason: FinishReason | None
-    prompt_tokens: int
-    completion_tokens: int
+    prompt_tokens: int = 0  # SGLang leaves it out for a request aborted while queued
+    completion_tokens: int = 0
     cached_tokens: int = 0
     weight_version: str | int | None = None
     output_token_logprobs: list[list[Any]] | None = None
@@ -175,7 +192,7 @@ class MetaInfo(_Response):
 
 
 class GenerateResponse(_Response):
-    text: str
+    text: str = ""  # SGLang started with --skip-tokenizer-init answers token ids only
     output_ids: list[int]
     meta_info: MetaInfo
 
@@ -189,8 +206,19 @@ class AbortRequest(_Request):
     abort_all: bool = False
 
 
+PauseMode = Literal["abort", "retract", "in_place"]
+"""SGLang's pause modes: ``abort`` ends every in-flight request (finish reason ``abort``);
+``retract`` moves running requests back to the queue and drops their KV (recomputed on continue);
+``in_place`` freezes the running batch with its KV. In every mode new requests wait until
+``/continue_generation``."""
+
+
 class PauseGenerationRequest(_Request):
-    mode: Literal["abort", "retract", "in_place"] = "abort"
+    mode: PauseMode = "abort"
+
+
+class ContinueGenerationRequest(_Request):
+    torch_empty_cache: bool = True
 
 
 class UpdateWeightsFromDiskRequest(_Request):
@@ -233,9 +261,36 @@ class UpdateWeightsFromDistributedRequest(_Request):
     load_format: str | None = None
 
 
+class DestroyWeightsUpdateGroupRequest(_Request):
+    group_name: str = "weight_update_group"
+
+
 class UpdateWeightVersionRequest(_Request):
+    """SGLang aborts every request by default here: a client that pauses first sends ``false``."""
+
     new_version: str
-    abort_all_requests: bool = False
+    abort_all_requests: bool = True
+
+
+CheckWeightsAction = Literal["snapshot", "reset_tensors", "compare", "checksum"]
+
+
+class CheckWeightsRequest(_Request):
+    """``POST /weights_checker``: ``snapshot`` keeps a copy of every weight, ``reset_tensors`` fills
+    the weights with random values, ``compare`` answers 400 unless every weight equals its snapshot
+    bit for bit, ``checksum`` answers per-tensor checksums in the engine's own tensor names."""
+
+    action: CheckWeightsAction = "checksum"
+
+
+MemoryTag = Literal["weights", "kv_cache", "cuda_graph"]
+
+
+class MemoryOccupationRequest(_Request):
+    """``/release_memory_occupation`` and ``/resume_memory_occupation`` (idle engines only);
+    ``tags`` ``None`` means all of them."""
+
+    tags: list[MemoryTag] | None = None
 
 
 class UpdateWeightsResponse(_Response):

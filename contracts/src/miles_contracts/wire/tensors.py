@@ -7,13 +7,19 @@ Two formats, named by ``load_format``:
   wire, and the engine maps the file read-only and copies each tensor out. The sender deletes the
   file after the engine answered.
 * ``"cuda_ipc"`` (GPU): each tensor is flattened into one CUDA buffer per dtype and shared through
-  torch's CUDA IPC reductions; the handle is pickled (``torch.multiprocessing`` ForkingPickler),
-  which is what SGLang's ``update_weights_from_tensor`` accepts too, so a trainer speaks the same
-  bytes to SGLang and to the embedded engine. The receiver never runs ``pickle.loads`` on them:
+  torch's CUDA IPC reductions; the handle is pickled (``torch.multiprocessing`` ForkingPickler,
+  the byte format SGLang's payloads use too). The receiver never runs ``pickle.loads`` on them:
   :func:`deserialize_cuda_ipc` is a restricted unpickler that resolves exactly the names torch's
   CUDA reduction writes (``rebuild_cuda_tensor``, the tensor, parameter and storage classes as
   inert markers, ``torch.Size``, dtypes), checks every argument of each rebuild, and refuses
   anything else before it is called (see :mod:`miles_contracts.wire.cuda_ipc`).
+
+A real SGLang server takes neither name: it unpickles every payload (its own risk, behind its
+``--api-key``), one per tensor-parallel rank. :func:`serialize_sglang_bucket` writes what it takes
+for ``load_format: "flattened_bucket"``: a dict of one flat CUDA byte buffer and one metadata
+record per tensor, made only of types SGLang's restricted unpickler allows (``types``, ``torch``,
+``multiprocessing``), with the buffer's device named by its UUID as SGLang's own senders do, so
+that processes with different ``CUDA_VISIBLE_DEVICES`` open the right GPU.
 
 torch is imported inside functions; importing this module is free.
 """
@@ -179,3 +185,46 @@ def deserialize_cuda_ipc(payload: str) -> list[tuple[str, torch.Tensor]]:
     from miles_contracts.wire.cuda_ipc import load_named_tensors
 
     return load_named_tensors(base64.b64decode(payload, validate=True))
+
+
+SGLANG_BUCKET_FORMAT = "flattened_bucket"
+
+
+def serialize_sglang_bucket(flat: torch.Tensor, metas: Iterable[TensorMeta]) -> str:
+    """SGLang's ``update_weights_from_tensor`` payload for ``load_format: "flattened_bucket"``.
+
+    :param flat: ``[nbytes]`` uint8 buffer holding every tensor at ``meta.offset`` (CUDA for a real
+        SGLang server; a CPU buffer pickles too, through a file descriptor, for tests).
+    :param metas: where each tensor lives in ``flat``; offsets must suit each dtype's alignment.
+    """
+    import io
+    from types import SimpleNamespace
+
+    import torch
+
+    records = [SimpleNamespace(name=m.name, shape=torch.Size(m.shape), dtype=_dtype(m.dtype), start_idx=m.offset,
+                               end_idx=m.offset + m.nbytes, numel=m.nbytes) for m in metas]
+    buffer = io.BytesIO()
+    _uuid_pickler(buffer).dump({"flattened_tensor": flat, "metadata": records})
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _uuid_pickler(buffer: Any) -> Any:
+    """A ForkingPickler whose CUDA tensors name their device by UUID (argument 6 of torch's
+    ``rebuild_cuda_tensor``; SGLang's receiving side maps it back to a local index)."""
+    import copyreg
+    from collections import ChainMap
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch
+    from torch.multiprocessing import reductions
+
+    def reduce(tensor: torch.Tensor) -> Any:
+        rebuild, args = reductions.reduce_tensor(tensor)
+        if rebuild is reductions.rebuild_cuda_tensor:
+            args = (*args[:6], str(torch.cuda.get_device_properties(args[6]).uuid), *args[7:])
+        return rebuild, args
+
+    pickler = ForkingPickler(buffer)
+    pickler.dispatch_table = ChainMap({torch.Tensor: reduce}, ForkingPickler._extra_reducers, copyreg.dispatch_table)
+    return pickler

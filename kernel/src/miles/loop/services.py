@@ -84,10 +84,10 @@ def _miles_cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "miles.cli.main", *args]
 
 
-def engine_options(config: MilesConfig) -> dict[str, Any]:
-    """``EngineSpec.options`` from the ``engine`` config section, when the engine plugin registers
-    one (the embedded engine does: batch limits, KV budget, ...)."""
-    section = config.extra.get("engine")
+def engine_options(config: MilesConfig, engine: Any) -> dict[str, Any]:
+    """``EngineSpec.options`` from the engine's own config section: the one its ``config_section``
+    names (``engine`` for the embedded engine, ``sglang`` for SGLang), when its plugin registers it."""
+    section = config.extra.get(getattr(engine, "config_section", "engine"))
     return section.options() if section is not None and hasattr(section, "options") else {}
 
 
@@ -106,7 +106,7 @@ def start_services(config: MilesConfig, kernel: Kernel, model_path: Path, run_di
     executor = kernel.executors().get(config.executor.name)(config, run_dir)
     try:
         engine = kernel.inference_engines().get(config.rollout.engine)
-        options = engine_options(config)
+        options = engine_options(config, engine)
         engine_urls = {}
         for i in range(config.rollout.num_engines):
             spec = EngineSpec(model_path=str(model_path), port=free_port(HOST), host=HOST,

@@ -101,6 +101,12 @@ class DecodeGraphs:
         self.captures = 0
         self.replays = 0
 
+    def reset(self) -> None:
+        """Forget every graph (the weights or the cache they captured moved); the next decode step
+        captures anew."""
+        self.graphs.clear()
+        self._cache_identity = None
+
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One decode step for rows ``0 .. len(tokens)-1`` (row ``i`` in slot ``i``); returns the
         next-token logits ``[B, V]``. The cache must already hold ``max(positions) + 1`` positions

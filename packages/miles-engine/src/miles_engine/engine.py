@@ -136,7 +136,8 @@ class Engine:
         bad_stops = [t for t in explicit_stops if not 0 <= t < loaded.vocab_size]
         if bad_stops:
             raise BadRequestError(f"stop_token_ids {sorted(bad_stops)} are outside [0, {loaded.vocab_size})")
-        stop_ids = explicit_stops | (frozenset() if params.ignore_eos else loaded.eos_token_ids)
+        # As SGLang: ignore_eos turns off every token-based stop, stop_token_ids included
+        stop_ids = frozenset() if params.ignore_eos else explicit_stops | loaded.eos_token_ids
         return Sequence(
             rid=rid, prompt_ids=ids, params=params, sampling=self._row_sampling(request, stop_ids, len(ids)),
             max_new_tokens=max_new, stop_ids=stop_ids, return_logprob=request.return_logprob,
@@ -195,8 +196,16 @@ class Engine:
     async def resume(self) -> None:
         await self._call(self.scheduler.resume)
 
-    async def flush_cache(self) -> None:
-        await self._call(self.scheduler.flush_cache)
+    async def flush_cache(self) -> bool:
+        """Drop the KV cache; False (nothing done) while requests are queued or running, as SGLang."""
+        return await self._call(self.scheduler.flush_cache)
+
+    async def release_memory(self, tags: list[str] | None) -> list[str]:
+        """Give back GPU memory (``weights``, ``kv_cache``, ``cuda_graph``; all when None); idle engines only."""
+        return await self._call(lambda: self.scheduler.memory.release(tags))
+
+    async def resume_memory(self, tags: list[str] | None) -> list[str]:
+        return await self._call(lambda: self.scheduler.memory.resume(tags))
 
     async def _call(self, fn: Any) -> Any:
         return await asyncio.wrap_future(self.scheduler.call(fn))
@@ -228,7 +237,8 @@ class Engine:
         cache = self.scheduler.runner.cache
         return {
             "engine": "miles-embedded", "tp_size": 1, "weight_version": self.weight_version,
-            "paused": self.paused, "max_running_requests": self.config.max_running_requests,
+            "paused": self.paused, "memory_released": sorted(self.scheduler.memory.released),
+            "max_running_requests": self.config.max_running_requests,
             "context_length": self.loaded.context_length, "max_kv_tokens": self.max_kv_tokens,
             "kv_cache_bytes": cache.nbytes, "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting), "stats": self.scheduler.stats.as_dict(),

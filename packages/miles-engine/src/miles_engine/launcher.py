@@ -19,6 +19,8 @@ class EmbeddedEngine:
     ``spec.deterministic`` is ``--enable-deterministic-inference``.
     """
 
+    config_section = "engine"
+
     def command(self, spec: EngineSpec) -> list[str]:
         return [
             sys.executable, "-m", "miles_engine",

@@ -14,14 +14,19 @@ from miles_contracts.wire.engine import (
     CONTROL,
     ENGINE_ROUTES,
     AbortRequest,
+    CheckWeightsRequest,
+    ContinueGenerationRequest,
+    DestroyWeightsUpdateGroupRequest,
     GenerateRequest,
     InitWeightsUpdateGroupRequest,
+    MemoryOccupationRequest,
     PauseGenerationRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
 )
+from miles_contracts.wire.mooncake import UpdateWeightsFromMooncakeRequest
 from pydantic import BaseModel, ConfigDict
 
 _REF = "#/components/schemas/{model}"
@@ -32,28 +37,29 @@ class FillWeightsNoiseRequest(BaseModel):
     seed: int = 0
 
 
-class GroupNameRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    group_name: str = "weight_update_group"
-
-
 # path -> (methods, request model or None, one-line summary)
 ROUTE_SPECS: dict[str, tuple[tuple[str, ...], type[BaseModel] | None, str]] = {
     "/health": (("GET",), None, "200 when the engine can serve; 503 while paused or stopped"),
     "/generate": (("POST",), GenerateRequest, "generate from text or token ids"),
     "/health_generate": (("GET",), None, "generate one token as a probe"),
-    "/get_model_info": (("GET",), None, "model, weight version, vocabulary"),
-    "/get_server_info": (("GET",), None, "engine settings and batching statistics"),
+    "/model_info": (("GET",), None, "model, weight version, vocabulary"),
+    "/get_model_info": (("GET",), None, "model, weight version, vocabulary (SGLang's older name)"),
+    "/server_info": (("GET",), None, "engine settings and batching statistics"),
+    "/get_server_info": (("GET",), None, "engine settings and batching statistics (SGLang's older name)"),
     "/abort_request": (("POST",), AbortRequest, "abort one request (rid) or all"),
     "/pause_generation": (("POST",), PauseGenerationRequest, "hold generation (abort, retract or in place)"),
-    "/continue_generation": (("POST",), None, "resume generation"),
+    "/continue_generation": (("POST",), ContinueGenerationRequest, "resume generation"),
     "/flush_cache": (("GET", "POST"), None, "drop the KV cache when idle"),
     "/update_weights_from_disk": (("POST",), UpdateWeightsFromDiskRequest, "load safetensors from an allowed folder"),
     "/update_weights_from_tensor": (("POST",), UpdateWeightsFromTensorRequest, "load tensors shared on this host"),
     "/init_weights_update_group": (("POST",), InitWeightsUpdateGroupRequest, "join a weight broadcast group"),
-    "/destroy_weights_update_group": (("POST",), GroupNameRequest, "leave a weight broadcast group"),
+    "/destroy_weights_update_group": (("POST",), DestroyWeightsUpdateGroupRequest, "leave a weight broadcast group"),
     "/update_weights_from_distributed": (("POST",), UpdateWeightsFromDistributedRequest, "receive a broadcast"),
+    "/update_weights_from_mooncake": (("POST",), UpdateWeightsFromMooncakeRequest, "pull a bucket over Mooncake"),
     "/update_weight_version": (("POST",), UpdateWeightVersionRequest, "set the weight version"),
+    "/weights_checker": (("GET", "POST"), CheckWeightsRequest, "check mode: snapshot, reset, compare, checksum"),
+    "/release_memory_occupation": (("GET", "POST"), MemoryOccupationRequest, "give weights / KV memory back"),
+    "/resume_memory_occupation": (("GET", "POST"), MemoryOccupationRequest, "take the memory back"),
     "/fill_weights_noise": (("POST",), FillWeightsNoiseRequest, "check mode: weights become noise"),
     "/weights_checksum": (("GET",), None, "check mode: SHA-256 of every weight"),
 }

@@ -23,13 +23,14 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
-from miles_contracts.wire.engine import FinishReason
+from miles_contracts.wire.engine import FinishReason, PauseMode
 
 from miles_engine.codec import TextCodec
 from miles_engine.config import EngineConfig
 from miles_engine.loading import LoadedModel
+from miles_engine.memory import MemoryOccupation
 from miles_engine.runner import ModelRunner
 from miles_engine.sampling import sample
 from miles_engine.sequence import Sequence
@@ -37,7 +38,6 @@ from miles_engine.stopping import StopChecker
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-PauseMode = Literal["abort", "retract", "in_place"]
 
 
 @dataclass(slots=True)
@@ -83,6 +83,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # running[i] lives in KV slot i
         self.paused = False
         self.paused_since = 0.0  # perf_counter() when the current pause began
+        self.memory = MemoryOccupation(self)  # what /release_memory_occupation gave back
         self.weight_version = "0"
         self.stats = SchedulerStats()
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -195,9 +196,17 @@ class Scheduler:
                 self._deliver(seq)
         self._retire_finished()
 
-    def flush_cache(self) -> None:
-        if not self.running:
-            self.runner.cache.release()
+    def flush_cache(self) -> bool:
+        """Drop the KV cache; as SGLang, only when no request is queued or running (False then)."""
+        if self.has_work():
+            return False
+        self.runner.cache.release()
+        return True
+
+    @property
+    def held(self) -> bool:
+        """Paused, or memory released: nothing is admitted or decoded."""
+        return self.paused or self.memory.holding
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -210,7 +219,7 @@ class Scheduler:
             self._run_jobs()
             if self._stopping:
                 break
-            if self.paused or not self.has_work():
+            if self.held or not self.has_work():
                 if self.paused:
                     self._expire_paused_waits()
                 self._wakeup.wait(timeout=1.0)
@@ -218,7 +227,7 @@ class Scheduler:
             try:
                 if not self.running and self.config.prefill_wait_ms > 0:
                     self._gather_arrivals()
-                    if self._stopping or self.paused:
+                    if self._stopping or self.held:
                         continue
                 self._admit()
                 if self.running:
@@ -238,7 +247,7 @@ class Scheduler:
         """
         deadline = time.monotonic() + self.config.prefill_wait_ms / 1000
         gap = self.config.prefill_gap_ms / 1000
-        while len(self.waiting) < self.config.max_running_requests and not self._stopping and not self.paused:
+        while len(self.waiting) < self.config.max_running_requests and not self._stopping and not self.held:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return

@@ -29,7 +29,7 @@ class Sequence:
     params: SamplingParams
     sampling: RowSampling
     max_new_tokens: int  # already clamped to the context length
-    stop_ids: frozenset[int]  # stop tokens (EOS unless ignore_eos, plus stop_token_ids)
+    stop_ids: frozenset[int]  # stop tokens: EOS and stop_token_ids (none with ignore_eos)
     return_logprob: bool
     return_routed_experts: bool
     on_finish: Callable[[Sequence], None]

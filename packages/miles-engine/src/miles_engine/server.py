@@ -1,4 +1,8 @@
-"""The engine's HTTP API (SGLang's native endpoints, plus two Miles check-mode endpoints).
+"""The engine's HTTP API: SGLang's native endpoints, with SGLang's paths, request fields, status
+codes and answers (``miles_contracts.wire.engine``; the contract suite
+``miles_contracts.testing.engine`` runs against this server and a real SGLang server alike), plus
+Miles' own: two check-mode endpoints (``/fill_weights_noise``, ``/weights_checksum``) and
+``/update_weights_from_mooncake`` (``miles_contracts.wire.mooncake``).
 
 ``create_app(engine)`` serves an :class:`~miles_engine.engine.Engine` it does not own; the caller
 starts and shuts the engine down (``miles serve engine`` does both). Every error is a JSON body
@@ -24,14 +28,18 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from miles_contracts.wire.auth import ensure_run_token
 from miles_contracts.wire.engine import (
     ENGINE_ROUTES,
     HEALTH,
     AbortRequest,
+    CheckWeightsRequest,
+    ContinueGenerationRequest,
+    DestroyWeightsUpdateGroupRequest,
     GenerateRequest,
     InitWeightsUpdateGroupRequest,
+    MemoryOccupationRequest,
     PauseGenerationRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
@@ -39,10 +47,13 @@ from miles_contracts.wire.engine import (
     UpdateWeightVersionRequest,
 )
 from miles_contracts.wire.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
+from miles_contracts.wire.mooncake import MOONCAKE_PATH, UpdateWeightsFromMooncakeRequest
 from pydantic import BaseModel, ValidationError
 
+from miles_engine.checker import WeightCheckFailed
 from miles_engine.engine import BadRequestError, Engine
-from miles_engine.openapi import FillWeightsNoiseRequest, GroupNameRequest, engine_openapi
+from miles_engine.memory import MemoryStateError
+from miles_engine.openapi import FillWeightsNoiseRequest, engine_openapi
 from miles_engine.weights import WeightUpdateError
 
 log = logging.getLogger(__name__)
@@ -83,24 +94,27 @@ def _fastapi_app(engine: Engine) -> FastAPI:
         body = await _parse(request, AbortRequest)
         if not body.abort_all and not body.rid:
             raise BadRequestError("give a 'rid' to abort, or \"abort_all\": true")
-        count = await engine.abort(None if body.abort_all else body.rid)
-        return {"success": True, "aborted": count}
+        await engine.abort(None if body.abort_all else body.rid)
+        return Response(status_code=200)  # SGLang answers an empty 200
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> Any:
         body = await _parse(request, PauseGenerationRequest, allow_empty=True)
         await engine.pause(body.mode)
-        return {"success": True, "message": f"paused ({body.mode})"}
+        return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
-    async def continue_generation() -> Any:
+    async def continue_generation(request: Request) -> Any:
+        await _parse(request, ContinueGenerationRequest, allow_empty=True)
         await engine.resume()
-        return {"success": True, "message": "generation continues"}
+        return {"message": "Generation continued successfully.", "status": "ok"}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Any:
-        await engine.flush_cache()
-        return {"success": True, "message": "cache flushed"}
+        if await engine.flush_cache():
+            return PlainTextResponse("Cache flushed.\n")
+        return PlainTextResponse("Cache not flushed: requests are queued or running (pause with mode 'abort', or "
+                                 "wait for them).\n", status_code=400)
 
     @app.get("/health")
     async def health() -> Any:
@@ -108,21 +122,23 @@ def _fastapi_app(engine: Engine) -> FastAPI:
 
     @app.get("/health_generate")
     async def health_generate() -> Any:
-        if engine.paused or not engine.scheduler.alive:
+        if engine.scheduler.held or not engine.scheduler.alive:
             return _health(engine)
         probe = GenerateRequest(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0})
         try:
             await asyncio.wait_for(engine.generate(probe), HEALTH_GENERATE_TIMEOUT_S)
         except (TimeoutError, RuntimeError) as exc:
             return JSONResponse({"detail": f"generation probe failed: {exc or 'timeout'}"}, status_code=503)
-        return {"status": "ok"}
+        return Response(status_code=200)
 
-    @app.get("/get_model_info")
-    async def get_model_info() -> Any:
+    @app.get("/model_info")
+    @app.get("/get_model_info")  # SGLang's older name, still served by 0.5.13
+    async def model_info() -> Any:
         return engine.model_info().model_dump(mode="json")
 
+    @app.get("/server_info")
     @app.get("/get_server_info")
-    async def get_server_info() -> Any:
+    async def server_info() -> Any:
         return engine.server_info()
 
     @app.post("/update_weights_from_disk")
@@ -146,7 +162,8 @@ def _fastapi_app(engine: Engine) -> FastAPI:
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request) -> Any:
-        body = await _parse(request, GroupNameRequest)
+        body = await _parse(request, DestroyWeightsUpdateGroupRequest, allow_empty=True)
+
         async def destroy() -> None:
             engine.weights.destroy_group(body.group_name)
 
@@ -157,11 +174,36 @@ def _fastapi_app(engine: Engine) -> FastAPI:
         body = await _parse(request, UpdateWeightsFromDistributedRequest)
         return await _update(engine, lambda: engine.weights.from_distributed(body))
 
+    @app.post(MOONCAKE_PATH)
+    async def update_weights_from_mooncake(request: Request) -> Any:
+        body = await _parse(request, UpdateWeightsFromMooncakeRequest)
+        return await _update(engine, lambda: engine.weights.from_mooncake(body))
+
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> Any:
         body = await _parse(request, UpdateWeightVersionRequest)
-        return await _update(engine, lambda: engine.weights.set_version(body.new_version, abort_all=body.abort_all_requests),
-                             done="weight version updated")
+        answer = await _update(engine, lambda: engine.weights.set_version(body.new_version, abort_all=body.abort_all_requests),
+                               done=f"Weight version updated to {body.new_version}")
+        return answer if isinstance(answer, JSONResponse) else {**answer, "new_version": body.new_version}
+
+    @app.api_route("/weights_checker", methods=["GET", "POST"])
+    async def weights_checker(request: Request) -> Any:
+        body = await _parse(request, CheckWeightsRequest, allow_empty=True)
+        try:
+            extra = await engine.weights.check(body.action)
+        except (WeightUpdateError, WeightCheckFailed) as exc:
+            return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
+        return {"success": True, "message": "Success.", **extra}
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation(request: Request) -> Any:
+        body = await _parse(request, MemoryOccupationRequest, allow_empty=True)
+        return await _memory(engine.release_memory, body.tags)
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory_occupation(request: Request) -> Any:
+        body = await _parse(request, MemoryOccupationRequest, allow_empty=True)
+        return await _memory(engine.resume_memory, body.tags)
 
     @app.post("/fill_weights_noise")
     async def fill_weights_noise(request: Request) -> Any:
@@ -269,7 +311,15 @@ async def _update(engine: Engine, run: Any, done: str = "weights updated") -> An
         log.exception("weight operation failed")
         return JSONResponse({"success": False, "message": f"{type(exc).__name__}: {exc}"}, status_code=500)
     message = f"{done} ({result} tensors)" if isinstance(result, int) else done
-    return {"success": True, "message": message, "weight_version": engine.weight_version}
+    return {"success": True, "message": message}
+
+
+async def _memory(run: Any, tags: list[str] | None) -> Any:
+    try:
+        await run(tags)
+    except MemoryStateError as exc:
+        return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
+    return Response(status_code=200)
 
 
 def _describe(errors: Any) -> str:
@@ -290,6 +340,10 @@ def _health(engine: Engine) -> Any:
     if engine.paused:
         return JSONResponse({"status": "paused", "detail": "generation is paused; POST /continue_generation "
                              "resumes it", "weight_version": engine.weight_version}, status_code=503)
+    if engine.scheduler.held:
+        return JSONResponse({"status": "paused", "reason": "memory_released", "detail": "memory is released; POST "
+                             "/resume_memory_occupation takes it back", "weight_version": engine.weight_version},
+                            status_code=503)
     return {"status": "ok"}
 
 

@@ -1,7 +1,7 @@
 """When a request stops, and the text it returns.
 
-Order of checks after each token (SGLang's): a stop token (EOS unless ``ignore_eos``, and
-``stop_token_ids``), then a stop string in the generated text, then the length limit. Stop tokens
+Order of checks after each token (SGLang's): a stop token (EOS and ``stop_token_ids``; neither
+with ``ignore_eos``, as in SGLang), then a stop string in the generated text, then the length limit. Stop tokens
 are masked by the sampler until ``min_new_tokens`` are out, so they cannot fire early.
 
 Text: the generated ids decoded (``skip_special_tokens`` as asked); unless ``no_stop_trim``, a

@@ -1,9 +1,10 @@
-"""Weight updates of a running engine: from disk, same-host tensors, a broadcast group.
+"""Weight updates of a running engine: from disk, same-host tensors, a broadcast group, Mooncake.
 
 Each update runs on the scheduler thread between two forwards (no request ever sees a
-half-copied tensor inside one forward), then sets ``weight_version``: the request's
-``weight_version`` when given, else the previous version plus one. Responses finished after the
-update carry the new version. Bad updates raise :class:`~miles_engine.weights.WeightUpdateError`
+half-copied tensor inside one forward), then sets ``weight_version`` to the request's
+``weight_version`` when it gives one; otherwise the version stays, as in SGLang (weight syncs set
+it with ``/update_weight_version`` once every bucket landed). Responses finished after the update
+carry the new version. Bad updates raise :class:`~miles_engine.weights.WeightUpdateError`
 before any tensor is touched.
 
 What an update may name is bounded: a disk update reads only inside the allowed folders (the
@@ -30,6 +31,7 @@ from miles_contracts.wire.engine import (
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
 )
+from miles_contracts.wire.mooncake import UpdateWeightsFromMooncakeRequest
 from miles_contracts.wire.tensors import (
     CUDA_IPC_FORMAT,
     SHM_FORMAT,
@@ -38,6 +40,7 @@ from miles_contracts.wire.tensors import (
     read_shm_bucket,
 )
 
+from miles_engine.checker import WeightChecker
 from miles_engine.weights import WeightStore, WeightUpdateError, confined, parse_dtype
 
 if TYPE_CHECKING:
@@ -53,9 +56,11 @@ class WeightUpdates:
         self.scheduler = scheduler
         self.loaded = loaded
         self.store = WeightStore(loaded.model)
+        self.checker = WeightChecker(self.store)
         self.groups: dict[str, Any] = {}
         self.allowed_dirs = [Path(d).expanduser().resolve() for d in allowed_dirs or ()]
         self.group_timeout = group_timeout
+        self.receivers: dict[str, Any] = {}  # Mooncake protocol -> MooncakeReceiver, made on first use
 
     async def _run(self, load: Callable[[], int] | None, *, version: str | None, abort_all: bool) -> int:
         """On the scheduler thread: abort if asked, ``load`` (``None``: only the version moves),
@@ -63,6 +68,9 @@ class WeightUpdates:
         scheduler = self.scheduler
 
         def job() -> int:
+            if load is not None and "weights" in scheduler.memory.released:
+                raise WeightUpdateError("the weights are released (/release_memory_occupation); "
+                                        "POST /resume_memory_occupation before updating them")
             if abort_all:
                 scheduler.abort(None, "aborted for a weight update (abort_all_requests)")
             count = 0
@@ -71,7 +79,8 @@ class WeightUpdates:
                     count = load()
                 finally:  # a load that failed half way still changed what it wrote
                     scheduler.runner.weights_changed(self.store.take_changed())
-            scheduler.weight_version = version if version is not None else _bumped(scheduler.weight_version)
+            if version is not None:  # as SGLang: an update without a version keeps the current one
+                scheduler.weight_version = version
             return count
 
         return await asyncio.wrap_future(scheduler.call(job))
@@ -182,6 +191,32 @@ class WeightUpdates:
 
         return await self._run(receive_all, version=request.weight_version, abort_all=request.abort_all_requests)
 
+    async def from_mooncake(self, request: UpdateWeightsFromMooncakeRequest) -> int:
+        """Pull one bucket with Mooncake's transfer engine (off the scheduler thread, generation is
+        paused around syncs anyway), then load it between two forwards."""
+        from miles_contracts.wire.mooncake import MooncakeError
+
+        self.store.check((t.name, tuple(t.shape)) for t in request.tensors)
+        try:
+            receiver = self._receiver(request)
+            named = await asyncio.to_thread(receiver.pull, request)
+        except (MooncakeError, ValueError, RuntimeError) as exc:
+            raise WeightUpdateError(f"cannot pull the bucket over Mooncake: {exc}") from exc
+        return await self._run(lambda: self.store.load(named), version=request.weight_version,
+                               abort_all=request.abort_all_requests)
+
+    def _receiver(self, request: UpdateWeightsFromMooncakeRequest) -> Any:
+        from miles_contracts.wire.mooncake import MooncakeReceiver, address_towards, session_host
+
+        receiver = self.receivers.get(request.protocol)
+        if receiver is None:
+            # RDMA can land in GPU memory directly; TCP goes through host memory
+            on_device = request.protocol == "rdma" and self.loaded.device.type == "cuda"
+            receiver = MooncakeReceiver(request.protocol, address_towards(session_host(request.session_id)),
+                                        self.loaded.device if on_device else "cpu")
+            self.receivers[request.protocol] = receiver
+        return receiver
+
     async def set_version(self, version: str, *, abort_all: bool) -> None:
         await self._run(None, version=version, abort_all=abort_all)
 
@@ -194,6 +229,26 @@ class WeightUpdates:
             return count
 
         return await asyncio.wrap_future(self.scheduler.call(fill))
+
+    async def check(self, action: str) -> dict[str, Any]:
+        """``/weights_checker``: snapshot, reset_tensors, compare or checksum (:mod:`miles_engine.checker`);
+        returns what the answer carries besides success and message."""
+        checker, runner = self.checker, self.scheduler.runner
+
+        def reset() -> None:
+            checker.reset_tensors()
+            runner.weights_changed()
+
+        actions: dict[str, Callable[[], Any]] = {"snapshot": checker.snapshot, "reset_tensors": reset,
+                                                 "compare": checker.compare, "checksum": checker.checksum}
+
+        def run() -> dict[str, Any]:
+            if "weights" in self.scheduler.memory.released:
+                raise WeightUpdateError("the weights are released; POST /resume_memory_occupation first")
+            result = actions[action]()
+            return result if isinstance(result, dict) else {}
+
+        return await asyncio.wrap_future(self.scheduler.call(run))
 
     async def checksums(self) -> dict[str, str]:
         return await asyncio.wrap_future(self.scheduler.call(self.store.checksums))
@@ -234,7 +289,3 @@ def _read_bucket(bucket: ShmBucket) -> list:
         return read_shm_bucket(bucket)
     except (ValueError, OSError, RuntimeError) as exc:
         raise WeightUpdateError(f"cannot read shared-memory bucket {bucket.path}: {exc}") from exc
-
-
-def _bumped(version: str) -> str:
-    return str(int(version) + 1) if version.isdigit() else f"{version}+1"

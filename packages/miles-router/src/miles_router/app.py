@@ -3,7 +3,7 @@
 Own endpoints: ``POST /add_worker`` and ``POST /remove_worker`` (``?url=`` or ``{"url": ...}``),
 ``GET /list_workers``, ``GET /health`` (200 when a worker serves, else 503), ``GET /metrics``
 (``?format=prometheus`` for the text format). Fan-out paths go to every worker
-(:mod:`miles_router.fanout`); every other path -- ``/generate``, ``/get_model_info``,
+(:mod:`miles_router.fanout`); every other path -- ``/generate``, ``/model_info``,
 ``/health_generate``, ``/v1/...`` -- goes to one worker with failover (:mod:`miles_router.proxy`).
 Errors are ``{"detail": <what was wrong and how to fix it>}`` with a 4xx status.
 

@@ -114,7 +114,7 @@ class Broadcaster:
 
     async def read_version(self, worker: Worker) -> str | None:
         try:
-            response = await self.client.get(worker.url + "/get_model_info", timeout=self.probe_timeout)
+            response = await self.client.get(worker.url + "/model_info", timeout=self.probe_timeout)
             return as_version(response.json().get("weight_version")) if response.is_success else None
         except (httpx.HTTPError, ValueError, AttributeError):
             return None

@@ -1,4 +1,4 @@
-"""Periodic health probes: ``GET /health``, then the weight version from ``GET /get_model_info``.
+"""Periodic health probes: ``GET /health``, then the weight version from ``GET /model_info``.
 
 What a probe means is decided by :class:`~miles_router.fleet.Fleet`; this module only talks HTTP.
 A worker that comes back (or answers for the first time) is first brought to the fleet's pause
@@ -102,16 +102,16 @@ class HealthMonitor:
             return Probe(as_version(health.json().get("weight_version")), paused=True)
         if health.status_code != 200:
             raise ProbeFailed(f"GET /health answered HTTP {health.status_code}")
-        info = await self._call("GET", worker, "/get_model_info")
+        info = await self._call("GET", worker, "/model_info")
         if info.status_code == 404:  # an engine without the endpoint: versions are not checked
             return Probe(None)
         if info.status_code != 200:
-            raise ProbeFailed(f"GET /get_model_info answered HTTP {info.status_code}"
+            raise ProbeFailed(f"GET /model_info answered HTTP {info.status_code}"
                               + (" (the router's token is not the engine's)" if info.status_code == 401 else ""))
         try:
             return Probe(as_version(info.json().get("weight_version")))
         except (ValueError, AttributeError):
-            raise ProbeFailed("GET /get_model_info did not answer a JSON object") from None
+            raise ProbeFailed("GET /model_info did not answer a JSON object") from None
 
     async def _sync_pause(self, worker: Worker) -> None:
         request = self.fleet.pause_request

@@ -34,12 +34,15 @@ from typing import Any
 from miles.cli import emit_json
 
 TRANSPORTS = ("disk", "shared_memory", "broadcast")
+OPTIONAL_TRANSPORTS = ("mooncake",)  # measured by default when their package is installed
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="catalog name or model folder")
     p.add_argument("--random-model", choices=("1b", "8b"), help="instead: a random-weight Llama of this size (built once)")
-    p.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated registered transports")
+    p.add_argument("--transports", default=None,
+                   help=f"comma-separated registered transports (default: {', '.join(TRANSPORTS)}, and mooncake "
+                   "when miles-mooncake is installed)")
     p.add_argument("--devices", default=None, help="cpu and/or cuda, comma-separated (default: cpu, and cuda when present)")
     p.add_argument("--broadcast-formats", default="flattened_bucket,per_tensor",
                    help="layouts the broadcast transport is measured in (weight_transport.broadcast_format)")
@@ -59,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = [d for d in devices if d not in ("cpu", "cuda")]
     if unknown or ("cuda" in devices and not torch.cuda.is_available()):
         raise SystemExit(f"--devices takes cpu and/or cuda (cuda needs a GPU); got {args.devices!r}")
-    transports = _variants([t.strip() for t in args.transports.split(",") if t.strip()],
+    names = args.transports.split(",") if args.transports else _default_transports()
+    transports = _variants([t.strip() for t in names if t.strip()],
                            [f.strip() for f in args.broadcast_formats.split(",") if f.strip()])
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="miles-bench-weights-"))
     model_dir = Path(resolve_model(args.model, auto_pull=True))
@@ -84,6 +88,13 @@ def run(args: argparse.Namespace) -> int:
     emit_json(result, args.out)
     failed = any("error" in t for r in result["runs"] for t in r["transports"].values())
     return 1 if failed else 0
+
+
+def _default_transports() -> list[str]:
+    from miles.kernel import Kernel
+
+    registered = Kernel.load().weight_transports().names()
+    return [*TRANSPORTS, *(name for name in OPTIONAL_TRANSPORTS if name in registered)]
 
 
 def _variants(names: list[str], broadcast_formats: list[str]) -> list[tuple[str, str, dict[str, Any]]]:

@@ -3,7 +3,7 @@
 The first sync forms a standalone process group (``miles_contracts.wire.distributed``; the
 trainer's default process group, if any, is untouched): every engine is asked to join through
 ``/init_weights_update_group`` while the trainer joins as rank 0. Engines take ``tp_size`` ranks
-each when ``/get_server_info`` says so (SGLang), one otherwise. Per bucket, every engine is told
+each when ``/server_info`` says so (SGLang), one otherwise. Per bucket, every engine is told
 the names, dtypes and shapes (``/update_weights_from_distributed``), and the trainer broadcasts over
 NCCL for CUDA tensors, gloo for CPU ones. Layout (``weight_transport.broadcast_format``):
 
@@ -18,7 +18,7 @@ A collective cannot be cancelled: the trainer's side runs in a helper thread, an
 answers with an error ends the wait at once with that error. The group is then abandoned (the
 helper thread ends when the group's timeout expires) and the next sync forms a new one. A change of
 targets, or ``close()``, makes the engines destroy the group (``/destroy_weights_update_group``).
-An engine restarted since it joined (noticed through the ``uptime_s`` of ``/get_server_info``)
+An engine restarted since it joined (noticed through the ``uptime_s`` of ``/server_info``)
 knows no group, so the group is re-formed before the sync.
 """
 
@@ -251,7 +251,7 @@ class BroadcastTransport(BucketedTransport):
         return _Group(handle, name, list(urls), device, {url: _started_at(info) for url, info in infos.items()})
 
     def _server_info(self, url: str, step: str) -> dict[str, Any]:
-        return self._calls.get_optional(url, "/get_server_info", step=step) or {}
+        return self._calls.get_optional(url, "/server_info", step=step) or {}
 
     def _restarted(self, group: _Group, version: int) -> bool:
         """Whether an engine restarted since it joined (a new process knows no group). Engines

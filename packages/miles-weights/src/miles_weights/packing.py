@@ -53,11 +53,16 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 @dataclass(slots=True)
 class PackedBucket:
-    """A bucket ready to send as ``load_format``; its memory stays valid until :meth:`release`."""
+    """A bucket ready to send as ``load_format``; its memory stays valid until :meth:`release`.
+
+    :ivar sglang_payload: the same memory as SGLang's ``flattened_bucket`` payload (CUDA only, when
+        asked for), for engines that take SGLang's format rather than Miles' own.
+    """
 
     load_format: str
     payload: str
     on_release: Callable[[], None] | None = None
+    sglang_payload: str | None = None
 
     def release(self) -> None:
         release, self.on_release = self.on_release, None
@@ -141,11 +146,12 @@ class ShmArena:
         return _ShmFile(path, capacity, data)
 
 
-def pack_cuda_ipc(bucket: WeightBucket) -> PackedBucket:
+def pack_cuda_ipc(bucket: WeightBucket, *, sglang: bool = False) -> PackedBucket:
     """Copy ``bucket`` into one CUDA byte buffer on its first tensor's device and share views of it:
-    the engine opens one IPC handle per bucket, not one per tensor."""
+    the engine opens one IPC handle per bucket, not one per tensor. With ``sglang``, the same
+    buffer is also described in SGLang's ``flattened_bucket`` payload."""
     import torch
-    from miles_contracts.wire.tensors import serialize_cuda_ipc
+    from miles_contracts.wire.tensors import serialize_cuda_ipc, serialize_sglang_bucket
 
     device = bucket.tensors[0][1].device
     metas, size = aligned_layout(bucket.tensors)
@@ -158,4 +164,5 @@ def pack_cuda_ipc(bucket: WeightBucket) -> PackedBucket:
     torch.cuda.current_stream(device).synchronize()  # the engine reads on its own stream
     payload = serialize_cuda_ipc(views)
     del views
-    return PackedBucket(CUDA_IPC_FORMAT, payload, on_release=lambda: flat)  # the closure holds the buffer
+    return PackedBucket(CUDA_IPC_FORMAT, payload, on_release=lambda: flat,  # the closure holds the buffer
+                        sglang_payload=serialize_sglang_bucket(flat, metas) if sglang else None)

@@ -4,10 +4,12 @@
 
     stage buckets (disk: write safetensors)           engines still generate
     pause_generation(mode)                            -- engines stop here --
-    [check mode, first sync of an engine: fill_weights_noise, remember its checksums]
+    [check mode, first sync of an engine: embedded engine: fill_weights_noise, remember its
+     checksums; SGLang: weights_checker snapshot, then reset_tensors]
     deliver buckets (disk: one load; shared memory: one call per bucket; broadcast: one collective per bucket, or per tensor)
-    flush_cache                                       KV computed with old weights is void
-    [check mode: every sent tensor's checksum equals the trainer's; nothing left as noise]
+    flush_cache (mode abort only)                     KV computed with old weights is void
+    [check mode: embedded engine: every sent tensor's checksum equals the trainer's, nothing left
+     as noise; SGLang (first sync): weights_checker compare]
     update_weight_version(version)                    only once every bucket landed
     continue_generation                               -- engines resume --
 
@@ -16,6 +18,17 @@ once after the last one. Generation is paused throughout, so nothing reads a hal
 and the version is set only after every bucket landed: no generated token carries a version whose
 weights its engine does not fully hold. When a step fails, the engines stay paused (see
 :class:`~miles_weights.errors.WeightSyncError`).
+
+SGLang flushes only a fully idle engine (it answers 400 otherwise), so the flush is sent after a
+pause in mode ``abort`` only: ``retract`` keeps the paused requests queued (their KV was dropped
+when they were retracted; they are prefilled again with the new weights) and ``in_place`` keeps
+their KV on purpose. ``update_weight_version`` says ``abort_all_requests: false``: SGLang's default
+would abort the requests a ``retract`` or ``in_place`` pause holds.
+
+SGLang's check mode proves a sync by comparison with a snapshot taken before the noise, so it
+holds only when the engine was serving exactly the trainer's weights then: the first sync of a
+run, from the checkpoint both loaded (what ``weights.check`` is for). Later syncs of an SGLang
+engine are not checked.
 """
 
 from __future__ import annotations
@@ -31,8 +44,9 @@ from typing import TYPE_CHECKING, Any
 from miles_contracts.weights import TransferReport, WeightBucket, bucketize
 
 from miles_weights.checksums import TensorTally, compare_checksums
+from miles_weights.engine_info import EngineInfo
 from miles_weights.engines import EngineCalls, normalize_targets
-from miles_weights.errors import WeightCheckError
+from miles_weights.errors import WeightCheckError, WeightSyncError
 
 if TYPE_CHECKING:
     import torch
@@ -99,6 +113,8 @@ class BucketedTransport(ABC):
         self.options = options or TransportOptions()
         self._calls = EngineCalls(timeout=self.options.http_timeout)
         self._noise: dict[str, dict[str, str]] = {}  # engine -> its checksums right after the noise fill
+        self._snapshotted: set[str] = set()  # SGLang engines whose first sync check mode is proving now
+        self._engines: dict[str, EngineInfo] = {}
         self._closed = False
 
     # ------------------------------------------------------------------ the protocol
@@ -124,10 +140,11 @@ class BucketedTransport(ABC):
             if self.options.check:
                 self._fill_noise([url for url in urls if url not in self._noise], version)
             num_buckets = self._deliver(staged, urls, version)
-            self._calls.post_all(urls, "/flush_cache", step=f"version {version}: flush cache")
+            if self.options.pause_mode == "abort":
+                self._calls.post_all(urls, "/flush_cache", step=f"version {version}: flush cache")
             if self.options.check:
                 self._verify(urls, tally, version)
-            self._calls.post_all(urls, "/update_weight_version", {"new_version": str(version)},
+            self._calls.post_all(urls, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False},
                                  step=f"version {version}: update weight version")
             self._calls.post_all(urls, "/continue_generation", {}, step=f"version {version}: continue generation")
             resumed = time.perf_counter()
@@ -148,6 +165,19 @@ class BucketedTransport(ABC):
 
     # ------------------------------------------------------------------ what subclasses decide
 
+    def engine_info(self, urls: list[str], version: int | None = None) -> dict[str, EngineInfo]:
+        """What each engine is (:mod:`miles_weights.engine_info`), asked once per engine."""
+        step = "read the server info" if version is None else f"version {version}: read the server info"
+        for url in urls:
+            if url not in self._engines:
+                answer = self._calls.get_optional(url, "/server_info", step=step)
+                self._engines[url] = EngineInfo.from_server_info(answer or {})
+        return {url: self._engines[url] for url in urls}
+
+    def forget_engine(self, url: str) -> None:
+        """Ask ``url`` again next time (it was restarted, possibly as something else)."""
+        self._engines.pop(url, None)
+
     def _check_targets(self, urls: list[str]) -> None:
         """Reject targets this transport cannot reach (before anything is paused); all are fine by default."""
         return None
@@ -165,16 +195,39 @@ class BucketedTransport(ABC):
     def _fill_noise(self, urls: list[str], version: int) -> None:
         if not urls:
             return
-        self._calls.post_all(urls, "/fill_weights_noise", {"seed": self.options.check_seed},
-                             step=f"version {version}: check mode, fill weights with noise")
-        answers = self._calls.get_all(urls, "/weights_checksum", step=f"version {version}: check mode, checksums after noise")
-        for url, answer in answers.items():
-            self._noise[url] = dict(answer.get("checksums") or {})
+        engines = self.engine_info(urls, version)
+        ours = [url for url in urls if engines[url].miles_formats]
+        sglang = [url for url in urls if not engines[url].miles_formats]
+        if ours:
+            self._calls.post_all(ours, "/fill_weights_noise", {"seed": self.options.check_seed},
+                                 step=f"version {version}: check mode, fill weights with noise")
+            answers = self._calls.get_all(ours, "/weights_checksum",
+                                          step=f"version {version}: check mode, checksums after noise")
+            for url, answer in answers.items():
+                self._noise[url] = dict(answer.get("checksums") or {})
+        for action in ("snapshot", "reset_tensors"):
+            self._calls.post_all(sglang, "/weights_checker", {"action": action},
+                                 step=f"version {version}: check mode, weights_checker {action}")
+        for url in sglang:
+            self._noise[url] = {}
+            self._snapshotted.add(url)
 
     def _verify(self, urls: list[str], tally: TensorTally, version: int) -> None:
-        answers = self._calls.get_all(urls, "/weights_checksum", step=f"version {version}: check mode, checksums after sync")
+        engines = self.engine_info(urls, version)
         mismatches: dict[str, list[str]] = {}
         lines = []
+        snapshotted = [url for url in urls if url in self._snapshotted]
+        self._snapshotted.difference_update(snapshotted)
+        compared = self._calls.submit(snapshotted, "POST", "/weights_checker", {"action": "compare"},
+                                      step=f"version {version}: check mode, weights_checker compare")
+        for url, future in compared.items():
+            try:
+                future.result()
+            except WeightSyncError as exc:
+                mismatches[url] = []
+                lines.append(f"  - engine {url}: {exc}")
+        ours = [url for url in urls if engines[url].miles_formats]
+        answers = self._calls.get_all(ours, "/weights_checksum", step=f"version {version}: check mode, checksums after sync")
         for url, answer in answers.items():
             diff = compare_checksums(tally.checksums, answer.get("checksums") or {}, self._noise.get(url),
                                      not_floating=tally.not_floating)

