@@ -20,6 +20,7 @@ from miles.engine_client import HttpEngineClient
 from miles.sections import RolloutSection
 from miles_contracts import GenerateContext, MoeLayerMap, Sample, Status
 from miles_contracts.chat import ParsedTurn, ToolCall
+from miles_contracts.wire.auth import auth_headers
 from miles_contracts.wire.engine import GenerateRequest, GenerateResponse, SamplingParams
 from miles_r3.capture import RoutedExpertsCapture
 from miles_r3.experts import ROUTED_EXPERTS, decode_payload
@@ -93,5 +94,5 @@ async def _generate(ctx: GenerateContext, sample: Sample) -> Sample:
 def _teacher_forced(url: str, tokens: list[int], moe_map: MoeLayerMap) -> Any:
     """Routing of every position of ``tokens`` from one engine call that feeds them all."""
     body = {"input_ids": tokens, "return_routed_experts": True, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
-    answer = httpx.post(f"{url}/generate", json=body, timeout=120).json()
+    answer = httpx.post(f"{url}/generate", json=body, timeout=120, headers=auth_headers()).json()
     return decode_payload(answer["meta_info"]["routed_experts"], len(tokens), moe_map)
