@@ -9,12 +9,14 @@ from __future__ import annotations
 import pytest
 from engine_support import serve_engine
 from miles_contracts.testing.engine import ENGINE_CHECKS, EngineCheckSkipped, EngineUnderTest
+from miles_contracts.wire.auth import run_token
 
 
 @pytest.fixture(scope="module")
 def engine_under_test(dense_path):
     with serve_engine(dense_path, max_running_requests=8) as running:
-        yield EngineUnderTest(running.url, model_path=str(dense_path), long_tokens=600, settle_s=0.3)
+        yield EngineUnderTest(running.url, token=run_token(), model_path=str(dense_path), long_tokens=600,
+                              settle_s=0.3)
 
 
 @pytest.mark.parametrize("check", list(ENGINE_CHECKS))

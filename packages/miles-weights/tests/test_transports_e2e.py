@@ -16,6 +16,7 @@ from miles.executor.local import free_port
 from miles.kernel import Kernel
 from miles.sections import WeightsSection
 from miles_contracts.testing.transport import check_weight_transport
+from miles_contracts.wire.auth import auth_headers
 from miles_weights.errors import WeightCheckError, WeightSyncError
 from miles_weights.launch import RunningEngines
 from miles_weights.settings import WeightTransportSection
@@ -45,7 +46,7 @@ def transport(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Bucket
 
 
 def _get(url: str, path: str) -> dict:
-    with urllib.request.urlopen(url + path, timeout=30) as response:
+    with urllib.request.urlopen(urllib.request.Request(url + path, headers=auth_headers()), timeout=30) as response:
         return json.loads(response.read())
 
 
@@ -54,7 +55,7 @@ def _greedy(url: str) -> tuple[list[int], list[float]]:
     log-probs are what tell two sets of weights apart)."""
     body = json.dumps({"input_ids": [1, 2, 3, 4, 5], "return_logprob": True,
                        "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}})
-    request = urllib.request.Request(url + "/generate", data=body.encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url + "/generate", data=body.encode(), headers={"Content-Type": "application/json", **auth_headers()})
     with urllib.request.urlopen(request, timeout=60) as response:
         answer = json.loads(response.read())
     return answer["output_ids"], [entry[0] for entry in answer["meta_info"]["output_token_logprobs"]]
@@ -132,7 +133,7 @@ def test_broadcast_reuses_its_group_and_engines_leave_it(tmp_path: Path, cpu_eng
     def engine_has(url: str, group: str) -> bool:
         # destroying is the only way to ask an engine whether it holds a group (a held one is gone afterwards)
         request = urllib.request.Request(f"{url}/destroy_weights_update_group", data=json.dumps({"group_name": group}).encode(),
-                                         headers={"Content-Type": "application/json"})
+                                         headers={"Content-Type": "application/json", **auth_headers()})
         try:
             with urllib.request.urlopen(request, timeout=30):
                 return True

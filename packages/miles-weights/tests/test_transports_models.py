@@ -23,6 +23,7 @@ import torch
 from miles.config import MilesConfig
 from miles.kernel import Kernel
 from miles.sections import WeightsSection
+from miles_contracts.wire.auth import auth_headers
 from miles_models.testing import router_top_k
 from miles_weights.settings import WeightTransportSection
 from miles_weights.sync import BucketedTransport
@@ -39,7 +40,7 @@ def make(name: str, tmp_path: Path, *, check: bool) -> BucketedTransport:
 
 
 def _post(url: str, path: str, body: dict) -> dict:
-    request = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **auth_headers()})
     with urllib.request.urlopen(request, timeout=120) as response:
         return json.loads(response.read())
 
@@ -88,7 +89,7 @@ def test_check_mode_passes_on_a_tied_random_llama(name: str, tied_dir: Path, tie
     with make(name, tmp_path, check=True) as transport:  # noise first, then the sync must restore every byte
         report = transport.push(iter(tensors), targets=[url], version=3)
     assert report.num_tensors == len(tensors)
-    checksums = json.loads(urllib.request.urlopen(url + "/weights_checksum", timeout=60).read())["checksums"]
+    checksums = json.loads(urllib.request.urlopen(urllib.request.Request(url + "/weights_checksum", headers=auth_headers()), timeout=60).read())["checksums"]
     assert set(checksums) == set(names)  # one name per stored tensor: the tied head is not reported apart
     # the head was never sent and was noise: only the tie can have restored it
     prompt = [1, 504, 3458, 282]
@@ -151,7 +152,7 @@ def test_check_mode_passes_on_moe_with_checkpoint_names(name: str, moe_engine: s
     assert any(".mlp.experts.3.up_proj.weight" in n for n, _ in tensors)
     with make(name, tmp_path, check=True) as transport:
         transport.push(iter(tensors), targets=[moe_engine], version=5)
-    checksums = json.loads(urllib.request.urlopen(moe_engine + "/weights_checksum", timeout=60).read())["checksums"]
+    checksums = json.loads(urllib.request.urlopen(urllib.request.Request(moe_engine + "/weights_checksum", headers=auth_headers()), timeout=60).read())["checksums"]
     assert set(checksums) == {n for n, _ in tensors}
 
     prompt = [1, 504, 3458, 282, 4649]
@@ -168,5 +169,5 @@ def test_fsdp_named_weights_are_the_names_the_moe_engine_reports(moe_engine: str
     """What the FSDP trainer yields (transformers' reverse conversion) is what the engine takes and checks."""
     gather = pytest.importorskip("miles_fsdp.weights").gather_named_weights
     _, reference = moe_trained
-    checksums = json.loads(urllib.request.urlopen(moe_engine + "/weights_checksum", timeout=60).read())["checksums"]
+    checksums = json.loads(urllib.request.urlopen(urllib.request.Request(moe_engine + "/weights_checksum", headers=auth_headers()), timeout=60).read())["checksums"]
     assert {name for name, _ in gather(reference)} == set(checksums)
