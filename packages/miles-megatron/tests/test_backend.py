@@ -1,0 +1,64 @@
+"""The megatron backend in one process (a world of one, through megatron-core's real schedules,
+DDP, optimizer and distributed checkpointing), on tiny real models."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from miles.kernel import Kernel
+from miles_contracts.testing.backend import check_train_backend, make_test_batch, plain_logprobs
+
+
+def test_conformance_dense(tiny_dense, make_config, tmp_path) -> None:
+    from miles_megatron.backend import MegatronBackend
+
+    bridge = Kernel.load().model_bridge(json.loads((tiny_dense / "config.json").read_text()))
+    report = check_train_backend(lambda: MegatronBackend(make_config(tiny_dense)), tiny_dense, work_dir=tmp_path, bridge=bridge)
+    assert report.bridge == "llama" and report.loss_after < report.loss_before
+
+
+def test_moe_logprobs_entropy_and_weights(tiny_moe, backend_factory) -> None:
+    from miles_contracts.testing.bridge import load_hf_checkpoint
+
+    backend = backend_factory(tiny_moe, megatron={"logprob_chunk_size": 7})
+    batch = make_test_batch(tiny_moe)
+    logprobs, entropy = backend.compute_logprobs_and_entropy(batch)
+    torch.testing.assert_close(logprobs, plain_logprobs(tiny_moe, batch), rtol=0, atol=1e-4)
+    assert bool((entropy[batch.loss_mask > 0] > 0).all()) and bool((entropy[batch.loss_mask == 0] == 0).all())
+    stored, _ = load_hf_checkpoint(tiny_moe)
+    weights = dict(backend.named_weights())
+    assert weights.keys() == stored.keys() and all(torch.equal(weights[n], stored[n]) for n in stored)
+
+
+def test_unclaimed_model_names_the_installed_bridges(tiny_dense, make_config, tmp_path) -> None:
+    import shutil
+
+    from miles.errors import PluginError
+    from miles_megatron.backend import MegatronBackend
+
+    odd = tmp_path / "odd"
+    shutil.copytree(tiny_dense, odd)
+    config = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**config, "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"}))
+    with pytest.raises(PluginError, match="llama.*qwen3|qwen3.*llama"):
+        MegatronBackend(make_config(odd))
+
+
+def test_bad_layouts_are_refused_with_the_sizes(tiny_dense, make_config) -> None:
+    from miles_megatron.backend import MegatronBackend
+
+    with pytest.raises(ValueError, match="tensor_parallel x pipeline_parallel x context_parallel = 2 x 1 x 1"):
+        MegatronBackend(make_config(tiny_dense, megatron={"tensor_parallel": 2}))
+
+
+def test_reference_model_scores_the_starting_weights(tiny_dense, backend_factory) -> None:
+    backend = backend_factory(tiny_dense, use_reference=True)
+    batch = make_test_batch(tiny_dense)
+    start = backend.compute_logprobs(batch)
+    advantages = torch.where(batch.loss_mask > 0, torch.ones_like(start), torch.zeros_like(start))
+    backend.train_step(replace(batch, advantages=advantages, rollout_logprobs=start))
+    torch.testing.assert_close(backend.compute_logprobs(batch, model="ref"), start, rtol=0, atol=1e-6)
+    assert not torch.allclose(backend.compute_logprobs(batch), start, atol=1e-4)
