@@ -124,21 +124,21 @@ class MegatronBackend:
         mcore = self.bridge.to_megatron(hf_state, self.hf_config)
         self.bridge_names = list(mcore)
 
-        def loaded_chunks() -> tuple[list[Any], list[Any]]:
+        def loaded_chunks(mcore: Mapping[str, torch.Tensor]) -> tuple[list[Any], list[Any]]:
             chunks = build_chunks(megatron_config, tc, self.layout, padded, transformer_engine=self.transformer_engine,
                                   device=self.device)
             shards = describe_shards(chunks, tc, self.bridge_names)
             load_into(shards, mcore, padded)
             return chunks, shards
 
-        chunks, shards = loaded_chunks()
+        chunks, shards = loaded_chunks(mcore)
         train = config.train
         wrapped, optimizer = wrap_and_optimize(chunks, tc, self.options, lr=train.lr, betas=tuple(train.betas),
                                                weight_decay=train.weight_decay, grad_clip=train.grad_clip)
         self.actor = ModelParts(chunks, wrapped, optimizer, tc, vocab, padded)
         self.ref: ModelParts | None = None
         if train.use_reference:
-            ref_chunks, _ = loaded_chunks()
+            ref_chunks, _ = loaded_chunks(mcore)
             for chunk in ref_chunks:
                 chunk.requires_grad_(False)
                 if self.dtype != torch.float32:

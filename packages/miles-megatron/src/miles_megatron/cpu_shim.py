@@ -177,6 +177,20 @@ def install() -> None:
     torch.cuda.current_stream = lambda device=None: _HOST_STREAM
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
     torch.cuda.Event = _HostEvent
+    # Why: the MoE all-to-all dispatcher turns its split sizes into host lists only when they live
+    # on a GPU (``maybe_move_tensor_to_cpu``); on the CPU they stay tensors, which
+    # ``all_to_all_single`` does not take (also in backward, outside any mode), so they are
+    # handed over as lists.
+    all_to_all_single = torch.distributed.all_to_all_single
+
+    def all_to_all_with_host_splits(output: Any, input: Any, output_split_sizes: Any = None,
+                                    input_split_sizes: Any = None, *args: Any, **kwargs: Any) -> Any:
+        def listed(sizes: Any) -> Any:
+            return sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes
+
+        return all_to_all_single(output, input, listed(output_split_sizes), listed(input_split_sizes), *args, **kwargs)
+
+    torch.distributed.all_to_all_single = all_to_all_with_host_splits
     # Why: ``moe_utils`` reads ``te_general_gemm`` in the router but only defines it when
     # Transformer Engine imports; None is what it means by "not available".
     if not hasattr(moe_utils, "te_general_gemm"):

@@ -4,7 +4,8 @@ The bridge says what the model is (``megatron_config()``: sizes, norms, rope, ex
 adds how it runs (parallel sizes, precision, recomputation, fusions) and builds one ``GPTModel``
 per pipeline chunk of this rank (several with interleaving), each wrapped in megatron-core's
 ``DistributedDataParallel``, and megatron-core's optimizer over all of them (distributed optimizer
-by default). Weights are not initialised here: they are loaded from the checkpoint right after.
+by default). Weights are initialised (which is also where megatron-core marks how each is
+sharded) and then overwritten from the checkpoint.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def transformer_config(megatron_config: Mapping[str, Any], options: MegatronSect
         virtual_pipeline_model_parallel_size=layout.vpp, context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep, sequence_parallel=options.sequence_parallel and layout.tp > 1,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype if low else torch.float32,
-        pipeline_dtype=dtype, variable_seq_lengths=layout.pp > 1, perform_initialization=False,
+        pipeline_dtype=dtype, variable_seq_lengths=layout.pp > 1,
         # micro-batches differ in length; through a pipeline megatron-core allows that with the
         # all-to-all token dispatcher only (the one to use with expert parallelism anyway)
         moe_token_dispatcher_type="alltoall",

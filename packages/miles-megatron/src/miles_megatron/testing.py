@@ -3,6 +3,7 @@ model, and the gradients of one batch by HF parameter name."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,14 +47,11 @@ def hf_gradients(backend: Any, batch: Any) -> dict[str, Any]:
         # the schedule finishes with finalize_model_grads: main_grad then holds reduced gradients
         backend._runner(backend.actor).accumulate("train", objective.prepare_batch(batch), loss_fn)
     gather = backend.gather
-    saved = [(s.param, s.param.data) for s in gather.shards.values()]
+    # the same shards, holding their gradients instead of their weights
+    shards = [replace(s, param=s.param.main_grad.to(s.param.dtype)) for s in gather.shards.values()]
+    grads = WeightGather(shards, gather.order, gather.bridge, gather.hf_config, gather.vocab_size)
     try:
-        for shard in gather.shards.values():
-            shard.param.data = shard.param.main_grad.to(shard.param.dtype)
-        grads = dict(WeightGather.gather(gather, torch.float32, backend.device))
+        return {name: g.clone() for name, g in grads.gather(torch.float32, backend.device)}  # before zeroing
     finally:
-        for param, data in saved:
-            param.data = data
         for chunk in backend.actor.wrapped:
             chunk.zero_grad_buffer()
-    return grads

@@ -172,7 +172,7 @@ class WeightGather:
         """The full megatron tensor on rank 0 (None elsewhere); sending ranks send their shard."""
         rank = dist.get_rank()
         parts = []
-        for tp_rank, owner, shape, dim, glu in self._plan[name]:
+        for tp_rank, owner, shape, _dim, _glu in self._plan[name]:
             if owner == rank:
                 local = self.shards[(name, tp_rank)].param.detach()
                 if rank == 0:
