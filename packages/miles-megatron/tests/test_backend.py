@@ -3,6 +3,7 @@ DDP, optimizer and distributed checkpointing), on tiny real models."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import replace
 
@@ -31,6 +32,23 @@ def test_moe_logprobs_entropy_and_weights(tiny_moe, backend_factory) -> None:
     stored, _ = load_hf_checkpoint(tiny_moe)
     weights = dict(backend.named_weights())
     assert weights.keys() == stored.keys() and all(torch.equal(weights[n], stored[n]) for n in stored)
+
+
+def test_router_load_balancing_loss_is_an_option(tiny_moe, backend_factory) -> None:
+    """The load-balancing loss reaches the routers only (the policy loss is the same)."""
+    from miles_megatron.testing import hf_gradients
+
+    batch = make_test_batch(tiny_moe)
+    grads = {}
+    for coef in (0.0, 0.5):
+        backend = backend_factory(tiny_moe, megatron={"moe_aux_loss_coef": coef, "distributed_optimizer": False})
+        old = backend.compute_logprobs(batch)
+        advantages = torch.where(batch.loss_mask > 0, torch.ones_like(old), torch.zeros_like(old))
+        grads[coef] = hf_gradients(backend, replace(batch, advantages=advantages, old_logprobs=old, rollout_logprobs=old))
+        backend.close()
+    router = "model.layers.0.mlp.gate.weight"
+    assert not torch.allclose(grads[0.0][router], grads[0.5][router], atol=1e-6)
+    torch.testing.assert_close(grads[0.0]["model.norm.weight"], grads[0.5]["model.norm.weight"], rtol=0, atol=0)
 
 
 def test_unclaimed_model_names_the_installed_bridges(tiny_dense, make_config, tmp_path) -> None:
@@ -70,7 +88,7 @@ def test_one_step_matches_the_fsdp_backend(tiny_dense, backend_factory, make_con
     from miles_fsdp.config import FSDPSection
 
     config = make_config(tiny_dense)
-    fsdp = FSDPBackend(config.model_copy(update={"extra": {"fsdp": FSDPSection()}}))
+    fsdp = FSDPBackend(dataclasses.replace(config, extra={"fsdp": FSDPSection()}))
     megatron = backend_factory(tiny_dense)
     try:
         batch = make_test_batch(tiny_dense)

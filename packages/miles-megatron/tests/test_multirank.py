@@ -49,7 +49,7 @@ def _one_process(model_dir, backend_factory) -> dict:
 
     from miles_megatron.testing import hf_gradients
 
-    backend = backend_factory(model_dir, megatron={"distributed_optimizer": False})
+    backend = backend_factory(model_dir, megatron={"distributed_optimizer": False, "moe_aux_loss_coef": 0.0})
     batch = make_test_batch(model_dir)
     logprobs, entropy = backend.compute_logprobs_and_entropy(batch)
     advantages = torch.where(batch.loss_mask > 0, torch.ones_like(logprobs), torch.zeros_like(logprobs))

@@ -197,12 +197,8 @@ class MegatronBackend:
         policy_loss = self.kernel.policy_losses().get(self.config.train.policy_loss)
         correction = self.kernel.mismatch_corrections().get(params.correction)
         with_entropy = self.options.log_entropy or params.entropy_coef != 0
-
-        def actor_loss(micro: TrainBatch, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, dict[str, float]]:
-            logprobs, entropy = outputs[0], (outputs[1] if with_entropy else None)
-            if entropy is not None and params.entropy_coef == 0:
-                entropy = entropy.detach()
-            return objective.actor_loss(logprobs, micro, params, policy_loss=policy_loss, correction=correction, entropy=entropy)
+        actor_loss = objective.micro_batch_actor_loss(params, policy_loss=policy_loss, correction=correction,
+                                                      with_entropy=with_entropy)
 
         updates = self.config.train.updates_per_step
         rollouts = len(set(batch.rollout_ids.tolist()))

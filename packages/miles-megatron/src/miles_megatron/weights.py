@@ -151,7 +151,8 @@ class WeightGather:
         self.order = bridge_names
         self.bridge, self.hf_config, self.vocab_size = bridge, hf_config, vocab_size
         self.partial = converts_partially(bridge)
-        self.param_dtype = next(iter(shards)).param.dtype  # every parameter has the model's dtype
+        # every parameter has the model's dtype (a rank without representative shards never receives)
+        self.param_dtype = shards[0].param.dtype if shards else torch.float32
         self._plan: dict[str, list[tuple[int, int, tuple[int, ...], int | None, bool]]] | None = None
 
     def _exchange_plan(self) -> dict[str, list[tuple[int, int, tuple[int, ...], int | None, bool]]]:
