@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from miles import hookimpl
 from miles.kernel import Kernel
 from miles_contracts.testing.backend import check_train_backend, make_test_batch, plain_logprobs
 
@@ -104,3 +105,40 @@ def test_one_step_matches_the_fsdp_backend(tiny_dense, backend_factory, make_con
     finally:
         megatron.close()  # before FSDP, which owns the process group here
         fsdp.close()
+
+
+class _RouterRecorder:
+    """A ``miles_forward`` wrapper like R3's: finds the MoE routers and the token map of each forward."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, list[int], bool]] = []
+
+    @hookimpl(wrapper=True)
+    def miles_forward(self, ctx):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        routers = [m for m in ctx.model.modules() if isinstance(m, TopKRouter)]
+        inputs = ctx.state["inputs"]
+        # every real token maps to a (row, column) of the micro-batch with that token id
+        real = inputs.token_index[:, 0] >= 0
+        rows, cols = inputs.token_index[real].unbind(1)
+        same = bool(torch.equal(ctx.batch.tokens[rows, cols], inputs.input_ids[0, real]))
+        self.seen.append((ctx.phase, type(ctx.model).__name__, [r.layer_number for r in routers],
+                          same and all(r.router_replay is not None for r in routers)))
+        return (yield)
+
+
+def test_forward_wrappers_see_the_megatron_model_its_routers_and_token_map(tiny_moe, backend_factory) -> None:
+    recorder = _RouterRecorder()
+    kernel = Kernel.load()
+    kernel.register_plugin(recorder, name="test-router-recorder")
+    try:
+        backend = backend_factory(tiny_moe)
+        batch = make_test_batch(tiny_moe)
+        old = backend.compute_logprobs(batch)
+        advantages = torch.where(batch.loss_mask > 0, torch.ones_like(old), torch.zeros_like(old))
+        backend.train_step(replace(batch, old_logprobs=old, advantages=advantages))
+    finally:
+        kernel.unregister_plugin("test-router-recorder")
+    assert {phase for phase, *_ in recorder.seen} == {"old_logprobs", "train"}
+    assert all(model == "GPTModel" and layers == [1, 2] and ok for _, model, layers, ok in recorder.seen)
