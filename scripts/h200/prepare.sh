@@ -28,7 +28,6 @@ for part in "${parts[@]}"; do
     whl)
       # wheelhouse.sh writes to .git/info/exclude itself: run it from the main checkout, not a worktree
       bash "${WHEELHOUSE:-../shared/device/wheelhouse.sh}"
-      rm -f .whl/megatron_core-*.whl  # 20 MB; no script here uses megatron
       rm -f .whl/mooncake_transfer_engine*.whl  # the CPU build miles-mooncake[cpu] locks; no script here uses it
       python3 -m pip download -q py-spy --no-deps --only-binary=:all: --platform manylinux2014_x86_64 -d .whl ;;
     trl)

@@ -268,7 +268,17 @@ class ModelBridge(Protocol):
 
     def to_megatron(self, hf_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any]) -> dict[str, torch.Tensor]: ...
 
-    def to_hf(self, mcore_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any]) -> dict[str, torch.Tensor]: ...
+    def to_hf(
+        self, mcore_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any], *, partial: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """megatron-core tensors -> HF checkpoint tensors.
+
+        ``partial=True`` (optional; bridges that accept it let a train backend stream weights one
+        decoder layer at a time): ``mcore_state`` may hold any subset, and exactly the HF tensors
+        made from it are returned. A backend falls back to one whole-model call for a bridge whose
+        ``to_hf`` has no ``partial`` keyword.
+        """
+        ...
 
     def megatron_config(self, hf_config: Mapping[str, Any]) -> dict[str, Any]:
         """Keyword arguments for megatron-core's ``TransformerConfig`` / ``GPTModel``.

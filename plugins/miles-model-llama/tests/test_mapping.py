@@ -103,3 +103,19 @@ def test_unsupported_config_lists_every_problem() -> None:
 def test_grouped_gemm_needs_the_transformer_engine_spec() -> None:
     with pytest.raises(BridgeError, match="grouped_gemm=True needs spec='transformer_engine'"):
         MegatronLayout(spec="local", grouped_gemm=True)
+
+
+def test_partial_conversion_gives_exactly_the_tensors_of_a_subset(tiny_dense) -> None:
+    """A train backend streams weights out one decoder layer at a time (``partial=True``)."""
+    from miles_contracts.testing.bridge import load_hf_checkpoint
+
+    state, config = load_hf_checkpoint(tiny_dense)
+    mcore = LlamaBridge().to_megatron(state, config)
+    layer = {n: t for n, t in mcore.items() if n.startswith("decoder.layers.1.")}
+    out = LlamaBridge().to_hf(layer, config, partial=True)
+    assert out.keys() == {n for n in state if n.startswith("model.layers.1.")}
+    assert all(torch.equal(out[n], state[n]) for n in out)
+    with pytest.raises(BridgeError, match="missing"):
+        LlamaBridge().to_hf(layer, config)  # without partial, a subset is an error
+    with pytest.raises(BridgeError, match="unexpected"):
+        LlamaBridge().to_hf({**layer, "decoder.layers.1.bogus.weight": torch.zeros(1)}, config, partial=True)

@@ -30,7 +30,10 @@ log-probs at temperature 1, a learning rate that visibly moves a tiny model in o
    the weights are identical, and one more step on each gives identical weights.
 
 With several ranks, every rank calls the suite (backends are SPMD); ``work_dir`` must be the same
-folder on every rank. torch and transformers are imported when the suite runs.
+folder on every rank. ``named_weights()`` is collective and only rank 0 must yield (other ranks may
+yield the same tensors or nothing), so the weight rules run on the ranks that yield, and a
+backend's ``named_weights()`` is always consumed to the end before another one starts. torch and
+transformers are imported when the suite runs.
 """
 
 from __future__ import annotations
@@ -129,9 +132,10 @@ def check_train_backend(
     model_dir, work_dir = Path(model_dir), Path(work_dir)
     stored, hf_config = load_hf_checkpoint(model_dir)
     backend = factory()
-    weights = {name: t.detach().cpu().clone() for name, t in backend.named_weights()}
-    _check_weights(weights, stored, hf_config, weight_atol)
-    _check_bridge_round_trip(weights, hf_config, bridge)
+    weights = _all_weights(backend)
+    if weights or _rank() == 0:
+        _check_weights(weights, stored, hf_config, weight_atol)
+        _check_bridge_round_trip(weights, hf_config, bridge)
 
     batch = make_test_batch(model_dir)
     reference = plain_logprobs(model_dir, batch)
@@ -157,6 +161,17 @@ def check_train_backend(
 
 
 # ----------------------------------------------------------------------------- rules
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _all_weights(backend: TrainBackend) -> dict[str, Any]:
+    """Every tensor ``named_weights()`` yields here (consumed to the end: it is collective)."""
+    return {name: t.detach().cpu().clone() for name, t in backend.named_weights()}
 
 
 def _check_weights(weights: dict[str, Any], stored: dict[str, Any], hf_config: dict[str, Any], atol: float) -> None:
@@ -250,9 +265,10 @@ def _check_checkpoint(
 
 
 def _same_weights(a: TrainBackend, b: TrainBackend, when: str, atol: float) -> None:
-    for (name_a, ta), (name_b, tb) in zip(a.named_weights(), b.named_weights(), strict=True):
-        if name_a != name_b:
-            raise AssertionError(f"{when}: weight order differs ({name_a} vs {name_b})")
+    weights_a, weights_b = _all_weights(a), _all_weights(b)  # one collective after the other
+    if list(weights_a) != list(weights_b):
+        raise AssertionError(f"{when}: the two backends yield different weight names or order")
+    for (name_a, ta), tb in zip(weights_a.items(), weights_b.values(), strict=True):
         diff = float((ta.float() - tb.float()).abs().max()) if ta.numel() else 0.0
         if not diff <= atol:
             raise AssertionError(f"{when}: weight {name_a} differs by {diff:.3g} between the original and the resumed backend")

@@ -157,6 +157,24 @@ def actor_loss(
     return loss, {name: float(value.detach()) for name, value in metrics.items()}
 
 
+def micro_batch_actor_loss(
+    params: AlgorithmParams, *, policy_loss: PolicyLoss, correction: Correction, with_entropy: bool,
+) -> Callable[[TrainBatch, tuple[torch.Tensor, ...]], tuple[torch.Tensor, dict[str, float]]]:
+    """What a backend calls per micro-batch: ``(micro, (logprobs[, entropy])) -> actor_loss(...)``.
+
+    The entropy enters the loss (and gets a gradient) only when ``params.entropy_coef != 0``;
+    otherwise it is a metric only.
+    """
+
+    def loss(micro: TrainBatch, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, dict[str, float]]:
+        logprobs, entropy = outputs[0], (outputs[1] if with_entropy else None)
+        if entropy is not None and params.entropy_coef == 0:
+            entropy = entropy.detach()
+        return actor_loss(logprobs, micro, params, policy_loss=policy_loss, correction=correction, entropy=entropy)
+
+    return loss
+
+
 def critic_loss(values: torch.Tensor, batch: TrainBatch, params: AlgorithmParams) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped value loss of one micro-batch (its share), ``value_loss_coef * reduce(...)``.
 

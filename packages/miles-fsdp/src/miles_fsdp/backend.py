@@ -189,12 +189,8 @@ class FSDPBackend:
         correction = self.kernel.mismatch_corrections().get(params.correction)
         # the entropy's gradient is computed only when it enters the loss (entropy_coef != 0)
         with_entropy = self.options.log_entropy or params.entropy_coef != 0
-
-        def actor_loss(micro: TrainBatch, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, dict[str, float]]:
-            logprobs, entropy = outputs[0], (outputs[1] if with_entropy else None)
-            if entropy is not None and params.entropy_coef == 0:
-                entropy = entropy.detach()
-            return objective.actor_loss(logprobs, micro, params, policy_loss=policy_loss, correction=correction, entropy=entropy)
+        actor_loss = objective.micro_batch_actor_loss(params, policy_loss=policy_loss, correction=correction,
+                                                      with_entropy=with_entropy)
 
         def critic_loss(micro: TrainBatch, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, dict[str, float]]:
             return objective.critic_loss(outputs[0], micro, params)

@@ -154,6 +154,41 @@ def run_miles(preset: str, batch, *, device: str, options: dict[str, Any], gradi
         _free(dev)
 
 
+def run_registered(backend_name: str, preset: str, batch, *, device: str, options: dict[str, Any], section: str | None,
+                   gradient_checkpointing: bool, micro_batch_tokens: int, warmup: int, steps: int, work_dir: Any) -> dict[str, Any]:
+    """The step of any registered train backend (e.g. ``megatron``) on the preset's random model,
+    saved once as a checkpoint folder the backend loads like any model."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from miles.config import MilesConfig
+    from miles.kernel import Kernel
+    from miles.sections import ModelSection, RunSection, TrainSection
+
+    # one folder per rank: under torchrun every rank writes its own copy (no race)
+    folder = Path(work_dir or tempfile.mkdtemp(prefix="miles-bench-")) / f"{preset}-rank{os.environ.get('RANK', '0')}"
+    if not (folder / "config.json").is_file():
+        build_model(preset, device="cpu").save_pretrained(folder, safe_serialization=True)
+    kernel = Kernel.load()
+    extra = {section: kernel.config_sections().get(section)(**options)} if section else {}
+    config = MilesConfig(
+        model=ModelSection(name=str(folder), device=device), run=RunSection(steps=warmup + steps),
+        train=TrainSection(backend=backend_name, lr=1e-6, micro_batch_tokens=micro_batch_tokens,
+                           gradient_checkpointing=gradient_checkpointing),
+        extra=extra,
+    )
+    backend = kernel.train_backends().get(backend_name)(config)
+    dev = getattr(backend, "device", None) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        seconds = _time_steps(lambda: backend.train_step(batch), dev, warmup, steps)
+        return {"step_s": seconds, "peak_memory_gb": _memory_gb(dev), "backend": backend_name,
+                "transformer_engine": getattr(backend, "transformer_engine", None)}
+    finally:
+        backend.close()
+        _free(dev)
+
+
 def run_baseline(preset: str, batch, *, device: torch.device, gradient_checkpointing: bool, warmup: int, steps: int) -> dict[str, Any]:
     """Plain transformers: fp32 weights, bf16 autocast on CUDA, full-logits loss, AdamW."""
     from miles_fsdp.models import enable_activation_checkpointing
@@ -187,9 +222,12 @@ def _rates(result: dict[str, Any], tokens: int, flops: float, peak_tflops: float
 def run_benchmark(
     *, preset: str, seq_lens: list[int], tokens_per_step: int, warmup: int, steps: int, device: str,
     gradient_checkpointing: bool, options: dict[str, Any], baseline: bool, peak_tflops: float | None,
-    micro_batch_tokens: int | None = None,
+    micro_batch_tokens: int | None = None, backend: str = "fsdp", section: str | None = None, work_dir: Any = None,
 ) -> dict[str, Any]:
-    """Every sequence length: the fsdp step and (optionally) the baseline; returns the JSON report."""
+    """Every sequence length: the backend's step and (optionally) the baseline; returns the JSON report.
+
+    ``backend`` other than ``fsdp`` runs through the train-backend registry with ``options`` as its
+    config ``section`` (e.g. ``megatron`` with ``{"tensor_parallel": 2}``)."""
     from miles_fsdp.distributed import pick_device
 
     dev = pick_device(device)
@@ -212,7 +250,8 @@ def run_benchmark(
         "flops_formula": "6 * matmul_parameters * L + 6 * layers * attention_width * L^2 per sequence of L tokens",
         "gradient_checkpointing": gradient_checkpointing,
         "micro_batch_tokens": micro_batch_tokens or "seq_len (one row per micro-batch)",
-        "fsdp_options": options,
+        "backend": backend,
+        f"{section or 'fsdp'}_options": options,
         "goal_mfu": 0.35,
         "results": [],
     }
@@ -221,8 +260,14 @@ def run_benchmark(
         batch = make_batch(rows, length, vocab)
         flops = rows * counter.sequence(length)
         entry: dict[str, Any] = {"seq_len": length, "rows": rows, "tokens_per_step": rows * length}
-        miles = run_miles(preset, batch, device=device, options=options, gradient_checkpointing=gradient_checkpointing,
-                          micro_batch_tokens=max(length, micro_batch_tokens or length), warmup=warmup, steps=steps)
+        budget = max(length, micro_batch_tokens or length)
+        if backend == "fsdp":
+            miles = run_miles(preset, batch, device=device, options=options, gradient_checkpointing=gradient_checkpointing,
+                              micro_batch_tokens=budget, warmup=warmup, steps=steps)
+        else:
+            miles = run_registered(backend, preset, batch, device=device, options=options, section=section,
+                                   gradient_checkpointing=gradient_checkpointing, micro_batch_tokens=budget,
+                                   warmup=warmup, steps=steps, work_dir=work_dir)
         entry["miles"] = _rates(miles, rows * length, flops, peak_tflops)
         if baseline:
             plain = run_baseline(preset, batch, device=dev, gradient_checkpointing=gradient_checkpointing,

@@ -31,6 +31,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="train.micro_batch_tokens (default: the sequence length, one row per micro-batch)")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak; default 989 on CUDA, measured on CPU")
+    p.add_argument("--backend", default="fsdp", help="registered train backend to measure (fsdp, megatron, ...)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of the backend's config section, e.g. --option tensor_parallel=2 (repeatable)")
+    p.add_argument("--work-dir", type=Path, default=None, help="where a non-fsdp backend's random checkpoint is written")
     p.add_argument("--output", type=Path, default=None, help="also write the JSON here")
 
 
@@ -54,6 +58,29 @@ def _fsdp_options(args: argparse.Namespace) -> dict:
     return options
 
 
+def _section_options(args: argparse.Namespace) -> dict:
+    """``--option key=value`` pairs as the backend's config section (YAML scalars)."""
+    import yaml
+    from miles.kernel import Kernel
+    from pydantic import ValidationError
+
+    options = {}
+    for item in args.option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise MilesError(f"--option wants KEY=VALUE, got {item!r}")
+        options[key.strip()] = yaml.safe_load(value)
+    sections = Kernel.load().config_sections()
+    if args.backend not in sections.names():
+        raise MilesError(f"train backend {args.backend!r} registers no config section; known: {', '.join(sections.names())}")
+    try:
+        sections.get(args.backend)(**options)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise MilesError(f"bad --option for {args.backend}: {problems}") from None
+    return options
+
+
 def _run(args: argparse.Namespace) -> int:
     from miles_fsdp.bench import PRESETS, run_benchmark
 
@@ -67,13 +94,18 @@ def _run(args: argparse.Namespace) -> int:
         raise MilesError(f"--seq-lens must be comma-separated integers, got {args.seq_lens!r}") from None
     if not seq_lens or min(seq_lens) < 2:
         raise MilesError("--seq-lens needs at least one length >= 2")
+    fsdp = args.backend == "fsdp"
     report = run_benchmark(
         preset=args.model, seq_lens=seq_lens, tokens_per_step=args.tokens_per_step, warmup=args.warmup,
         steps=args.steps, device=args.device, gradient_checkpointing=args.gradient_checkpointing,
-        options=_fsdp_options(args), baseline=not args.no_baseline,
-        peak_tflops=args.peak_tflops, micro_batch_tokens=args.micro_batch_tokens,
+        options=_fsdp_options(args) if fsdp else _section_options(args), baseline=not args.no_baseline,
+        peak_tflops=args.peak_tflops, micro_batch_tokens=args.micro_batch_tokens, backend=args.backend,
+        section=None if fsdp else args.backend, work_dir=args.work_dir,
     )
-    emit_json(report, args.output)
+    import os
+
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank measures, rank 0 reports
+        emit_json(report, args.output)
     return 0
 
 

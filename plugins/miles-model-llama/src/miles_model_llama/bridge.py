@@ -58,8 +58,10 @@ class LlamaBridge:
     def to_megatron(self, hf_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         return self.weight_map(hf_config).to_megatron(hf_state)
 
-    def to_hf(self, mcore_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        return self.weight_map(hf_config).to_hf(mcore_state)
+    def to_hf(
+        self, mcore_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any], *, partial: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        return self.weight_map(hf_config).to_hf(mcore_state, partial=partial)
 
     def moe_layers(self, hf_config: Mapping[str, Any]) -> None:
         """Llama is dense: no MoE layer map."""

@@ -190,16 +190,22 @@ class WeightMap:
             out[rule.megatron] = _apply(rule, lambda r: r.transform.join([state[h] for h in r.hf]))
         return out
 
-    def to_hf(self, mcore_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def to_hf(self, mcore_state: Mapping[str, torch.Tensor], *, partial: bool = False) -> dict[str, torch.Tensor]:
         """megatron-core tensors -> HF tensors (checkpoint names). ``_extra_state`` entries
-        (Transformer Engine's fp8 metadata) carry no weights and are ignored."""
+        (Transformer Engine's fp8 metadata) carry no weights and are ignored. With ``partial``,
+        ``mcore_state`` may hold any subset (a train backend streams one layer at a time) and only
+        the HF tensors made from it come back; unknown names are still an error."""
         names = {n for n in mcore_state if not n.endswith("_extra_state")}
         wanted = set(self.megatron_names())
         missing, unexpected = sorted(wanted - names), sorted(names - wanted)
+        if partial:
+            missing = []
         if missing or unexpected:
             raise BridgeError(_describe("megatron", missing, unexpected, []))
         out = {}
         for rule in self.rules:
+            if partial and rule.megatron not in names:
+                continue
             parts = _apply(rule, lambda r: r.transform.split(mcore_state[r.megatron], len(r.hf)))
             out.update(zip(rule.hf, parts, strict=True))
         return out

@@ -160,8 +160,10 @@ class Qwen3Bridge:
     def to_megatron(self, hf_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         return self.weight_map(hf_config).to_megatron(hf_state)
 
-    def to_hf(self, mcore_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        return self.weight_map(hf_config).to_hf(mcore_state)
+    def to_hf(
+        self, mcore_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any], *, partial: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        return self.weight_map(hf_config).to_hf(mcore_state, partial=partial)
 
     def moe_layers(self, hf_config: Mapping[str, Any]) -> MoeLayerMap | None:
         """The MoE layer map (routing replay): every layer of a Qwen3-MoE model routes through

@@ -42,8 +42,10 @@ class MistralBridge:
     def to_megatron(self, hf_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         return self._llama(hf_config).to_megatron(hf_state, hf_config)
 
-    def to_hf(self, mcore_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        return self._llama(hf_config).to_hf(mcore_state, hf_config)
+    def to_hf(
+        self, mcore_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any], *, partial: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        return self._llama(hf_config).to_hf(mcore_state, hf_config, partial=partial)
 
     def megatron_config(self, hf_config: Mapping[str, Any]) -> dict[str, Any]:
         return self._llama(hf_config).megatron_config(hf_config)

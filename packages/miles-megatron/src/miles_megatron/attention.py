@@ -1,0 +1,118 @@
+"""Core attention of the local layers: PyTorch scaled-dot-product attention over packed sequences.
+
+Inputs are megatron-core's packed (THD) layout: ``[t, heads, head_dim]`` with ``cu_seqlens``
+giving where each sequence starts. Each sequence attends causally to itself only; nothing is
+padded to a common length.
+
+Context parallelism splits every sequence into ``2 * cp`` equal chunks and gives rank ``r`` chunks
+``r`` and ``2 * cp - 1 - r`` (the load-balanced order megatron-core's rotary embedding and
+Transformer Engine use). Keys and values are all-gathered over the context-parallel group (their
+gradients reduce-scattered back), and each local query chunk attends to the keys up to its own
+end with a causal mask aligned to the bottom right: query ``i`` of chunk ``c`` sees key ``j`` iff
+``j <= c * chunk + i``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
+
+
+class _GatherChunks(torch.autograd.Function):
+    """All-gather along dim 0 over ``group``; backward sums the gradients and keeps this rank's part."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        size = dist.get_world_size(group)
+        parts = [torch.empty_like(tensor) for _ in range(size)]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        group = ctx.group
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        grad = grad.contiguous()
+        if grad.is_cuda:
+            out = torch.empty_like(grad.chunk(size)[rank])
+            dist.reduce_scatter_tensor(out, grad, group=group)
+            return out, None
+        dist.all_reduce(grad, group=group)  # gloo: no reduce-scatter on every torch version
+        return grad.chunk(size)[rank].contiguous(), None
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout: float) -> torch.Tensor:
+    """``q: [h, lq, d]`` against ``k, v: [g, lk, d]`` (``lk >= lq``), causal with the diagonal at the
+    bottom right (the queries are the last ``lq`` positions of the keys' span)."""
+    lq, lk = q.shape[1], k.shape[1]
+    if lq == lk:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout, enable_gqa=True)
+    from torch.nn.attention.bias import causal_lower_right
+
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(lq, lk), scale=scale,
+                                          dropout_p=dropout, enable_gqa=True)
+
+
+class TorchAttention(MegatronModule):
+    """Drop-in for megatron-core's ``core_attention`` (same constructor and forward signature)."""
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection: Any = None, **_: Any) -> None:
+        super().__init__(config=config)
+        from megatron.core import parallel_state
+
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.cp_group = getattr(pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
+        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            raise ValueError("TorchAttention takes packed (THD) sequences; build inputs with miles_megatron.inputs")
+        if attention_bias is not None:
+            raise ValueError("TorchAttention does not take an attention bias")
+        cu = packed_seq_params.cu_seqlens_q_padded
+        cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+        lengths = (cu[1:] - cu[:-1]).tolist()
+        cp = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
+        dropout = self.dropout if self.training else 0.0
+        # [t, heads, d] -> [heads, t, d]: one sequence is then a slice along dim 1
+        q, k, v = (x.transpose(0, 1) for x in (query, key, value))
+        if cp == 1:
+            out = [_attend(q[:, s:e], k[:, s:e], v[:, s:e], self.scale, dropout)
+                   for s, e in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)]
+        else:
+            out = self._context_parallel(q, k, v, lengths, cp, dropout)
+        return torch.cat(out, dim=1).transpose(0, 1).reshape(query.shape[0], -1)
+
+    def _context_parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
+                          cp: int, dropout: float) -> list[torch.Tensor]:
+        rank = dist.get_rank(self.cp_group)
+        # [cp * t_local, g, d]: rank j's local tokens (its two chunks of every sequence) in block j
+        keys = _GatherChunks.apply(k.transpose(0, 1), self.cp_group).transpose(0, 1)
+        values = _GatherChunks.apply(v.transpose(0, 1), self.cp_group).transpose(0, 1)
+        local = sum(lengths) // cp
+        out, start = [], 0
+        for length in lengths:
+            chunk = length // (2 * cp)
+            # chunk c of this sequence, read from the rank that holds it
+            def chunk_of(t: torch.Tensor, c: int, start: int = start, chunk: int = chunk) -> torch.Tensor:
+                owner, half = (c, 0) if c < cp else (2 * cp - 1 - c, 1)
+                begin = owner * local + start + half * chunk
+                return t[:, begin : begin + chunk]
+
+            full_k = torch.cat([chunk_of(keys, c) for c in range(2 * cp)], dim=1)
+            full_v = torch.cat([chunk_of(values, c) for c in range(2 * cp)], dim=1)
+            for half, c in enumerate((rank, 2 * cp - 1 - rank)):
+                mine = q[:, start + half * chunk : start + (half + 1) * chunk]
+                end = (c + 1) * chunk
+                out.append(_attend(mine, full_k[:, :end], full_v[:, :end], self.scale, dropout))
+            start += 2 * chunk
+        return out

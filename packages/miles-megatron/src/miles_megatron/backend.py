@@ -1,0 +1,302 @@
+"""`MegatronBackend`: the ``megatron`` train backend (megatron-core; TP, PP, CP, EP, DP).
+
+SPMD contract (as for every Miles backend): with several ranks, every rank constructs the backend
+and calls every method with the same arguments (the full batch, the same paths); the backend
+splits the work and every rank gets the full result back. ``named_weights()`` is collective:
+every rank iterates it to the end; rank 0 yields the full HF tensors, other ranks nothing.
+
+The model comes from the model bridge that claims the checkpoint's ``config.json``: its
+``megatron_config()`` describes the ``GPTModel``, ``to_megatron`` / ``to_hf`` move weights in and
+out. One ``train_step`` is ``train.updates_per_step`` optimizer steps, each on a mini-batch that
+went through ``miles_algorithms.objective.prepare_batch``, exactly as in the FSDP backend.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import torch
+
+from miles_megatron import checkpoint, parallel
+from miles_megatron.config import MegatronSection
+from miles_megatron.cpu_shim import cpu_megatron
+from miles_megatron.model import (
+    ModelParts,
+    build_chunks,
+    padded_vocab_size,
+    set_learning_rate,
+    transformer_config,
+    wrap_and_optimize,
+)
+from miles_megatron.passes import PassRunner, sum_over_ranks
+from miles_megatron.spec import use_transformer_engine
+from miles_megatron.weights import WeightGather, describe_shards, load_into
+
+if TYPE_CHECKING:
+    from miles.config import MilesConfig
+    from miles.kernel import Kernel
+    from miles_contracts import TrainBatch
+
+NAME = "megatron"
+F = TypeVar("F", bound=Callable[..., Any])
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+
+
+def _on_megatron(method: F) -> F:
+    """Run a method with megatron-core's CPU replacements active (a no-op on GPU)."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with cpu_megatron():
+            return method(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def read_hf_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} holds no *.safetensors file; the megatron backend loads safetensors checkpoints")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(file))
+    return state
+
+
+class MegatronBackend:
+    """Actor (and optional frozen reference) as megatron-core ``GPTModel`` chunks; a ``TrainBackend``.
+
+    :param config: the run config (``model``, ``train``, ``algorithm``, ``rollout.temperature``,
+        ``run``, and the ``megatron`` section are read).
+    :param hf_state / hf_config: weights and ``config.json`` to train instead of loading
+        ``config.model.name`` (benchmarks: a random model built in memory).
+    :param kernel: the kernel whose plugins claim the model and wrap forwards; default: the
+        config's plugin selection.
+    """
+
+    @_on_megatron
+    def __init__(self, config: MilesConfig, *, hf_state: Mapping[str, torch.Tensor] | None = None,
+                 hf_config: Mapping[str, Any] | None = None, kernel: Kernel | None = None) -> None:
+        from miles.kernel import Kernel
+
+        self.config = config
+        self.options = config.section(NAME, MegatronSection)
+        self.kernel = kernel or Kernel.load(config.plugin_selection)
+        train = config.train
+        unsupported = [s for s, on in (("train.use_critic", train.use_critic), ("train.teacher_model", train.teacher_model)) if on]
+        if unsupported:
+            raise ValueError(f"the megatron backend does not support {', '.join(unsupported)} yet; use train.backend: fsdp")
+        self.device = parallel.pick_device(config.model.device)
+        self.layout, self.ranks = parallel.setup(self.options, self.device, config.run.seed)
+        try:
+            self._build(config, hf_state, hf_config)
+        except BaseException:
+            parallel.release()
+            raise
+
+    def _build(self, config: MilesConfig, hf_state: Mapping[str, torch.Tensor] | None, hf_config: Mapping[str, Any] | None) -> None:
+        self.model_dir: Path | None = None
+        if hf_state is None:
+            self.model_dir = Path(self.kernel.resolve_model(config.model.name))
+            hf_config = json.loads((self.model_dir / "config.json").read_text())
+            hf_state = read_hf_checkpoint(self.model_dir)
+        if hf_config is None:
+            raise ValueError("hf_state needs its hf_config (the model's config.json as a mapping)")
+        self.hf_config = dict(hf_config)
+        self.bridge = self.kernel.model_bridge(self.hf_config)  # a clear error naming the installed bridges
+        megatron_config = self.bridge.megatron_config(self.hf_config)
+        name = config.model.dtype if config.model.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
+        self.dtype = getattr(torch, name)
+        self.transformer_engine = use_transformer_engine(self.options.transformer_impl, self.device)
+        recompute = self.options.recompute or ("full" if config.train.gradient_checkpointing else "none")
+        tc = transformer_config(megatron_config, self.options, self.layout, dtype=self.dtype, device=self.device,
+                                transformer_engine=self.transformer_engine, recompute=recompute)
+        vocab = int(megatron_config["gpt_model"]["vocab_size"])
+        padded = padded_vocab_size(vocab, self.options, self.layout)
+        mcore = self.bridge.to_megatron(hf_state, self.hf_config)
+        self.bridge_names = list(mcore)
+
+        def loaded_chunks(mcore: Mapping[str, torch.Tensor]) -> tuple[list[Any], list[Any]]:
+            chunks = build_chunks(megatron_config, tc, self.layout, padded, transformer_engine=self.transformer_engine,
+                                  device=self.device)
+            shards = describe_shards(chunks, tc, self.bridge_names)
+            load_into(shards, mcore, padded)
+            return chunks, shards
+
+        chunks, shards = loaded_chunks(mcore)
+        train = config.train
+        wrapped, optimizer = wrap_and_optimize(chunks, tc, self.options, lr=train.lr, betas=tuple(train.betas),
+                                               weight_decay=train.weight_decay, grad_clip=train.grad_clip)
+        self.actor = ModelParts(chunks, wrapped, optimizer, tc, vocab, padded)
+        self.ref: ModelParts | None = None
+        if train.use_reference:
+            ref_chunks, _ = loaded_chunks(mcore)
+            for chunk in ref_chunks:
+                chunk.requires_grad_(False)
+                if self.dtype != torch.float32:
+                    chunk.to(self.dtype)
+            self.ref = ModelParts(ref_chunks, ref_chunks, None, tc, vocab, padded)
+        del mcore
+        self.gather = WeightGather(shards, self.bridge_names, self.bridge, self.hf_config, vocab)
+        from miles_algorithms.schedule import LRMultiplier
+
+        self.schedule = LRMultiplier(train.lr_schedule, train.warmup_steps, config.run.steps * train.updates_per_step)
+        self.optimizer_steps = 0
+        self.skipped_steps = 0
+
+    def _runner(self, parts: ModelParts) -> PassRunner:
+        return PassRunner(kernel=self.kernel, parts=parts, layout=self.layout, bridge=self.bridge,
+                          token_budget=self.config.train.micro_batch_tokens, chunk=self.options.logprob_chunk_size,
+                          temperature=self._temperature(), device=self.device, backend_name=NAME)
+
+    def _temperature(self) -> float:
+        if self.options.logprob_temperature is not None:
+            return self.options.logprob_temperature
+        return self.config.rollout.temperature or 1.0  # greedy rollouts are scored with the plain softmax
+
+    # ------------------------------------------------------------------ scoring
+
+    def compute_logprobs(self, batch: TrainBatch, *, model: Literal["actor", "ref", "teacher"] = "actor") -> torch.Tensor:
+        """``[B, T]`` log-probs of ``batch.tokens`` at ``loss_mask`` positions (0 elsewhere); no grad."""
+        return self.compute_logprobs_and_entropy(batch, model=model, with_entropy=False)[0]
+
+    @_on_megatron
+    def compute_logprobs_and_entropy(self, batch: TrainBatch, *, model: Literal["actor", "ref", "teacher"] = "actor",
+                                     with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        phases = {"actor": ("old_logprobs", self.actor), "ref": ("ref_logprobs", self.ref)}
+        if model not in phases:
+            raise ValueError(f"the megatron backend scores 'actor' and 'ref' models, not {model!r}")
+        phase, parts = phases[model]
+        if parts is None:
+            raise RuntimeError("this backend has no ref model; set train.use_reference: true")
+        outputs = self._runner(parts).score(phase, batch, with_entropy=with_entropy)
+        return outputs[0], (outputs[1] if with_entropy else None)
+
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        raise RuntimeError("the megatron backend has no critic yet; use train.backend: fsdp for PPO with a critic")
+
+    # ------------------------------------------------------------------ training
+
+    @_on_megatron
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """``train.updates_per_step`` optimizer steps on ``batch`` (which carries advantages)."""
+        from miles_algorithms import objective
+        from miles_algorithms.planning import row_lengths, split_rows_evenly
+
+        if batch.advantages is None:
+            raise ValueError("train_step needs batch.advantages: run the advantage estimator (compute_advantages) first")
+        params = self.config.algorithm
+        policy_loss = self.kernel.policy_losses().get(self.config.train.policy_loss)
+        correction = self.kernel.mismatch_corrections().get(params.correction)
+        with_entropy = self.options.log_entropy or params.entropy_coef != 0
+        actor_loss = objective.micro_batch_actor_loss(params, policy_loss=policy_loss, correction=correction,
+                                                      with_entropy=with_entropy)
+
+        updates = self.config.train.updates_per_step
+        rollouts = len(set(batch.rollout_ids.tolist()))
+        if updates > rollouts:
+            raise ValueError(f"train.updates_per_step ({updates}) exceeds the rollouts in the batch ({rollouts})")
+        minis = split_rows_evenly(row_lengths(batch.attention_mask), updates, keys=batch.rollout_ids.tolist())
+        if batch.old_logprobs is None and len(minis) > 1:
+            batch = replace(batch, old_logprobs=self.compute_logprobs(batch))
+        runner = self._runner(self.actor)
+        totals: dict[str, float] = {}
+        mismatch: dict[str, float] = {}
+        for index, rows in enumerate(minis):
+            mini = objective.prepare_batch(batch.select(rows))
+            keep = index == 0 and batch.old_logprobs is None
+            shares, kept = runner.accumulate("train", mini, actor_loss, with_entropy=with_entropy, keep_outputs=keep)
+            step_metrics = sum_over_ranks(shares) | self._apply()
+            if kept is not None:  # the trainer's pre-update log-probs of this mini-batch
+                mismatch = objective.mismatch_metrics(kept.to(mini.tokens.device), mini)
+            for name, value in step_metrics.items():
+                totals[name] = totals.get(name, 0.0) + value / len(minis)
+        if batch.old_logprobs is not None:
+            mismatch = objective.mismatch_metrics(batch.old_logprobs, batch)
+        totals.update(mismatch)
+        totals["optimizer_steps"] = float(self.optimizer_steps)
+        totals["skipped_steps"] = float(self.skipped_steps)
+        totals["train_tokens"] = float(batch.num_tokens)
+        return totals
+
+    def _apply(self) -> dict[str, float]:
+        """Clip, step, zero the gradient buffers; the learning rate follows the schedule."""
+        lr = self.config.train.lr * self.schedule(self.optimizer_steps + self.skipped_steps)
+        optimizer = self.actor.optimizer
+        set_learning_rate(optimizer, lr)
+        success, grad_norm, _ = optimizer.step()
+        if success:
+            self.optimizer_steps += 1
+        else:
+            self.skipped_steps += 1
+        for chunk in self.actor.wrapped:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": lr}
+
+    # ------------------------------------------------------------------ weights
+
+    def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full actor weights with HF names on rank 0 (collective: iterate to the end on every rank).
+
+        :param dtype: of the yielded tensors; default the compute dtype (what an engine serves).
+        """
+        return self.gather.gather(dtype or self.dtype, self.device)
+
+    def export_hf(self, path: Path) -> None:
+        """An HF folder of the actor (dtype of the source checkpoint), tokenizer files copied along."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        dtype = self._export_dtype()
+        tensors = {name: t.cpu() for name, t in self.gather.gather(dtype, self.device)}
+        if self.ranks.is_main:
+            path.mkdir(parents=True, exist_ok=True)
+            for old in path.iterdir():
+                if old.name.endswith(_WEIGHT_SUFFIXES):
+                    old.unlink()
+            save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+            if self.model_dir is not None:
+                for item in self.model_dir.iterdir():
+                    if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != "config.json":
+                        shutil.copy2(item, path / item.name)
+            (path / "config.json").write_text(json.dumps({**self.hf_config, "dtype": str(dtype).removeprefix("torch.")}, indent=2) + "\n")
+        parallel.barrier()
+
+    def _export_dtype(self) -> torch.dtype:
+        name = self.hf_config.get("dtype") or self.hf_config.get("torch_dtype")
+        found = getattr(torch, name, None) if isinstance(name, str) else None
+        return found if isinstance(found, torch.dtype) else self.dtype
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @_on_megatron
+    def save_checkpoint(self, path: Path, extra_state: Mapping[str, Any]) -> None:
+        checkpoint.save(Path(path), self.actor.chunks, self.actor.optimizer, self.optimizer_steps, self.layout,
+                        extra_state, self.ranks)
+
+    @_on_megatron
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        self.optimizer_steps, extra = checkpoint.load(Path(path), self.actor.chunks, self.actor.optimizer, self.ranks)
+        return extra
+
+    def close(self) -> None:
+        """Free the models and leave the parallel state (torn down by the last backend of the process)."""
+        if getattr(self, "actor", None) is None:
+            return
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        mine = {id(m.router_replay) for parts in (self.actor, self.ref) if parts for c in parts.chunks
+                for m in c.modules() if getattr(m, "router_replay", None) is not None}
+        RouterReplay.global_router_replay_instances[:] = [
+            r for r in RouterReplay.global_router_replay_instances if id(r) not in mine]
+        self.actor = self.ref = None
+        parallel.release()

@@ -1,0 +1,58 @@
+"""Fixtures of the miles-megatron tests: tiny real models and configs that build real backends."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_dense() -> Path:
+    from miles_models.testing import tiny_model
+
+    return tiny_model("dense")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe() -> Path:
+    from miles_models.testing import tiny_model
+
+    return tiny_model("moe")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _few_threads() -> None:
+    import torch
+
+    torch.set_num_threads(1)  # the suite shares 2 cores; tiny models gain nothing from more
+
+
+@pytest.fixture
+def make_config() -> Callable[..., Any]:
+    """``make_config(model_dir, megatron={...}, **train_fields)``: a CPU config for a tiny model."""
+    from miles_megatron.testing import config_for
+
+    return config_for
+
+
+@pytest.fixture
+def backend_factory(make_config) -> Iterator[Callable[..., Any]]:
+    """``backend_factory(model_dir, **config)``: real backends, all closed at teardown."""
+    from miles_megatron.backend import MegatronBackend
+
+    made: list[MegatronBackend] = []
+
+    def build(model_dir: Path, **kwargs: Any) -> MegatronBackend:
+        backend = MegatronBackend(make_config(model_dir, **kwargs))
+        made.append(backend)
+        return backend
+
+    yield build
+    for backend in reversed(made):
+        backend.close()

@@ -1,0 +1,144 @@
+"""The megatron backend in one process (a world of one, through megatron-core's real schedules,
+DDP, optimizer and distributed checkpointing), on tiny real models."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from miles import hookimpl
+from miles.kernel import Kernel
+from miles_contracts.testing.backend import check_train_backend, make_test_batch, plain_logprobs
+
+
+def test_conformance_dense(tiny_dense, make_config, tmp_path) -> None:
+    from miles_megatron.backend import MegatronBackend
+
+    bridge = Kernel.load().model_bridge(json.loads((tiny_dense / "config.json").read_text()))
+    report = check_train_backend(lambda: MegatronBackend(make_config(tiny_dense)), tiny_dense, work_dir=tmp_path, bridge=bridge)
+    assert report.bridge == "llama" and report.loss_after < report.loss_before
+
+
+def test_moe_logprobs_entropy_and_weights(tiny_moe, backend_factory) -> None:
+    from miles_contracts.testing.bridge import load_hf_checkpoint
+
+    backend = backend_factory(tiny_moe, megatron={"logprob_chunk_size": 7})
+    batch = make_test_batch(tiny_moe)
+    logprobs, entropy = backend.compute_logprobs_and_entropy(batch)
+    torch.testing.assert_close(logprobs, plain_logprobs(tiny_moe, batch), rtol=0, atol=1e-4)
+    assert bool((entropy[batch.loss_mask > 0] > 0).all()) and bool((entropy[batch.loss_mask == 0] == 0).all())
+    stored, _ = load_hf_checkpoint(tiny_moe)
+    weights = dict(backend.named_weights())
+    assert weights.keys() == stored.keys() and all(torch.equal(weights[n], stored[n]) for n in stored)
+
+
+def test_router_load_balancing_loss_is_an_option(tiny_moe, backend_factory) -> None:
+    """The load-balancing loss reaches the routers only (the policy loss is the same)."""
+    from miles_megatron.testing import hf_gradients
+
+    batch = make_test_batch(tiny_moe)
+    grads = {}
+    for coef in (0.0, 0.5):
+        backend = backend_factory(tiny_moe, megatron={"moe_aux_loss_coef": coef, "distributed_optimizer": False})
+        old = backend.compute_logprobs(batch)
+        advantages = torch.where(batch.loss_mask > 0, torch.ones_like(old), torch.zeros_like(old))
+        grads[coef] = hf_gradients(backend, replace(batch, advantages=advantages, old_logprobs=old, rollout_logprobs=old))
+        backend.close()
+    router = "model.layers.0.mlp.gate.weight"
+    assert not torch.allclose(grads[0.0][router], grads[0.5][router], atol=1e-6)
+    torch.testing.assert_close(grads[0.0]["model.norm.weight"], grads[0.5]["model.norm.weight"], rtol=0, atol=0)
+
+
+def test_unclaimed_model_names_the_installed_bridges(tiny_dense, make_config, tmp_path) -> None:
+    import shutil
+
+    from miles.errors import PluginError
+    from miles_megatron.backend import MegatronBackend
+
+    odd = tmp_path / "odd"
+    shutil.copytree(tiny_dense, odd)
+    config = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**config, "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"}))
+    with pytest.raises(PluginError, match="llama.*qwen3|qwen3.*llama"):
+        MegatronBackend(make_config(odd))
+
+
+def test_bad_layouts_are_refused_with_the_sizes(tiny_dense, make_config) -> None:
+    from miles_megatron.backend import MegatronBackend
+
+    with pytest.raises(ValueError, match="tensor_parallel x pipeline_parallel x context_parallel = 2 x 1 x 1"):
+        MegatronBackend(make_config(tiny_dense, megatron={"tensor_parallel": 2}))
+
+
+def test_reference_model_scores_the_starting_weights(tiny_dense, backend_factory) -> None:
+    backend = backend_factory(tiny_dense, use_reference=True)
+    batch = make_test_batch(tiny_dense)
+    start = backend.compute_logprobs(batch)
+    advantages = torch.where(batch.loss_mask > 0, torch.ones_like(start), torch.zeros_like(start))
+    backend.train_step(replace(batch, advantages=advantages, rollout_logprobs=start))
+    torch.testing.assert_close(backend.compute_logprobs(batch, model="ref"), start, rtol=0, atol=1e-6)
+    assert not torch.allclose(backend.compute_logprobs(batch), start, atol=1e-4)
+
+
+def test_one_step_matches_the_fsdp_backend(tiny_dense, backend_factory, make_config) -> None:
+    """Same model, batch, loss and AdamW: the weights after one optimizer step agree."""
+    from miles_fsdp.backend import FSDPBackend
+    from miles_fsdp.config import FSDPSection
+
+    config = make_config(tiny_dense)
+    fsdp = FSDPBackend(dataclasses.replace(config, extra={"fsdp": FSDPSection()}))
+    megatron = backend_factory(tiny_dense)
+    try:
+        batch = make_test_batch(tiny_dense)
+        old = fsdp.compute_logprobs(batch)
+        advantages = torch.where(batch.loss_mask > 0, torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(1)), torch.zeros_like(old))
+        step = replace(batch, advantages=advantages, old_logprobs=old, rollout_logprobs=old)
+        want, got = fsdp.train_step(step), megatron.train_step(step)
+        for key in ("loss", "pg_loss", "grad_norm", "entropy", "pg_clipfrac"):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+        fsdp_weights = dict(fsdp.named_weights())
+        for name, tensor in megatron.named_weights():
+            torch.testing.assert_close(tensor, fsdp_weights[name], rtol=0, atol=1e-5, msg=name)
+    finally:
+        megatron.close()  # before FSDP, which owns the process group here
+        fsdp.close()
+
+
+class _RouterRecorder:
+    """A ``miles_forward`` wrapper like R3's: finds the MoE routers and the token map of each forward."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, list[int], bool]] = []
+
+    @hookimpl(wrapper=True)
+    def miles_forward(self, ctx):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        routers = [m for m in ctx.model.modules() if isinstance(m, TopKRouter)]
+        inputs = ctx.state["inputs"]
+        # every real token maps to a (row, column) of the micro-batch with that token id
+        real = inputs.token_index[:, 0] >= 0
+        rows, cols = inputs.token_index[real].unbind(1)
+        same = bool(torch.equal(ctx.batch.tokens[rows, cols], inputs.input_ids[0, real]))
+        self.seen.append((ctx.phase, type(ctx.model).__name__, [r.layer_number for r in routers],
+                          same and all(r.router_replay is not None for r in routers)))
+        return (yield)
+
+
+def test_forward_wrappers_see_the_megatron_model_its_routers_and_token_map(tiny_moe, backend_factory) -> None:
+    recorder = _RouterRecorder()
+    kernel = Kernel.load()
+    kernel.register_plugin(recorder, name="test-router-recorder")
+    try:
+        backend = backend_factory(tiny_moe)
+        batch = make_test_batch(tiny_moe)
+        old = backend.compute_logprobs(batch)
+        advantages = torch.where(batch.loss_mask > 0, torch.ones_like(old), torch.zeros_like(old))
+        backend.train_step(replace(batch, old_logprobs=old, advantages=advantages))
+    finally:
+        kernel.unregister_plugin("test-router-recorder")
+    assert {phase for phase, *_ in recorder.seen} == {"old_logprobs", "train"}
+    assert all(model == "GPTModel" and layers == [1, 2] and ok for _, model, layers, ok in recorder.seen)

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# `miles bench train --backend megatron` on the H200s (docs/benchmarks/train.md), after setup.sh
+# (the .whl folder must keep the megatron_core wheel: 2.6 MB, pure Python but one small helper).
+#   one GPU  (nvidia-h200):    bash scripts/h200/megatron_bench.sh fsdp single
+#   two GPUs (nvidia-h200-x2): bash scripts/h200/megatron_bench.sh tp2 cp2
+# fsdp:   the fsdp backend at its best settings (compile, cudnn), measured in the same call as the
+#         baseline of `single`; single: megatron, one GPU, 4K and 16K rows (4K rows four to a
+#         micro-batch, as fsdp's run); tp2 / cp2: megatron on two GPUs, 32K-token rows, TP=2 with
+#         sequence parallelism or CP=2. Megatron runs megatron-core's local layers with PyTorch
+#         SDPA unless Transformer Engine imports (the JSON says which: "transformer_engine").
+set -u
+source scripts/h200/env.sh
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+common=(--warmup 2 --steps 4 --no-baseline --work-dir /tmp/bench-models)
+python3 -c "import megatron.core, sys; print('megatron-core', megatron.core.__version__)" || { echo "megatron-core missing from /tmp/site: keep its wheel in .whl"; exit 1; }
+python3 -c "import transformer_engine" 2>/dev/null && echo "transformer engine: yes" || echo "transformer engine: no (local layers + PyTorch SDPA)"
+for variant in "$@"; do
+  case $variant in
+    fsdp) cmd=(miles bench train "${common[@]}" --micro-batch-tokens 16384 --sdpa-backends cudnn,flash --compile) ;;
+    single) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384) ;;
+    single-recompute) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option recompute=selective) ;;
+    tp2) cmd=(torchrun --nproc_per_node=2 --master_port=29561 -m miles.cli.main bench train "${common[@]}" --backend megatron
+              --seq-lens 32768 --tokens-per-step 65536 --micro-batch-tokens 32768 --option tensor_parallel=2) ;;
+    cp2) cmd=(torchrun --nproc_per_node=2 --master_port=29562 -m miles.cli.main bench train "${common[@]}" --backend megatron
+              --seq-lens 32768 --tokens-per-step 65536 --micro-batch-tokens 32768 --option context_parallel=2) ;;
+    *) echo "unknown variant $variant"; exit 2 ;;
+  esac
+  start=$SECONDS
+  timeout 420 "${cmd[@]}" --output "$OUT/megatron-$variant.json" >"$OUT/megatron-$variant.log" 2>&1
+  echo "$variant: exit $? in $((SECONDS - start)) s"
+  [ -s "$OUT/megatron-$variant.json" ] || { tail -25 "$OUT/megatron-$variant.log"; continue; }
+  python3 - "$OUT/megatron-$variant.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d["results"]:
+    m = r["miles"]
+    print(f"  {d['backend']} L={r['seq_len']}: mfu {m['mfu']:.3f} ({m['tokens_per_s']:.0f} tok/s, {m['peak_memory_gb']:.1f} GB/GPU)")
+PY
+done
