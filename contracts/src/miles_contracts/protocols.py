@@ -81,6 +81,9 @@ class GenerateContext:
     :ivar max_context_len: prompt + response budget in tokens.
     :ivar session_server_url: base URL of the session server, if one runs (agentic generator).
     :ivar evaluation: True when generating for evaluation.
+    :ivar partial_rollout: when the engine aborts a generation (a weight update paused it), go on
+        with the tokens already sampled: resubmit prompt + partial output with the remaining
+        budget, recording each call's weight version (``run.mode: fully_async``).
     :ivar resources: named objects a generator may need (tools, agents, chat family), keyed by
         name; generators document what they look up.
     """
@@ -92,6 +95,7 @@ class GenerateContext:
     session_server_url: str | None = None
     evaluation: bool = False
     resources: dict[str, Any] = field(default_factory=dict)
+    partial_rollout: bool = False
 
 
 @runtime_checkable
@@ -99,7 +103,7 @@ class Generator(Protocol):
     """Produces one rollout for ``sample`` (which carries prompt, label, metadata, group ids).
 
     Returns the same sample filled in (tokens, response, loss_mask, rollout_logprobs, status,
-    weight_versions). An error costs this sample (status ABORTED/FAILED with an exit reason),
+    weight_versions, token_versions). An error costs this sample (status ABORTED/FAILED with an exit reason),
     never the run: generators catch and record, they do not raise for per-sample problems.
     """
 

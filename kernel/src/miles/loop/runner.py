@@ -4,6 +4,8 @@
 
 ``sync`` mode generates step k, then trains on it. ``one_step_off`` generates step k+1 while
 training on step k (the next rollout uses weights one step old; samples record the version).
+``fully_async`` generates all the time into a bounded buffer the trainer takes batches from
+(:mod:`miles.loop.fully_async`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from miles.data.source import eval_prompts, open_data_source
 from miles.engine_client import HttpEngineClient
 from miles.errors import MilesError
 from miles.kernel import Kernel
+from miles.loop.fully_async import run_fully_async
 from miles.loop.learner import Learner
 from miles.loop.progress import Progress
 from miles.loop.rollout import RolloutManager, StepRollout
@@ -122,6 +125,9 @@ class Run:
 
     async def _steps(self) -> None:
         cfg = self.config
+        if cfg.run.mode == "fully_async":
+            await run_fully_async(self)
+            return
         overlap = cfg.run.mode == "one_step_off"
         pending: asyncio.Task[StepRollout] | None = None
         unsynced = False
@@ -161,7 +167,7 @@ class Run:
             self.progress.message(f"step {self.step}: no trainable samples (all groups filtered); skipping the update")
             return {"train/skipped": 1.0}
         start = time.perf_counter()
-        if self.config.run.mode == "one_step_off":  # keep the event loop generating meanwhile
+        if self.config.run.mode != "sync":  # keep the event loop generating meanwhile
             metrics = await asyncio.to_thread(self.learner.train, samples)
         else:
             metrics = self.learner.train(samples)

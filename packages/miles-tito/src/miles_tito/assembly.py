@@ -1,13 +1,14 @@
 """Trajectory assembly: turn records -> one :class:`Sample` per turn -> one trajectory sample.
 
 A turn sample is what one engine call saw and produced: ``tokens = input_ids + output_ids``,
-``loss_mask = [1] * len(output_ids)``, the engine's log-probs, its weight version, and a status
-from its finish reason. Merging folds the turns of a conversation into a single sample whose
+``loss_mask = [1] * len(output_ids)``, the engine's log-probs, its weight version (per output id
+when the turn spans a weight update), and a status from its finish reason. Merging folds the turns of a conversation into a single sample whose
 ``tokens`` are the whole conversation (the last turn's prompt plus its output); in its response:
 
-* tokens a turn sampled have ``loss_mask`` 1 and their rollout log-prob;
+* tokens a turn sampled have ``loss_mask`` 1, their rollout log-prob and the weight version that
+  sampled them (``token_versions``);
 * everything between turns (tool results, user messages, template tokens, the splice's closing
-  tokens) has ``loss_mask`` 0 and log-prob 0.0;
+  tokens) has ``loss_mask`` 0, log-prob 0.0 and version -1;
 * a turn's trailing sampled tokens that the next turn's prompt replaced (the family's
   ``trim_trailing``) are dropped, at most ``max_trim_tokens`` per turn and never on the last turn.
 
@@ -36,12 +37,14 @@ class AssemblyError(ValueError):
 def turn_sample(record: TurnRecord) -> Sample:
     """The sample of one engine call (``tokens = input_ids + output_ids``)."""
     status, reason = _FINISH[record.finish_reason]
+    versions = record.output_versions or [record.weight_version] * len(record.output_ids)
     sample = Sample(
         tokens=[*record.input_ids, *record.output_ids],
         response_length=len(record.output_ids),
         loss_mask=[1] * len(record.output_ids),
         rollout_logprobs=list(record.output_logprobs),
-        weight_versions=[record.weight_version],
+        weight_versions=list(dict.fromkeys(versions)) or [record.weight_version],
+        token_versions=list(versions),
         metadata={"turn": record.turn},
     )
     if record.format_error and status is Status.COMPLETED:
@@ -61,7 +64,7 @@ def merge_turns(turns: Sequence[Sample], *, max_trim_tokens: int, into: Sample |
     :param max_trim_tokens: the chat family's limit on trailing tokens a turn may lose.
     :param into: sample to fill (prompt, label, ids and metadata are kept); a new one if None.
     :returns: ``into`` with ``tokens [P + R]``, ``loss_mask [R]``, ``rollout_logprobs [R]``,
-        ``weight_versions [turns]``, status and exit reason set.
+        ``token_versions [R]``, ``weight_versions`` (per engine call), status and exit reason set.
     """
     if not turns:
         raise AssemblyError("no turns to merge: the conversation has no generated turn")
@@ -69,6 +72,7 @@ def merge_turns(turns: Sequence[Sample], *, max_trim_tokens: int, into: Sample |
     prompt_length = turns[0].prompt_length
     loss_mask: list[int] = []
     logprobs: list[float] = []
+    versions: list[int] = []
     spans: list[list[int]] = []
     trimmed: list[int] = []
     cursor = prompt_length
@@ -95,6 +99,7 @@ def merge_turns(turns: Sequence[Sample], *, max_trim_tokens: int, into: Sample |
             )
         loss_mask += [0] * (start - cursor) + [1] * keep
         logprobs += [0.0] * (start - cursor) + list(turn.rollout_logprobs[:keep])
+        versions += [-1] * (start - cursor) + list(turn.token_versions[:keep])
         spans.append([start - prompt_length, start - prompt_length + keep])
         trimmed.append(lost)
         cursor = start + keep
@@ -104,6 +109,7 @@ def merge_turns(turns: Sequence[Sample], *, max_trim_tokens: int, into: Sample |
     sample.response_length = len(final) - prompt_length
     sample.loss_mask = loss_mask
     sample.rollout_logprobs = logprobs
+    sample.token_versions = versions
     sample.weight_versions = [v for t in turns for v in t.weight_versions]
     last = turns[-1]
     errors = [t.exit_detail for t in turns if t.exit_reason is ExitReason.FORMAT_ERROR]

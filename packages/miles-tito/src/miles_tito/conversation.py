@@ -155,6 +155,7 @@ class Conversation:
         finish_reason: FinishReason,
         weight_version: int,
         message: ChatMessage,
+        output_versions: list[int] | None = None,
         format_error: str | None = None,
         latency_s: float = 0.0,
     ) -> TurnRecord:
@@ -171,6 +172,7 @@ class Conversation:
             output_logprobs=output_logprobs,
             finish_reason=finish_reason,
             weight_version=weight_version,
+            output_versions=output_versions,
             message=message.to_openai(),
             format_error=format_error,
             created_at=time.time(),

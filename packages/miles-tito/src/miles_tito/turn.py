@@ -14,9 +14,10 @@ from typing import Any
 
 import httpx
 from miles.engine_client import EngineRequestError, EngineUnavailableError
+from miles.rollout.continuation import Generation, MalformedOutput, generate
 from miles_contracts import EngineClient
 from miles_contracts.chat import ParsedTurn, ToolCall
-from miles_contracts.wire.engine import GenerateRequest, GenerateResponse, SamplingParams
+from miles_contracts.wire.engine import GenerateRequest, SamplingParams
 from miles_contracts.wire.session import FinishReason, TurnRecord
 from pydantic import ValidationError
 
@@ -32,6 +33,9 @@ class TurnRequest:
     :ivar sampling: engine sampling; ``max_new_tokens`` is clipped to the context budget.
     :ivar parse_tool_calls: False for ``tool_choice: none`` (the text is returned as it is).
     :ivar template_extra: extra template variables (``chat_template_kwargs``).
+    :ivar continue_aborted: partial rollout: when a weight update aborts the generation, go on with
+        the ids it has under the new weights (one record, ``output_versions`` per id) instead of
+        failing the turn with :class:`~miles_tito.errors.EngineAborted`.
     """
 
     messages: Sequence[ChatMessage]
@@ -39,6 +43,7 @@ class TurnRequest:
     sampling: SamplingParams
     parse_tool_calls: bool = True
     template_extra: Mapping[str, Any] | None = None
+    continue_aborted: bool = False
 
 
 @dataclass(slots=True)
@@ -74,16 +79,13 @@ async def run_turn(
     # already; re-checking every id cost ~85 us per 8k-token prompt on each turn.
     generate = GenerateRequest.model_construct(input_ids=prepared.input_ids, sampling_params=sampling, return_logprob=True)
     started = time.perf_counter()
-    response = await _generate(engine, generate, routing_key)
+    generation = await _generate(engine, generate, routing_key, request.continue_aborted)
     latency = time.perf_counter() - started
-    finish = response.meta_info.finish_reason
+    finish = generation.finish
     if finish is None or finish.type == "abort":
         detail = finish.message if finish is not None and finish.message else "no finish reason"
         raise EngineAborted(f"the engine aborted the generation ({detail}); retry the request")
-    output_ids = list(response.output_ids)
-    logprobs = response.logprobs()
-    if len(logprobs) != len(output_ids):
-        raise EngineFailed(f"the engine returned {len(logprobs)} log-probs for {len(output_ids)} output ids")
+    output_ids, logprobs = generation.output_ids, generation.logprobs
 
     text = _visible_text(tito.decode(_without_stop_ids(output_ids, tito.stop_token_ids)), finish.matched)
     parsed = tito.family.parse(text) if request.parse_tool_calls else ParsedTurn(content=text)
@@ -96,7 +98,8 @@ async def run_turn(
         output_ids=output_ids,
         output_logprobs=logprobs,
         finish_reason=reason,
-        weight_version=_weight_version(response.meta_info.weight_version),
+        weight_version=generation.oldest_version,
+        output_versions=generation.token_versions if len(set(generation.call_versions)) > 1 else None,
         message=message,
         # A turn cut off by the length limit is not a format mistake, even mid tool call.
         format_error=None if truncated else parsed.format_error,
@@ -105,9 +108,12 @@ async def run_turn(
     return TurnResult(record, message, len(prepared.input_ids))
 
 
-async def _generate(engine: EngineClient, request: GenerateRequest, routing_key: str | None) -> GenerateResponse:
+async def _generate(engine: EngineClient, request: GenerateRequest, routing_key: str | None,
+                    continue_aborted: bool) -> Generation:
     try:
-        return await engine.generate(request, routing_key=routing_key)
+        return await generate(engine, request, routing_key=routing_key, partial_rollout=continue_aborted)
+    except MalformedOutput as exc:
+        raise EngineFailed(f"the engine's answer does not line up: {exc}") from exc
     except EngineRequestError as exc:
         raise EngineFailed(f"the engine refused the request: {exc}") from exc
     except EngineUnavailableError as exc:
@@ -128,11 +134,3 @@ def _visible_text(text: str, matched: int | str | None) -> str:
         return text[: -len(matched)]
     return text
 
-
-def _weight_version(value: str | int | None) -> int:
-    """Engines that never had their weights updated report ``None`` or ``"default"``: version 0."""
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        return int(value)
-    return 0
