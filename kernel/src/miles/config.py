@@ -200,12 +200,15 @@ def _cross_section_errors(cfg: MilesConfig, kernel: Kernel) -> list[str]:
 
 def _async_errors(cfg: MilesConfig) -> list[str]:
     """Settings that only fully_async reads must not be set (and silently ignored) in other modes."""
+    errors = []
     if cfg.run.mode == "fully_async":
         if cfg.rollout.concurrency < cfg.rollout.samples_per_prompt:
-            return [f"rollout.concurrency ({cfg.rollout.concurrency}) must be at least rollout.samples_per_prompt "
-                    f"({cfg.rollout.samples_per_prompt}) in fully_async mode: a group's samples are in flight together"]
-        return []
-    errors = []
+            errors.append(f"rollout.concurrency ({cfg.rollout.concurrency}) must be at least rollout.samples_per_prompt "
+                          f"({cfg.rollout.samples_per_prompt}) in fully_async mode: a group's samples are in flight together")
+        if cfg.algorithm.correction == "none":
+            errors.append("run.mode fully_async trains on tokens sampled by older weights: set algorithm.correction to "
+                          "tis or mis so the loss weighs them by how far the trainer has moved (none ignores it)")
+        return errors
     if cfg.weights.update_interval != 1:
         errors.append(f"weights.update_interval ({cfg.weights.update_interval}) applies to run.mode fully_async only; "
                       f"run.mode is {cfg.run.mode!r}")

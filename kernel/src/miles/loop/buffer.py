@@ -169,17 +169,19 @@ class GroupBuffer:
         by group index. Stale groups met on the way go to the unused-group policy."""
         batch: list[Group] = []
         async with self._changed:
-            while len(batch) < count:
-                await self._changed.wait_for(lambda: self._stopped or bool(self._queue))
-                if self._stopped:
-                    self._queue.extendleft(reversed(batch))  # not taken after all: drain keeps them
+            try:
+                while len(batch) < count:
+                    await self._changed.wait_for(lambda: self._stopped or bool(self._queue))
                     self._raise_if_stopped()
-                group = self._queue.popleft()
-                self._changed.notify_all()  # room for a waiting producer
-                if self.is_stale(group, version):
-                    self._set_aside(group, "stale")
-                else:
-                    batch.append(group)
+                    group = self._queue.popleft()
+                    self._changed.notify_all()  # room for a waiting producer
+                    if self.is_stale(group, version):
+                        self._set_aside(group, "stale")
+                    else:
+                        batch.append(group)
+            except BaseException:  # failed or cancelled: the groups were not taken after all, drain() keeps them
+                self._queue.extendleft(reversed(batch))
+                raise
         return sorted(batch, key=lambda g: g.index)
 
     def is_stale(self, group: Group, version: int) -> bool:
