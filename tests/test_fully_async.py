@@ -163,7 +163,7 @@ def test_fully_async_run_trains_from_the_buffer_and_evaluates_in_the_background(
         "rollout.concurrency=8", "rollout.max_staleness=1", "rollout.filters=[no_aborted]", "algorithm.correction=tis",
         "rollout.generator=agentic", "rollout.agent=long_tail", "tito.family=chatml", "rollout.max_new_tokens=16",
         "longtail.turns=2", "longtail.tokens_median=6", "longtail.tokens_max=16", "longtail.latency_scale=0.01",
-        "reward.name=even_tokens", "data.options={digits: 1}", "eval.every=2", "eval.num_prompts=2",
+        "reward.name=repeated_tokens", "data.options={digits: 1}", "eval.every=2", "eval.num_prompts=2",
     ]
     out = subprocess.run([sys.executable, "-m", "miles.cli.main", "train", *args], capture_output=True, text=True,
                          timeout=600, cwd=ROOT, env=env)

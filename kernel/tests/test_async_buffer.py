@@ -58,6 +58,21 @@ def test_a_producer_blocks_while_the_buffer_is_full() -> None:
     run(scenario())
 
 
+def test_with_a_limit_a_producer_waits_while_too_many_groups_are_ahead_of_the_trainer() -> None:
+    async def scenario() -> None:
+        buffer = GroupBuffer(capacity=8)
+        in_flight = 2
+        await buffer.put(group(0))
+        await buffer.put(group(1))
+        gated = asyncio.create_task(buffer.wait_for_room(lambda: in_flight, ahead_limit=4))  # 2 waiting + 2 in flight
+        await settle()
+        assert not gated.done()
+        await buffer.take(1, version=0)  # the trainer took one: 3 ahead
+        await gated
+
+    run(scenario())
+
+
 def test_nothing_is_stale_before_the_first_update() -> None:
     async def scenario() -> None:
         buffer = GroupBuffer(capacity=8, max_staleness=0, start_version=3)

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 from miles_contracts import Sample
-from miles_longtail.agent import even_tokens
+from miles_longtail.agent import repeated_tokens
 from miles_longtail.report import compare, run_summary
 from miles_longtail.workload import LongTailSection, episode
 
@@ -32,11 +32,12 @@ def test_tool_latency_and_turn_lengths_are_heavy_tailed_and_bounded() -> None:
     assert min(tokens) >= 2 and max(tokens) == 64 and statistics.median(tokens) == pytest.approx(12, abs=1)
 
 
-def test_even_tokens_scores_only_what_the_model_sampled() -> None:
-    turn = Sample(tokens=[1, 2, 4, 5, 6], response_length=4, loss_mask=[1, 0, 1, 1])  # 4: a tool token
+def test_repeated_tokens_scores_only_what_the_model_sampled() -> None:
+    # prompt [1]; response 2 2 5 5, the third a tool token: sampled 2 (after 1), 2 (after 2), 5 (after 5)
+    turn = Sample(tokens=[1, 2, 2, 5, 5], response_length=4, loss_mask=[1, 1, 0, 1])
     nothing = Sample(tokens=[1], response_length=0)
-    rewards = even_tokens([turn, nothing])
-    assert rewards[0] == pytest.approx(2 / 3) and math.isnan(rewards[1])  # sampled: 2, 5, 6
+    rewards = repeated_tokens([turn, nothing])
+    assert rewards[0] == pytest.approx(2 / 3) and math.isnan(rewards[1])
 
 
 def _rows(step_times: list[float], samples: float = 16.0) -> list[dict]:

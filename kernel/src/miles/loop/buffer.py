@@ -6,7 +6,8 @@ Its contract (``docs/design/async.md``; each point tested in ``kernel/tests/test
   leaves after one queued later. Within a batch, groups are sorted by group index, so the same
   set of groups always makes the same batch, however their completions interleaved.
 - **Back-pressure.** ``put`` waits while the buffer is full, and :meth:`GroupBuffer.wait_for_room`
-  lets a producer hold off drawing new prompts meanwhile.
+  lets a producer hold off drawing new prompts meanwhile (and, given a limit, while too many
+  groups are ahead of the trainer: in flight or waiting).
 - **Admission** (at ``put``). A group with an ABORTED sample goes to the unused-group policy. A
   group a filter drops is counted under the filter's reason and never recycled: its prompt
   taught nothing (zero variance) or cannot be trained on, and generating it again would not
@@ -126,21 +127,26 @@ class GroupBuffer:
 
     # ------------------------------------------------------------------ producer side
 
-    async def wait_for_room(self) -> None:
-        """Return once a finished group could be queued without waiting."""
+    async def wait_for_room(self, in_flight: Callable[[], int] = lambda: 0, ahead_limit: int | None = None) -> None:
+        """Return once a finished group could be queued without waiting and, with ``ahead_limit``,
+        fewer than that many groups are waiting or (``in_flight()``) being generated."""
+        def room() -> bool:
+            waiting = len(self._queue) + len(self._waiting)
+            return waiting < self.capacity and (ahead_limit is None or waiting + in_flight() < ahead_limit)
+
         async with self._changed:
-            await self._changed.wait_for(lambda: self._stopped or len(self._queue) + len(self._waiting) < self.capacity)
+            await self._changed.wait_for(lambda: self._stopped or room())
             self._raise_if_stopped()
 
     async def put(self, group: Group) -> str:
         """Admit ``group``; returns what became of it: ``queued``, ``filtered_<reason>``,
         ``aborted_recycled`` or ``aborted_dropped``. Waits while the buffer is full."""
         if group.aborted:
-            return self._set_aside(group, "aborted")
+            return await self._settled(self._set_aside(group, "aborted"))
         reason = self.admit(group.samples) if self.admit is not None else None
         if reason is not None:
             self._counts[f"filtered_{reason}"] += 1
-            return f"filtered_{reason}"
+            return await self._settled(f"filtered_{reason}")
         async with self._changed:
             self._waiting.append(group)
             await self._changed.wait_for(lambda: self._stopped or len(self._queue) < self.capacity)
@@ -150,6 +156,11 @@ class GroupBuffer:
             self._counts["queued"] += 1
             self._changed.notify_all()
         return "queued"
+
+    async def _settled(self, outcome: str) -> str:
+        async with self._changed:  # a group is no longer in flight: a producer may start another
+            self._changed.notify_all()
+        return outcome
 
     def next_recycled(self) -> Group | None:
         """A group to generate again, oldest first (None when there is none)."""

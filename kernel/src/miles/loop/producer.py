@@ -36,7 +36,8 @@ class RolloutWorkers:
     """
 
     def __init__(self, manager: RolloutManager, buffer: GroupBuffer, *, version: Callable[[], int]) -> None:
-        rollout = manager.config.rollout
+        config = manager.config
+        rollout = config.rollout
         self.manager = manager
         self.buffer = buffer
         self.version = version
@@ -46,8 +47,14 @@ class RolloutWorkers:
         self._tasks: set[asyncio.Task[None]] = set()
         self._main: asyncio.Task[None] | None = None
         self.in_flight = 0  # samples being generated
+        self.groups_in_flight = 0  # groups started and not yet handed to the buffer
         self.reward_metrics: Counter[str] = Counter()  # summed since the last take_metrics()
         self.launched = 0  # groups started, recycled ones included
+        # With a staleness bound, start a group only while fewer than (bound x interval + 1) batches
+        # are ahead of the trainer (as AReaL gates admission): a group started now is then taken
+        # within `max_staleness` weight updates unless its own generation outlives them.
+        self.ahead_limit = None if rollout.max_staleness is None else \
+            (rollout.max_staleness * config.weights.update_interval + 1) * rollout.prompts_per_step
 
     def start(self) -> None:
         self._main = asyncio.create_task(self._produce(), name="miles-rollout-producer")
@@ -72,12 +79,13 @@ class RolloutWorkers:
     async def _produce(self) -> None:
         try:
             while True:
-                await self.buffer.wait_for_room()
+                await self.buffer.wait_for_room(lambda: self.groups_in_flight, self.ahead_limit)
                 for _ in range(self.group_size):  # a group's samples start together
                     await self._slots.acquire()
                 group = self.buffer.next_recycled() or self._draw()
                 group.launched_version = self.version()
                 self.in_flight += len(group.samples)
+                self.groups_in_flight += 1
                 self.launched += 1
                 task = asyncio.create_task(self._run(group), name=f"miles-rollout-group-{group.index}")
                 self._tasks.add(task)
@@ -93,9 +101,12 @@ class RolloutWorkers:
 
     async def _run(self, group: Group) -> None:
         try:
-            await asyncio.gather(*(self._generate(s) for s in group.samples))
-            report = await score_samples(group.samples, self.manager.kernel, self.manager.config.reward)
-            self.reward_metrics.update(report.metrics())
+            try:
+                await asyncio.gather(*(self._generate(s) for s in group.samples))
+                report = await score_samples(group.samples, self.manager.kernel, self.manager.config.reward)
+                self.reward_metrics.update(report.metrics())
+            finally:
+                self.groups_in_flight -= 1  # from here on the buffer counts it (waiting, queued or set aside)
             await self.buffer.put(group)
         except asyncio.CancelledError:
             raise

@@ -34,7 +34,7 @@ WORKLOAD = [  # everything but the mode: what every run of the benchmark shares
     "rollout.generator=agentic", "rollout.agent=long_tail", "rollout.agent_timeout=300", "tito.family=chatml",
     "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=64",
     "rollout.max_context_len=1024", "rollout.concurrency=64", "rollout.filters=[no_aborted]",
-    "reward.name=even_tokens", "train.lr=0.02", "algorithm.correction=tis", "eval.every=0",
+    "reward.name=repeated_tokens", "rollout.temperature=0.1", "train.lr=1e-3", "algorithm.correction=tis", "eval.every=0",
     "tracking.trackers=[jsonl]", "longtail.turns=3", "longtail.latency_scale=0.1", "longtail.latency_alpha=1.3",
 ]
 MODE_SETTINGS = {
@@ -45,7 +45,7 @@ MODE_SETTINGS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=10, help="RL steps per run (the first is the warm-up)")
+    parser.add_argument("--steps", type=int, default=8, help="RL steps per run (the first is the warm-up)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per mode")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--model", default="tiny", help="'tiny' (random 2-layer model, CPU) or a model name or folder")

@@ -1,4 +1,4 @@
-"""Plugin ``longtail`` (distribution miles-longtail): the ``long_tail`` agent, the ``even_tokens``
+"""Plugin ``longtail`` (distribution miles-longtail): the ``long_tail`` agent, the ``repeated_tokens``
 reward, the ``longtail`` config section and the ``bench async`` command.
 
 The agent object is configured from the run's ``longtail`` section when the run configures its
@@ -14,7 +14,7 @@ from miles import hookimpl
 from miles.cli import Command
 from miles.registry import Register
 
-from miles_longtail.agent import LongTailAgent, even_tokens
+from miles_longtail.agent import LongTailAgent, repeated_tokens
 from miles_longtail.workload import LongTailSection
 
 AGENT = LongTailAgent()
@@ -27,7 +27,7 @@ def miles_register_agents(register: Register) -> None:
 
 @hookimpl
 def miles_register_rewards(register: Register) -> None:
-    register("even_tokens", even_tokens)
+    register("repeated_tokens", repeated_tokens)
 
 
 @hookimpl

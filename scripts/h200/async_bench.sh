@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# `miles bench async` on the device (docs/benchmarks/async.md), after setup.sh, with `.benchcfg` carried
+# (SmolLM2-135M's config and tokenizer: the long_tail agent and the repeated_tokens reward need no trained
+# weights, so the model is built here with random weights, as for the throughput benchmarks).
+#   bash scripts/h200/async_bench.sh x2    # nvidia-h200-x2: engine on GPU 0, trainer on GPU 1, NCCL broadcast
+#   bash scripts/h200/async_bench.sh x1    # nvidia-h200: engine and trainer share GPU 0, CUDA IPC
+# STEPS (default 8) and REPEATS (default 2) per mode; each run is a `miles train` child process.
+# Expect ~6 min with the defaults (6 runs, ~30 s of start-up each): keep REPEATS=2 inside one call's
+# 10 minutes; a third repeat is a second call (REPEATS=1, another --json name). No --png on the device
+# (no matplotlib there): plot here with `miles bench async --replot <json> --png <png>`.
+set -u
+source scripts/h200/env.sh
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+STEPS=${STEPS:-8}; REPEATS=${REPEATS:-2}
+MODEL=/tmp/smol-random
+kind=${1:-x2}
+
+if [ ! -f "$MODEL/config.json" ]; then
+  python3 - "$MODEL" <<'EOF' || exit 1
+import sys
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+torch.manual_seed(0)
+config = AutoConfig.from_pretrained(".benchcfg")
+AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(sys.argv[1])
+AutoTokenizer.from_pretrained(".benchcfg").save_pretrained(sys.argv[1])
+print("random SmolLM2-135M in", sys.argv[1])
+EOF
+fi
+
+case $kind in
+  # The trainer takes GPU LOCAL_RANK (miles_fsdp.distributed.pick_device); engines started by the local
+  # executor take the first visible GPU. Placement by config arrives with the scale-out resources section.
+  x2) export LOCAL_RANK=1; placement=(--set weights.transport=broadcast) ;;
+  x1) placement=(--set weights.transport=shared_memory) ;;
+  *) echo "unknown kind $kind (x1 or x2)"; exit 2 ;;
+esac
+
+start=$SECONDS
+# 8 prompts x 4 samples per step, 128 trajectories in flight in fully_async, tool calls of 50 ms and up
+# (the tail of 64 draws per sync step is ~5 s); eager FSDP (compiling costs each run a warm-up that 8
+# steps would not pay back).
+miles bench async --model "$MODEL" --steps "$STEPS" --repeats "$REPEATS" --runs-dir /tmp/async-runs \
+  --set model.device=cuda --set model.dtype=bfloat16 --set fsdp.compile=false "${placement[@]}" \
+  --set rollout.prompts_per_step=8 --set rollout.samples_per_prompt=4 --set rollout.concurrency=128 \
+  --set longtail.latency_scale=0.05 --set train.lr=1e-4 --timeout 400 \
+  --json "$OUT/async-h200$kind${TAG:-}.json" >"$OUT/async-$kind.log" 2>&1
+echo "async bench $kind: exit $? in $((SECONDS - start)) s"
+grep -E "samples/s" "$OUT/async-$kind.log"
+python3 - "$OUT/async-h200$kind${TAG:-}.json" <<'EOF'
+import json, sys
+report = json.load(open(sys.argv[1]))
+for mode, row in report["modes"].items():
+    print(mode, {k: row[k] for k in ("time_to_steps_s", "samples_per_s", "speedup_vs_sync") if k in row})
+EOF
