@@ -115,7 +115,7 @@ async def generate(engine: EngineClient, request: GenerateRequest, *, routing_ke
         if empty >= MAX_EMPTY_ABORTS:
             return result
         if empty > 1:  # nothing moved in a row: give the engine (or router) a moment
-            await asyncio.sleep(0.05 * empty)
+            await asyncio.sleep(0.02 * empty)
         request = request.model_copy(update={
             "input_ids": prompt + result.output_ids,
             "sampling_params": params.model_copy(update={
