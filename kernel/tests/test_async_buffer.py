@@ -194,3 +194,15 @@ def _closed_buffer() -> GroupBuffer:
     buffer = GroupBuffer(capacity=1)
     buffer.drain()
     return buffer
+
+
+def test_a_take_that_is_cancelled_leaves_its_groups_in_the_buffer_in_order() -> None:
+    async def scenario() -> None:
+        buffer = GroupBuffer(capacity=4)
+        await buffer.put(group(0))
+        await buffer.put(group(1))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(buffer.take(3, version=0), timeout=0.05)
+        assert [g.index for g in await buffer.take(2, version=0)] == [0, 1]
+
+    run(scenario())

@@ -200,6 +200,11 @@ class GroupBuffer:
             return False
         return group.staleness(version) > self.max_staleness
 
+    @property
+    def counts(self) -> Counter[str]:
+        """What happened to groups since the last :meth:`take_counts` (a view: do not modify)."""
+        return self._counts
+
     def take_counts(self) -> Counter[str]:
         """What happened to groups since the last call, by outcome (and reset)."""
         counts, self._counts = self._counts, Counter()

@@ -54,7 +54,7 @@ async def run_fully_async(run: Run) -> None:
             run.step += 1
             step, final = run.step, run.step == cfg.run.steps
             started = time.perf_counter()
-            groups = await buffer.take(rollout.prompts_per_step, run.version)
+            groups = await _take(run, buffer, workers)
             now = time.perf_counter()
             batch = StepRollout([g.samples for g in groups], [s for g in groups for s in g.samples])
             batch.metrics = batch_metrics(groups, buffer, run.version, waited=now - started, interval=now - last_take)
@@ -65,6 +65,8 @@ async def run_fully_async(run: Run) -> None:
             metrics.update(await run._train(batch))
             if final or step % cfg.weights.update_interval == 0:
                 metrics.update(await asyncio.to_thread(run._sync_weights))
+            if final:  # an evaluation still running finishes first; the final one is never skipped
+                metrics.update(await evaluation.finish())
             if evaluation.due(step):
                 evaluation.start(step)
             metrics.update(await evaluation.finish() if final else evaluation.collect())
@@ -77,6 +79,21 @@ async def run_fully_async(run: Run) -> None:
         if leftovers:  # finished but never trained on: kept with the run's samples
             dump_samples(run.run_dir, run.step, [s for g in leftovers for s in g.samples], kind="unconsumed",
                          tokens=cfg.run.dump_tokens)
+
+
+async def _take(run: Run, buffer: GroupBuffer, workers: RolloutWorkers, report_every: float = 60.0) -> list[Group]:
+    """The next batch; says what the trainer is waiting on when that takes long (filters dropping
+    every group would otherwise look like a hang)."""
+    wanted = run.config.rollout.prompts_per_step
+    while True:
+        try:
+            return await asyncio.wait_for(buffer.take(wanted, run.version), timeout=report_every)
+        except TimeoutError:  # take() put back what it had: nothing is lost by asking again
+            pending = dict(buffer.counts)
+            run.progress.message(
+                f"step {run.step}: waiting for {wanted} groups: {len(buffer)} queued, {workers.in_flight} samples "
+                f"in flight, since the last batch {pending or 'nothing finished'}"
+            )
 
 
 def filter_pipeline(names: Sequence[str], kernel: Kernel) -> Admit:
