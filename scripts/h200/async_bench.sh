@@ -37,12 +37,12 @@ case $kind in
 esac
 
 start=$SECONDS
-# 8 prompts x 4 samples per step, 128 trajectories in flight in fully_async, tool calls of 50 ms and up
+# 8 prompts x 4 samples per step, 64 trajectories in flight in fully_async, tool calls of 50 ms and up
 # (the tail of 64 draws per sync step is ~5 s); eager FSDP (compiling costs each run a warm-up that 8
 # steps would not pay back).
 miles bench async --model "$MODEL" --steps "$STEPS" --repeats "$REPEATS" --runs-dir /tmp/async-runs \
   --set model.device=cuda --set model.dtype=bfloat16 --set fsdp.compile=false "${placement[@]}" \
-  --set rollout.prompts_per_step=8 --set rollout.samples_per_prompt=4 --set rollout.concurrency=128 \
+  --set rollout.prompts_per_step=8 --set rollout.samples_per_prompt=4 --set rollout.concurrency=64 \
   --set longtail.latency_scale=0.05 --set train.lr=1e-4 --timeout 400 \
   --json "$OUT/async-h200$kind${TAG:-}.json" >"$OUT/async-$kind.log" 2>&1
 echo "async bench $kind: exit $? in $((SECONDS - start)) s"

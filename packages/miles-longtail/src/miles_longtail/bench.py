@@ -33,14 +33,14 @@ WORKLOAD = [  # everything but the mode: what every run of the benchmark shares
     "data.source=arithmetic", "data.options={digits: 1}", "data.seed=0", "run.seed=0",
     "rollout.generator=agentic", "rollout.agent=long_tail", "rollout.agent_timeout=300", "tito.family=chatml",
     "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=64",
-    "rollout.max_context_len=1024", "rollout.concurrency=64", "rollout.filters=[no_aborted]",
+    "rollout.max_context_len=1024", "rollout.concurrency=32", "rollout.filters=[no_aborted]",
     "reward.name=repeated_tokens", "rollout.temperature=0.1", "train.lr=1e-3", "algorithm.correction=tis", "eval.every=0",
     "tracking.trackers=[jsonl]", "longtail.turns=3", "longtail.latency_scale=0.1", "longtail.latency_alpha=1.3",
 ]
 MODE_SETTINGS = {
     "sync": ["run.mode=sync"],
     "one_step_off": ["run.mode=one_step_off"],
-    "fully_async": ["run.mode=fully_async", "rollout.max_staleness=4", "weights.update_interval=1"],
+    "fully_async": ["run.mode=fully_async", "rollout.max_staleness=2", "weights.update_interval=1"],
 }
 
 
