@@ -61,6 +61,8 @@ def compare(runs: dict[str, list[dict[str, Any]]], baseline: str = "sync") -> di
             "time_to_steps_s": _spread(times),
             "samples_per_s": _spread([s["samples_per_s"] for s in summaries]),
             "step_s_median": _spread([s["step_s"]["median"] for s in summaries]),
+            "train_s_median": _spread([s["train_s"]["median"] for s in summaries if s["train_s"]]),
+            "wait_batch_s_median": _spread([s["wait_batch_s"]["median"] for s in summaries if s["wait_batch_s"]]),
         }
         if base:
             base_times = [s["time_to_steps_s"] for s in base]
@@ -71,7 +73,9 @@ def compare(runs: dict[str, list[dict[str, Any]]], baseline: str = "sync") -> di
 
 
 def plot(runs: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None:
-    """Reward per step and reward over wall time of each mode's first repeat, side by side."""
+    """Reward per step and reward over wall time of each mode, side by side: the mean over repeats,
+    with the range of the repeats shaded (left); the right panel places step k at the repeats' mean
+    time to step k."""
     try:
         import matplotlib
     except ImportError as exc:
@@ -81,14 +85,18 @@ def plot(runs: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None:
 
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for mode, summaries in runs.items():
-        first = summaries[0]
-        steps = range(1, len(first["rewards"]) + 1)
-        by_step.plot(steps, first["rewards"], "o-", ms=3, label=mode)
-        by_time.plot(first["step_end_s"], first["rewards"], "o-", ms=3, label=mode)
+        steps = min(len(s["rewards"]) for s in summaries)
+        rewards = [[s["rewards"][k] for s in summaries if s["rewards"][k] is not None] for k in range(steps)]
+        mean = [statistics.fmean(r) if r else float("nan") for r in rewards]
+        ends = [statistics.fmean(s["step_end_s"][k] for s in summaries) for k in range(steps)]
+        line, = by_step.plot(range(1, steps + 1), mean, "o-", ms=3, label=f"{mode} ({len(summaries)} runs)")
+        by_step.fill_between(range(1, steps + 1), [min(r, default=m) for r, m in zip(rewards, mean, strict=True)],
+                             [max(r, default=m) for r, m in zip(rewards, mean, strict=True)], color=line.get_color(), alpha=0.15)
+        by_time.plot(ends, mean, "o-", ms=3, color=line.get_color(), label=mode)
     by_step.set_xlabel("RL step")
-    by_step.set_ylabel("rollout reward (mean of the batch)")
-    by_time.set_xlabel("seconds since the end of step 1")
-    by_step.set_title("reward per step")
+    by_step.set_ylabel("rollout reward (batch mean)")
+    by_time.set_xlabel("seconds since the end of step 1 (mean over runs)")
+    by_step.set_title("reward per step (range of runs shaded)")
     by_time.set_title("reward over wall time")
     by_step.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
