@@ -57,17 +57,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one run may take")
     parser.add_argument("--json", help="also write the report here")
     parser.add_argument("--png", help="plot the reward curves of each mode side by side here")
-    parser.add_argument("--replot", type=Path, metavar="JSON",
-                        help="run nothing: plot --png from a report this command wrote (e.g. on a machine without matplotlib)")
+    parser.add_argument("--replot", type=Path, nargs="+", metavar="JSON",
+                        help="run nothing: combine reports this command wrote (their runs, e.g. one repeat per device "
+                             "call) into --json, and plot them to --png (e.g. on a machine with matplotlib)")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.replot:
-        if not args.png:
-            raise SystemExit("--replot needs --png (where to write the plot)")
-        report = json.loads(args.replot.read_text())
-        plot(report["runs"], Path(args.png), _title(report["workload"]["model"], report["workload"]["steps"]))
-        return 0
+        return _replot(args)
     if args.steps < 2:
         raise SystemExit("--steps must be at least 2: step 1 is the warm-up")
     model = _model(args.model)
@@ -93,6 +90,21 @@ def run(args: argparse.Namespace) -> int:
 
 def _title(model: str, steps: int) -> str:
     return f"long-tail agentic workload, {steps} steps ({Path(model).name})"
+
+
+def _replot(args: argparse.Namespace) -> int:
+    reports = [json.loads(path.read_text()) for path in args.replot]
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for report in reports:
+        for mode, summaries in report["runs"].items():
+            runs.setdefault(mode, []).extend(summaries)
+    combined = {**reports[0], "modes": compare(runs), "runs": runs, "combined_from": [str(p) for p in args.replot]}
+    if args.json or len(reports) > 1:
+        emit_json(combined, args.json)
+    if args.png:
+        workload = combined["workload"]
+        plot(runs, Path(args.png), _title(workload["model"], workload["steps"]))
+    return 0
 
 
 def _model(name: str) -> Path | str:
