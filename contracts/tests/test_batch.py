@@ -47,3 +47,20 @@ def test_bucketize_respects_the_byte_budget_and_keeps_order() -> None:
     assert [b.nbytes for b in buckets] == [80, 80, 40]
     big = list(bucketize([("huge", torch.zeros(100))], bucket_bytes=10))
     assert big[0].names == ["huge"]
+
+
+def test_token_versions_follow_the_response_and_mark_what_no_engine_sampled() -> None:
+    spanning = _sample(0, [1, 2], [3, 4, 5], 1.0)
+    spanning.token_versions = [0, 0, 1]  # a trajectory that spans the update to version 1
+    spanning.weight_versions = [0, 1]
+    one_call = _sample(1, [1], [9, 8], 0.0)
+    one_call.loss_mask = [0, 1]  # its first response token is a tool result
+    one_call.weight_versions = [3]
+    batch = TrainBatch.from_samples([spanning, one_call], pad_token_id=0)
+    assert batch.token_versions.tolist() == [[-1, -1, 0, 0, 1], [-1, -1, 3, -1, -1]]
+    assert batch.select([0]).token_versions.tolist() == [[-1, -1, 0, 0, 1]]
+    assert TrainBatch.from_samples([_sample(2, [1], [2], 0.0)], pad_token_id=0).token_versions is None
+    bad = _sample(3, [1], [2, 3], 1.0)
+    bad.token_versions = [0]
+    with pytest.raises(ValueError, match="token_versions has 1 entries"):
+        TrainBatch.from_samples([bad], pad_token_id=0)

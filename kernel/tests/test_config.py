@@ -70,6 +70,7 @@ class DefaultsPlugin:
     @hookimpl
     def miles_register_mismatch_corrections(self, register):
         register("none", object)
+        register("tis", object)
 
     @hookimpl
     def miles_register_train_backends(self, register):
@@ -179,3 +180,17 @@ def test_plugins_section_selects_plugins(fresh_kernels: None, tmp_path: Path) ->
         load_config(path)
     # with only essential plugins nothing registers a generator: the error says so
     assert "rollout.generator: unknown generator 'single_turn': no generator is registered" in str(info.value)
+
+
+def test_async_settings_are_checked_against_the_mode(kernel: Kernel) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["weights.update_interval=2", "rollout.max_staleness=1"], kernel=kernel)
+    assert "weights.update_interval (2) applies to run.mode fully_async only" in str(err.value)
+    assert "rollout.max_staleness applies to run.mode fully_async only" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["run.mode=fully_async", "rollout.concurrency=2", "rollout.samples_per_prompt=4"], kernel=kernel)
+    assert "rollout.concurrency (2) must be at least rollout.samples_per_prompt (4)" in str(err.value)
+    assert "set algorithm.correction to tis or mis" in str(err.value)
+    cfg = load_config(None, ["run.mode=fully_async", "algorithm.correction=tis", "rollout.max_staleness=2",
+                             "weights.update_interval=2"], kernel=kernel)
+    assert (cfg.run.mode, cfg.rollout.max_staleness, cfg.weights.update_interval) == ("fully_async", 2, 2)

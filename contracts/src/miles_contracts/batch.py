@@ -38,6 +38,10 @@ class TrainBatch:
     :ivar values: ``[B, T]`` critic values (PPO).
     :ivar advantages: ``[B, T]`` filled by the advantage estimator.
     :ivar returns: ``[B, T]`` filled by estimators with a critic or discounting.
+    :ivar token_versions: ``[B, T]`` int64, engine weight version that sampled each token; -1 where
+        no engine did (prompt, tool results, padding). None when no sample recorded versions. A
+        row whose versions differ spans a weight update (partial rollout); the trainer's current
+        version minus an entry is how stale that token is.
     :ivar extras: plugin tensors keyed by name, first dim B. :meth:`from_samples` fills it from
         sample stash keys that have a ``to_batch`` (e.g. routing replay's routed experts
         ``[B, T, moe_layers, top_k]``); read those with :meth:`extra`.
@@ -56,6 +60,7 @@ class TrainBatch:
     values: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    token_versions: torch.Tensor | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -101,6 +106,8 @@ class TrainBatch:
 
         Stash values whose key has a ``to_batch`` become ``extras`` (one tensor per key that any
         sample carries; the key's ``to_batch`` decides what rows without a value hold).
+        ``token_versions`` come from ``sample.token_versions``; a sample that recorded only one
+        engine version (``weight_versions``) gets it on every sampled token.
         """
         import torch
 
@@ -121,10 +128,12 @@ class TrainBatch:
             if s.rollout_logprobs:
                 logprobs[row, start:n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
         logprobs = logprobs * loss_mask
+        versions = _token_versions(samples, width)
         rewards = torch.tensor([float(s.reward or 0.0) for s in samples], dtype=torch.float32)
         groups = torch.tensor([s.group_index for s in samples], dtype=torch.long)
         rollouts = torch.tensor([s.index for s in samples], dtype=torch.long)
-        return cls(tokens, attention, loss_mask, logprobs, rewards, groups, rollouts, extras=_stash_extras(samples, width))
+        return cls(tokens, attention, loss_mask, logprobs, rewards, groups, rollouts, token_versions=versions,
+                   extras=_stash_extras(samples, width))
 
 
 def _stash_extras(samples: Sequence[Sample], width: int) -> dict[str, torch.Tensor]:
@@ -132,6 +141,22 @@ def _stash_extras(samples: Sequence[Sample], width: int) -> dict[str, torch.Tens
     lengths = [len(s.tokens) for s in samples]
     return {key.name: to_batch([s.stash.get(key) for s in samples], lengths, width)
             for key, to_batch in sorted(collates.items(), key=lambda item: item[0].name)}
+
+
+def _token_versions(samples: Sequence[Sample], width: int) -> torch.Tensor | None:
+    import torch
+
+    if not any(s.token_versions or s.weight_versions for s in samples):
+        return None
+    versions = torch.full((len(samples), width), -1, dtype=torch.long)
+    for row, s in enumerate(samples):
+        start, end = s.prompt_length, len(s.tokens)
+        if s.token_versions:
+            versions[row, start:end] = torch.tensor(s.token_versions, dtype=torch.long)
+        elif len(set(s.weight_versions)) == 1:
+            sampled = torch.tensor(s.loss_mask, dtype=torch.bool)
+            versions[row, start:end][sampled] = s.weight_versions[0]
+    return versions
 
 
 def _take(t: torch.Tensor, index: torch.Tensor, width: int) -> torch.Tensor:

@@ -82,6 +82,9 @@ class GenerateContext:
     :ivar max_context_len: prompt + response budget in tokens.
     :ivar session_server_url: base URL of the session server, if one runs (agentic generator).
     :ivar evaluation: True when generating for evaluation.
+    :ivar partial_rollout: when the engine aborts a generation (a weight update paused it), go on
+        with the tokens already sampled: resubmit prompt + partial output with the remaining
+        budget, recording each call's weight version (``run.mode: fully_async``).
     :ivar resources: named objects a generator may need (tools, agents, chat family), keyed by
         name; generators document what they look up.
     :ivar captures: engine captures every generate call of this rollout must carry (see
@@ -96,6 +99,7 @@ class GenerateContext:
     evaluation: bool = False
     resources: dict[str, Any] = field(default_factory=dict)
     captures: Sequence[EngineCapture] = ()
+    partial_rollout: bool = False
 
 
 @runtime_checkable
@@ -103,7 +107,7 @@ class Generator(Protocol):
     """Produces one rollout for ``sample`` (which carries prompt, label, metadata, group ids).
 
     Returns the same sample filled in (tokens, response, loss_mask, rollout_logprobs, status,
-    weight_versions), and the data of ``ctx.captures`` in its stash (``miles.rollout.capture``
+    weight_versions, token_versions), and the data of ``ctx.captures`` in its stash (``miles.rollout.capture``
     does both ends for a generator). An error costs this sample (status ABORTED/FAILED with an
     exit reason), never the run: generators catch and record, they do not raise for per-sample
     problems.

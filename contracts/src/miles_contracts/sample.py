@@ -2,7 +2,13 @@
 
 A sample is the unit that flows from the generator through reward, filter and advantage into a
 training batch. Token-level fields are aligned to the *response*: ``tokens[-response_length:]`` is
-the response, and ``loss_mask``, ``rollout_logprobs`` have exactly ``response_length`` entries.
+the response, and ``loss_mask``, ``rollout_logprobs`` (and ``token_versions`` when recorded) have
+exactly ``response_length`` entries.
+
+Weight versions are kept twice, on purpose: ``weight_versions`` has one entry per engine call (what
+staleness is measured from: a sample is as old as its oldest call), ``token_versions`` one per
+response token (what the loss sees: a trajectory that spans a weight update has tokens of two
+versions, see ``docs/design/async.md``).
 
 Feature data that only one plugin understands (routed experts for routing replay, teacher
 log-probs, tool timings) goes into ``sample.stash`` under a typed :class:`StashKey` that the plugin
@@ -147,7 +153,11 @@ class Sample:
     :ivar rollout_logprobs: ``[response_length]``; log-prob of each response token under the
         distribution the engine sampled from, 0.0 where ``loss_mask`` is 0.
     :ivar reward: scalar reward once scored.
-    :ivar weight_versions: engine weight version of every engine call that produced this sample.
+    :ivar weight_versions: engine weight version of every engine call that produced tokens of this
+        sample, in call order.
+    :ivar token_versions: ``[response_length]`` or empty (not recorded); the weight version of the
+        engine call that sampled each response token, ``-1`` on tokens no engine sampled (tool
+        results, template tokens between turns: where ``loss_mask`` is 0).
     :ivar group_index: index of the prompt group (samples of one prompt share it).
     :ivar index: global index of this sample.
     :ivar metadata: JSON-serialisable data from the data source and generator (e.g. ``reward``
@@ -167,6 +177,7 @@ class Sample:
     exit_reason: ExitReason | None = None
     exit_detail: str | None = None
     weight_versions: list[int] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
     group_index: int = 0
     index: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -211,6 +222,10 @@ class Sample:
             problems.append(
                 f"rollout_logprobs has {len(self.rollout_logprobs)} entries, response_length is {self.response_length}"
             )
+        if self.token_versions and len(self.token_versions) != self.response_length:
+            problems.append(
+                f"token_versions has {len(self.token_versions)} entries, response_length is {self.response_length}"
+            )
         if any(m not in (0, 1) for m in self.loss_mask):
             problems.append("loss_mask holds values other than 0 and 1")
         if problems:
@@ -233,6 +248,7 @@ class Sample:
             "exit_reason": self.exit_reason.value if self.exit_reason else None,
             "exit_detail": self.exit_detail,
             "weight_versions": list(self.weight_versions),
+            "token_versions": list(self.token_versions),
             "metadata": self.metadata,
             "stash": self.stash.to_dict(),
         }

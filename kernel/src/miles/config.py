@@ -191,11 +191,32 @@ def _cross_section_errors(cfg: MilesConfig, kernel: Kernel) -> list[str]:
         errors.append("algorithm.opd_coef > 0 needs a teacher: set train.teacher_model to a model name or folder")
     if cfg.rollout.generator == "agentic" and cfg.rollout.agent is None:
         errors.append("rollout.generator 'agentic' needs rollout.agent: the name of a registered agent")
+    errors += _async_errors(cfg)
     if cfg.rollout.max_new_tokens >= cfg.rollout.max_context_len:
         errors.append(
             f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) must be below rollout.max_context_len "
             f"({cfg.rollout.max_context_len}) to leave room for the prompt"
         )
+    return errors
+
+
+def _async_errors(cfg: MilesConfig) -> list[str]:
+    """Settings that only fully_async reads must not be set (and silently ignored) in other modes."""
+    errors = []
+    if cfg.run.mode == "fully_async":
+        if cfg.rollout.concurrency < cfg.rollout.samples_per_prompt:
+            errors.append(f"rollout.concurrency ({cfg.rollout.concurrency}) must be at least rollout.samples_per_prompt "
+                          f"({cfg.rollout.samples_per_prompt}) in fully_async mode: a group's samples are in flight together")
+        if cfg.algorithm.correction == "none":
+            errors.append("run.mode fully_async trains on tokens sampled by older weights: set algorithm.correction to "
+                          "tis or mis so the loss weighs them by how far the trainer has moved (none ignores it)")
+        return errors
+    if cfg.weights.update_interval != 1:
+        errors.append(f"weights.update_interval ({cfg.weights.update_interval}) applies to run.mode fully_async only; "
+                      f"run.mode is {cfg.run.mode!r}")
+    if cfg.rollout.max_staleness is not None:
+        errors.append(f"rollout.max_staleness applies to run.mode fully_async only (sync has none, one_step_off one "
+                      f"version by construction); run.mode is {cfg.run.mode!r}")
     return errors
 
 

@@ -47,7 +47,10 @@ class RunSection(Section):
                     "(GPU kernels, other thread counts): docs/design/reproducibility.md",
     )
     steps: int = Field(default=4, ge=1, description="RL steps to run")
-    mode: Literal["sync", "one_step_off"] = Field(default="sync", description="one_step_off overlaps the next rollout with training")
+    mode: Literal["sync", "one_step_off", "fully_async"] = Field(
+        default="sync", description="one_step_off overlaps the next rollout with training; fully_async keeps "
+        "generating all the time into a bounded buffer the trainer takes batches from (docs/design/async.md)",
+    )
     save_every: int = Field(default=0, ge=0, description="checkpoint every N steps; 0 = no periodic checkpoints")
     save_final: bool = Field(
         default=True,
@@ -114,7 +117,22 @@ class RolloutSection(Section):
     # Engines queue what they cannot run yet, so a high limit costs little, while a low one feeds
     # the engine one request per finished one: a prefill forward at nearly every decode step.
     concurrency: int = Field(default=256, ge=1, description="generator calls in flight")
-    max_staleness: int | None = Field(default=None, ge=0, description="weight versions a group may lag (async modes)")
+    max_staleness: int | None = Field(
+        default=None, ge=0, description="fully_async: weight versions a group may lag behind the engines' when a batch "
+        "is taken (current version minus its oldest token's); None: no bound",
+    )
+    partial_rollout: bool = Field(
+        default=True, description="fully_async: a generation a weight update aborted goes on under the new weights "
+        "with the tokens it has (false: it ends aborted)",
+    )
+    unused_groups: Literal["recycle", "drop"] = Field(
+        default="recycle", description="fully_async: a group too stale when taken, or with an aborted sample, is "
+        "regenerated from its prompt (recycle) or dropped; counted per reason either way",
+    )
+    buffer_groups: int | None = Field(
+        default=None, ge=1, description="fully_async: finished groups that may wait for the trainer (producers block "
+        "when it is full); default 2 x prompts_per_step",
+    )
 
 
 class RewardSection(Section):
@@ -147,6 +165,9 @@ class WeightsSection(Section):
     transport: Annotated[str, Choice("weight_transport")] = "shared_memory"
     bucket_mb: int = Field(default=512, ge=1)
     check: bool = Field(default=False, description="fill engine weights with noise first; the sync must restore them bit-exactly")
+    update_interval: int = Field(
+        default=1, ge=1, description="fully_async: push weights to the engines every N train steps (and after the last)",
+    )
 
 
 class EvalSection(Section):

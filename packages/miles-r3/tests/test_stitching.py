@@ -46,7 +46,7 @@ def record(turn: int, input_ids: list[int], output_ids: list[int], start: int, p
     return TurnRecord(
         turn=turn, message_count=1, input_ids=input_ids, output_ids=output_ids, output_logprobs=[-0.5] * len(output_ids),
         finish_reason="tool_calls" if turn < 2 else "stop", message={"role": "assistant", "content": ""},
-        created_at=time.time(), captures={ROUTED_EXPERTS.name: TurnCapture(start=start, rows=rows, payload=payload)},
+        created_at=time.time(), captures={ROUTED_EXPERTS.name: [TurnCapture(start=start, rows=rows, payload=payload)]},
     )
 
 
@@ -114,17 +114,17 @@ def test_turns_stitch_by_offset_into_the_final_sequence(trimmed: int) -> None:
     np.testing.assert_array_equal(got.ids, experts_of(sample.tokens)[:-1])
     # each later turn starts where the kept turns' rows end
     n1 = len(records[1].input_ids) + len(records[1].output_ids)
-    assert [r.captures[ROUTED_EXPERTS.name].start for r in records] == [0, min(5, 6 - trimmed), n1 - 1]
+    assert [r.captures[ROUTED_EXPERTS.name][0].start for r in records] == [0, min(5, 6 - trimmed), n1 - 1]
 
 
 @pytest.mark.parametrize(("shift", "kind"), [(1, "a gap"), (-1, "an overlap")])
 def test_a_gap_or_an_overlap_drops_the_sample_with_a_reason(shift: int, kind: str) -> None:
     records = conversation(0)
-    bad = records[1].captures[ROUTED_EXPERTS.name]
+    bad = records[1].captures[ROUTED_EXPERTS.name][0]
     start = bad.start + shift
     fed = records[1].input_ids + records[1].output_ids
-    records[1].captures[ROUTED_EXPERTS.name] = TurnCapture(
-        start=start, rows=len(fed) - 1 - start, payload=sglang_payload(experts_of(fed)[start : len(fed) - 1]))
+    records[1].captures[ROUTED_EXPERTS.name] = [TurnCapture(
+        start=start, rows=len(fed) - 1 - start, payload=sglang_payload(experts_of(fed)[start : len(fed) - 1]))]
     sample = stitched(records)
     assert (sample.status, sample.exit_reason) == (Status.FAILED, ExitReason.MISSING_CAPTURE)
     assert kind in sample.exit_detail and ROUTED_EXPERTS not in sample.stash
@@ -132,7 +132,7 @@ def test_a_gap_or_an_overlap_drops_the_sample_with_a_reason(shift: int, kind: st
 
 def test_a_turn_without_routing_drops_the_sample() -> None:
     records = conversation(1)
-    records[2] = record(2, records[2].input_ids, records[2].output_ids, records[2].captures[ROUTED_EXPERTS.name].start, None)
+    records[2] = record(2, records[2].input_ids, records[2].output_ids, records[2].captures[ROUTED_EXPERTS.name][0].start, None)
     sample = stitched(records)
     assert (sample.status, sample.exit_reason) == (Status.FAILED, ExitReason.MISSING_CAPTURE)
     assert "call 2 returned no payload" in sample.exit_detail
@@ -168,3 +168,18 @@ def test_routed_experts_reach_the_batch_aligned_with_tokens() -> None:
     samples[1].stash[ROUTED_EXPERTS] = RoutedExperts(np.zeros((1, 2, 2), np.uint8), 8)  # not len(tokens) - 1 rows
     with pytest.raises(ValueError, match="len\\(tokens\\) - 1"):
         TrainBatch.from_samples(samples, pad_token_id=0)
+
+
+@pytest.mark.parametrize("trimmed", [0, 1])
+def test_a_turn_a_weight_update_split_in_two_calls_stitches_like_one(trimmed: int) -> None:
+    """Partial rollout: the second call of a turn asks only for the rows the first did not cover."""
+    whole = stitched(conversation(trimmed)).stash[ROUTED_EXPERTS].ids
+    records = conversation(trimmed)
+    piece = records[1].captures[ROUTED_EXPERTS.name][0]
+    fed = records[1].input_ids + records[1].output_ids
+    cut = piece.start + 2
+    records[1].captures[ROUTED_EXPERTS.name] = [
+        TurnCapture(start=piece.start, rows=cut - piece.start, payload=sglang_payload(experts_of(fed)[piece.start : cut])),
+        TurnCapture(start=cut, rows=len(fed) - 1 - cut, payload=sglang_payload(experts_of(fed)[cut : len(fed) - 1])),
+    ]
+    np.testing.assert_array_equal(stitched(records).stash[ROUTED_EXPERTS].ids, whole)

@@ -59,8 +59,9 @@ FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class TurnCapture(_Response):
-    """What one turn's engine call returned for a capture: ``payload`` covers positions
-    ``[start, start + rows)`` of the turn's ``input_ids + output_ids`` (None: the engine sent none)."""
+    """What one engine call of a turn returned for a capture: ``payload`` covers positions
+    ``[start, start + rows)`` of the turn's ``input_ids + output_ids`` (None: the engine sent none).
+    A turn a weight update interrupted (partial rollout) made several calls: one piece each."""
 
     start: int
     rows: int
@@ -75,11 +76,15 @@ class TurnRecord(_Response):
     :ivar input_ids: ``[prompt_len]`` the exact ids sent to the engine.
     :ivar output_ids: ``[completion_len]`` the ids the engine sampled.
     :ivar output_logprobs: ``[completion_len]`` log-prob of each sampled id.
-    :ivar weight_version: engine weight version that produced it (0 when the engine has none).
+    :ivar weight_version: engine weight version that produced it (0 when the engine has none); the
+        oldest one when the turn spans a weight update.
+    :ivar output_versions: ``[completion_len]`` the version that sampled each output id, set only
+        when the turn spans a weight update (partial rollout); None: all ``weight_version``.
     :ivar message: the assistant message returned to the client (content, reasoning, tool calls).
     :ivar format_error: set when the output held a malformed tool call (returned as text).
     :ivar rolled_back: a later request retried this turn; it is not part of the trajectory.
-    :ivar captures: the session's engine captures of this call, by capture name.
+    :ivar captures: the session's engine captures of this turn, by capture name: one piece per engine
+        call, in order (several when a weight update interrupted the turn).
     """
 
     turn: int
@@ -89,12 +94,13 @@ class TurnRecord(_Response):
     output_logprobs: list[float]
     finish_reason: FinishReason
     weight_version: int = 0
+    output_versions: list[int] | None = None
     message: dict[str, Any]
     format_error: str | None = None
     rolled_back: bool = False
     created_at: float
     latency_s: float = 0.0
-    captures: dict[str, TurnCapture] = Field(default_factory=dict)
+    captures: dict[str, list[TurnCapture]] = Field(default_factory=dict)
 
 
 class RequestFailure(_Response):
@@ -112,7 +118,8 @@ class TrajectoryView(_Response):
     :ivar tokens: ``[prompt_length + response_length]`` the whole conversation.
     :ivar loss_mask: ``[response_length]`` 1 on ids a turn sampled, 0 on everything else.
     :ivar rollout_logprobs: ``[response_length]`` the engine's log-prob of each sampled id, 0.0 elsewhere.
-    :ivar weight_versions: one per turn.
+    :ivar weight_versions: one per engine call that produced tokens.
+    :ivar token_versions: ``[response_length]`` the version that sampled each id, -1 elsewhere.
     """
 
     tokens: list[int]
@@ -121,6 +128,7 @@ class TrajectoryView(_Response):
     loss_mask: list[int]
     rollout_logprobs: list[float]
     weight_versions: list[int]
+    token_versions: list[int] = Field(default_factory=list)
     status: str
     exit_reason: str | None = None
 

@@ -2,19 +2,22 @@
 
 One engine call per sample: the prompt is tokenized here (chat template for message lists), sent
 as ``input_ids`` so the trajectory is exactly the ids the engine saw and produced, and the answer's
-ids and log-probs are stored as they came back (token in, token out). The run's engine captures
-(``ctx.captures``) ride along and land in the sample's stash.
+ids and log-probs are stored as they came back (token in, token out). With partial rollout
+(``ctx.partial_rollout``), a generation a weight update aborted goes on from the tokens it has
+(:mod:`miles.rollout.continuation`); each token keeps the weight version that sampled it. The
+run's engine captures (``ctx.captures``) ride along on every call and land in the sample's stash.
 """
 
 from __future__ import annotations
 
 from miles_contracts import ExitReason, GenerateContext, Sample, Status
-from miles_contracts.wire.engine import GenerateRequest, GenerateResponse
+from miles_contracts.wire.engine import GenerateRequest
 
 from miles.engine_client import EngineRequestError, EngineUnavailableError
 from miles.hookspecs import hookimpl
 from miles.registry import Register
-from miles.rollout.capture import capture_request, response_pieces, store_captures
+from miles.rollout.capture import store_captures
+from miles.rollout.continuation import Generation, MalformedOutput, generate
 from miles.rollout.tokens import prompt_token_ids
 
 _FINISH = {
@@ -32,10 +35,13 @@ async def single_turn(sample: Sample, ctx: GenerateContext) -> Sample:
         return sample.finish(Status.TRUNCATED, ExitReason.CONTEXT_OVERFLOW,
                              f"prompt has {len(prompt_ids)} tokens, context is {ctx.max_context_len}")
     params = ctx.sampling_params.model_copy(update={"max_new_tokens": min(ctx.sampling_params.max_new_tokens, budget)})
-    specs = [c.spec for c in ctx.captures]
-    request = capture_request(GenerateRequest(input_ids=prompt_ids, sampling_params=params, return_logprob=True), specs)
+    request = GenerateRequest(input_ids=prompt_ids, sampling_params=params, return_logprob=True)
     try:
-        response = await ctx.engine.generate(request, routing_key=f"group-{sample.group_index}")
+        generation = await generate(ctx.engine, request, routing_key=f"group-{sample.group_index}",
+                                    partial_rollout=ctx.partial_rollout, captures=[c.spec for c in ctx.captures])
+    except MalformedOutput as exc:
+        sample.tokens = prompt_ids
+        return sample.finish(Status.FAILED, ExitReason.ENGINE_ERROR, str(exc))
     except EngineRequestError as exc:
         sample.tokens = prompt_ids
         status = Status.FAILED if 400 <= exc.status_code < 500 else Status.ABORTED
@@ -43,27 +49,21 @@ async def single_turn(sample: Sample, ctx: GenerateContext) -> Sample:
     except EngineUnavailableError as exc:
         sample.tokens = prompt_ids
         return sample.finish(Status.ABORTED, ExitReason.ENGINE_ERROR, str(exc))
-    apply_response(sample, prompt_ids, response)
-    pieces = response_pieces(response.meta_info, specs)
-    return store_captures(sample, ctx.captures, {name: [piece] for name, piece in pieces.items()})
+    apply_generation(sample, prompt_ids, generation)
+    return store_captures(sample, ctx.captures, generation.pieces)
 
 
-def apply_response(sample: Sample, prompt_ids: list[int], response: GenerateResponse) -> Sample:
-    """Fill ``sample`` from one engine answer (every output token is model-sampled: mask 1)."""
-    output = list(response.output_ids)
-    logprobs = response.logprobs()
-    if len(logprobs) != len(output):
-        sample.tokens = prompt_ids
-        return sample.finish(Status.FAILED, ExitReason.ENGINE_ERROR,
-                             f"engine returned {len(output)} tokens but {len(logprobs)} log-probs")
+def apply_generation(sample: Sample, prompt_ids: list[int], generation: Generation) -> Sample:
+    """Fill ``sample`` from what the engine sampled (every output token is model-sampled: mask 1)."""
+    output = generation.output_ids
     sample.tokens = prompt_ids + output
     sample.response_length = len(output)
-    sample.response = response.text
+    sample.response = generation.text
     sample.loss_mask = [1] * len(output)
-    sample.rollout_logprobs = logprobs
-    if response.meta_info.weight_version is not None:
-        sample.weight_versions.append(int(response.meta_info.weight_version))
-    finish = response.meta_info.finish_reason
+    sample.rollout_logprobs = list(generation.logprobs)
+    sample.token_versions = list(generation.token_versions)
+    sample.weight_versions += generation.call_versions
+    finish = generation.finish
     status, reason = _FINISH[finish.type] if finish else (Status.COMPLETED, ExitReason.STOP)
     return sample.finish(status, reason, finish.message if finish else None)
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles_contracts import GenerateContext, Sample, Status
+from miles_contracts import ExitReason, GenerateContext, Sample, Status
 from miles_contracts.wire.engine import SamplingParams
 
 from miles.config import MilesConfig
@@ -91,11 +91,13 @@ class RolloutManager:
         return params
 
     def context(self, *, evaluation: bool = False) -> GenerateContext:
+        # In fully_async mode weights change under every generation, evaluations included.
+        partial = self.config.run.mode == "fully_async" and self.config.rollout.partial_rollout
         return GenerateContext(
             engine=self.engine, tokenizer=self.tokenizer, sampling_params=self.sampling_params(evaluation=evaluation),
             max_context_len=self.config.rollout.max_context_len, session_server_url=self.session_url,
             evaluation=evaluation, resources={"kernel": self.kernel, "config": self.config},
-            captures=() if evaluation else tuple(self.captures),
+            captures=() if evaluation else tuple(self.captures), partial_rollout=partial,
         )
 
     def make_groups(self, prompts: Sequence[Sample], n: int) -> list[list[Sample]]:
@@ -111,6 +113,12 @@ class RolloutManager:
             groups.append(group)
         return groups
 
+    async def generate_one(self, sample: Sample, ctx: GenerateContext) -> None:
+        try:
+            await self.generator(sample, self._seeded(ctx, sample))
+        except Exception as exc:  # a generator bug costs the sample, not the run
+            sample.finish(Status.FAILED, ExitReason.ENGINE_ERROR, f"generator raised {type(exc).__name__}: {exc}")
+
     async def generate(self, samples: list[Sample], ctx: GenerateContext,
                        on_done: Callable[[int], None] | None = None) -> None:
         limit = asyncio.Semaphore(self.config.rollout.concurrency)
@@ -119,12 +127,7 @@ class RolloutManager:
         async def one(sample: Sample) -> None:
             nonlocal done
             async with limit:
-                try:
-                    await self.generator(sample, self._seeded(ctx, sample))
-                except Exception as exc:  # a generator bug costs the sample, not the run
-                    from miles_contracts import ExitReason
-
-                    sample.finish(Status.FAILED, ExitReason.ENGINE_ERROR, f"generator raised {type(exc).__name__}: {exc}")
+                await self.generate_one(sample, ctx)
             done += 1
             if on_done:
                 on_done(done)

@@ -108,6 +108,7 @@ def dump_samples(run_dir: Path, step: int, samples: list[Sample], kind: str = "s
                 "response_tokens": s.response_length, "weight_versions": s.weight_versions,
             }
             if tokens:
-                row.update(tokens=s.tokens, loss_mask=s.loss_mask, rollout_logprobs=s.rollout_logprobs)
+                row.update(tokens=s.tokens, loss_mask=s.loss_mask, rollout_logprobs=s.rollout_logprobs,
+                           token_versions=s.token_versions)
             f.write(json.dumps(row) + "\n")
     return path

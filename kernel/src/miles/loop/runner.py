@@ -4,6 +4,8 @@
 
 ``sync`` mode generates step k, then trains on it. ``one_step_off`` generates step k+1 while
 training on step k (the next rollout uses weights one step old; samples record the version).
+``fully_async`` generates all the time into a bounded buffer the trainer takes batches from
+(:mod:`miles.loop.fully_async`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from miles.data.source import eval_prompts, open_data_source
 from miles.engine_client import HttpEngineClient
 from miles.errors import MilesError
 from miles.kernel import Kernel
+from miles.loop.fully_async import run_fully_async
 from miles.loop.interrupts import stop_requested
 from miles.loop.learner import Learner
 from miles.loop.progress import Progress
@@ -133,6 +136,9 @@ class Run:
 
     async def _steps(self) -> None:
         cfg = self.config
+        if cfg.run.mode == "fully_async":
+            await run_fully_async(self)
+            return
         overlap = cfg.run.mode == "one_step_off"
         pending: asyncio.Task[StepRollout] | None = None
         unsynced = False
@@ -157,7 +163,7 @@ class Run:
                 if pending is not None:  # let the next rollout finish: evaluation shares the engines
                     await asyncio.wait([pending])
                 metrics.update(await self._evaluate(step))
-            if (cfg.run.save_every and step % cfg.run.save_every == 0) or (step == cfg.run.steps and cfg.run.save_final):
+            if self._checkpoint_due(step):
                 metrics["time/checkpoint"] = self._save()
             self._log(step, metrics)
 
@@ -181,7 +187,7 @@ class Run:
             self.progress.message(f"step {self.step}: no trainable samples (all groups filtered); skipping the update")
             return {"train/skipped": 1.0}
         start = time.perf_counter()
-        if self.config.run.mode == "one_step_off":  # keep the event loop generating meanwhile
+        if self.config.run.mode != "sync":  # keep the event loop generating meanwhile
             metrics = await asyncio.to_thread(self.learner.train, samples)
         else:
             metrics = self.learner.train(samples)
@@ -228,6 +234,11 @@ class Run:
         return eval_prompts(self.config.data, self.kernel, limit=self.config.eval.num_prompts, source=data)
 
     # ------------------------------------------------------------------ checkpoints and metrics
+
+    def _checkpoint_due(self, step: int) -> bool:
+        """A periodic checkpoint (``run.save_every``), or the final one (``run.save_final``)."""
+        run = self.config.run
+        return bool(run.save_every and step % run.save_every == 0) or (step == run.steps and run.save_final)
 
     def _save(self) -> float:
         start = time.perf_counter()

@@ -1,13 +1,14 @@
 """Trajectory assembly: turn records -> one :class:`Sample` per turn -> one trajectory sample.
 
 A turn sample is what one engine call saw and produced: ``tokens = input_ids + output_ids``,
-``loss_mask = [1] * len(output_ids)``, the engine's log-probs, its weight version, and a status
-from its finish reason. Merging folds the turns of a conversation into a single sample whose
+``loss_mask = [1] * len(output_ids)``, the engine's log-probs, its weight version (per output id
+when the turn spans a weight update), and a status from its finish reason. Merging folds the turns of a conversation into a single sample whose
 ``tokens`` are the whole conversation (the last turn's prompt plus its output); in its response:
 
-* tokens a turn sampled have ``loss_mask`` 1 and their rollout log-prob;
+* tokens a turn sampled have ``loss_mask`` 1, their rollout log-prob and the weight version that
+  sampled them (``token_versions``);
 * everything between turns (tool results, user messages, template tokens, the splice's closing
-  tokens) has ``loss_mask`` 0 and log-prob 0.0;
+  tokens) has ``loss_mask`` 0, log-prob 0.0 and version -1;
 * a turn's trailing sampled tokens that the next turn's prompt replaced (the family's
   ``trim_trailing``) are dropped, at most ``max_trim_tokens`` per turn and never on the last turn.
 
@@ -43,12 +44,14 @@ class AssemblyError(ValueError):
 def turn_sample(record: TurnRecord) -> Sample:
     """The sample of one engine call (``tokens = input_ids + output_ids``)."""
     status, reason = _FINISH[record.finish_reason]
+    versions = record.output_versions or [record.weight_version] * len(record.output_ids)
     sample = Sample(
         tokens=[*record.input_ids, *record.output_ids],
         response_length=len(record.output_ids),
         loss_mask=[1] * len(record.output_ids),
         rollout_logprobs=list(record.output_logprobs),
-        weight_versions=[record.weight_version],
+        weight_versions=list(dict.fromkeys(versions)) or [record.weight_version],
+        token_versions=list(versions),
         metadata={"turn": record.turn},
     )
     if record.format_error and status is Status.COMPLETED:
@@ -68,7 +71,7 @@ def merge_turns(turns: Sequence[Sample], *, max_trim_tokens: int, into: Sample |
     :param max_trim_tokens: the chat family's limit on trailing tokens a turn may lose.
     :param into: sample to fill (prompt, label, ids and metadata are kept); a new one if None.
     :returns: ``into`` with ``tokens [P + R]``, ``loss_mask [R]``, ``rollout_logprobs [R]``,
-        ``weight_versions [turns]``, status and exit reason set.
+        ``token_versions [R]``, ``weight_versions`` (per engine call), status and exit reason set.
     """
     if not turns:
         raise AssemblyError("no turns to merge: the conversation has no generated turn")
@@ -76,6 +79,7 @@ def merge_turns(turns: Sequence[Sample], *, max_trim_tokens: int, into: Sample |
     prompt_length = turns[0].prompt_length
     loss_mask: list[int] = []
     logprobs: list[float] = []
+    versions: list[int] = []
     spans: list[list[int]] = []
     trimmed: list[int] = []
     cursor = prompt_length
@@ -102,6 +106,7 @@ def merge_turns(turns: Sequence[Sample], *, max_trim_tokens: int, into: Sample |
             )
         loss_mask += [0] * (start - cursor) + [1] * keep
         logprobs += [0.0] * (start - cursor) + list(turn.rollout_logprobs[:keep])
+        versions += [-1] * (start - cursor) + list(turn.token_versions[:keep])
         spans.append([start - prompt_length, start - prompt_length + keep])
         trimmed.append(lost)
         cursor = start + keep
@@ -111,6 +116,7 @@ def merge_turns(turns: Sequence[Sample], *, max_trim_tokens: int, into: Sample |
     sample.response_length = len(final) - prompt_length
     sample.loss_mask = loss_mask
     sample.rollout_logprobs = logprobs
+    sample.token_versions = versions
     sample.weight_versions = [v for t in turns for v in t.weight_versions]
     last = turns[-1]
     errors = [t.exit_detail for t in turns if t.exit_reason is ExitReason.FORMAT_ERROR]
@@ -137,9 +143,10 @@ def attach_captures(records: Sequence[TurnRecord], sample: Sample, captures: Seq
 
 
 def capture_pieces(records: Sequence[TurnRecord], merged: Sample, names: Sequence[str]) -> dict[str, list[CapturedPiece]]:
-    """Each capture's pieces, one per turn, cut to the turn's positions that survive in ``merged``.
+    """Each capture's pieces, one per engine call of each turn, cut to the positions that survive in
+    ``merged``.
 
-    A turn's call reported positions up to its last fed token; its trailing sampled tokens that the
+    A turn's calls reported positions up to its last fed token; its trailing sampled tokens that the
     next turn's prompt replaced (see ``turn_spans``) are not the trajectory's, nor are their rows.
     """
     spans = merged.metadata["tito"]["turn_spans"]
@@ -148,11 +155,12 @@ def capture_pieces(records: Sequence[TurnRecord], merged: Sample, names: Sequenc
         fed = len(record.input_ids) + len(record.output_ids) - 1
         stop = min(fed, merged.prompt_length + kept_end)
         for name in names:
-            got = record.captures.get(name)
-            if got is None:
+            got = record.captures.get(name) or []
+            if not got:
                 pieces[name].append(CapturedPiece(start=0, rows=0, stop=0, payload=None))
-            else:
-                pieces[name].append(CapturedPiece(start=got.start, rows=got.rows, stop=stop, payload=got.payload))
+            for part in got:
+                end = max(part.start, min(part.start + part.rows, stop))
+                pieces[name].append(CapturedPiece(start=part.start, rows=part.rows, stop=end, payload=part.payload))
     return pieces
 
 

@@ -160,9 +160,10 @@ class Conversation:
         finish_reason: FinishReason,
         weight_version: int,
         message: ChatMessage,
+        output_versions: list[int] | None = None,
         format_error: str | None = None,
         latency_s: float = 0.0,
-        captures: dict[str, TurnCapture] | None = None,
+        captures: dict[str, list[TurnCapture]] | None = None,
     ) -> TurnRecord:
         """Record the engine's answer to ``prepared``; rolled-back turns stay, marked."""
         for turn in self.turns[prepared.kept_turns :]:
@@ -177,6 +178,7 @@ class Conversation:
             output_logprobs=output_logprobs,
             finish_reason=finish_reason,
             weight_version=weight_version,
+            output_versions=output_versions,
             message=message.to_openai(),
             format_error=format_error,
             created_at=time.time(),

@@ -14,10 +14,10 @@ from typing import Any
 
 import httpx
 from miles.engine_client import EngineRequestError, EngineUnavailableError
-from miles.rollout.capture import capture_request, response_pieces
+from miles.rollout.continuation import Generation, MalformedOutput, generate
 from miles_contracts import CaptureSpec, EngineClient
 from miles_contracts.chat import ParsedTurn, ToolCall
-from miles_contracts.wire.engine import GenerateRequest, GenerateResponse, SamplingParams
+from miles_contracts.wire.engine import GenerateRequest, SamplingParams
 from miles_contracts.wire.session import FinishReason, TurnCapture, TurnRecord
 from pydantic import ValidationError
 
@@ -33,8 +33,11 @@ class TurnRequest:
     :ivar sampling: engine sampling; ``max_new_tokens`` is clipped to the context budget.
     :ivar parse_tool_calls: False for ``tool_choice: none`` (the text is returned as it is).
     :ivar template_extra: extra template variables (``chat_template_kwargs``).
-    :ivar captures: engine captures the call carries; each answer's payload lands in the record
-        (``record.captures``), asked from the first position earlier turns did not report.
+    :ivar captures: engine captures the call carries; each call's payload lands in the record
+        (``record.captures``, one piece per engine call), asked from the first position earlier turns did not report.
+    :ivar continue_aborted: partial rollout: when a weight update aborts the generation, go on with
+        the ids it has under the new weights (one record, ``output_versions`` per id) instead of
+        failing the turn with :class:`~miles_tito.errors.EngineAborted`.
     """
 
     messages: Sequence[ChatMessage]
@@ -43,6 +46,7 @@ class TurnRequest:
     parse_tool_calls: bool = True
     template_extra: Mapping[str, Any] | None = None
     captures: Sequence[CaptureSpec] = ()
+    continue_aborted: bool = False
 
 
 @dataclass(slots=True)
@@ -79,18 +83,15 @@ async def run_turn(
     # Built without validation: the ids are the tokenizer's own ints and ``sampling`` is validated
     # already; re-checking every id cost ~85 us per 8k-token prompt on each turn.
     generate = GenerateRequest.model_construct(input_ids=prepared.input_ids, sampling_params=sampling, return_logprob=True)
-    generate = capture_request(generate, request.captures, start=prepared.known_positions)
     started = time.perf_counter()
-    response = await _generate(engine, generate, routing_key)
+    generation = await _generate(engine, generate, routing_key, request.continue_aborted, request.captures,
+                                 prepared.known_positions)
     latency = time.perf_counter() - started
-    finish = response.meta_info.finish_reason
+    finish = generation.finish
     if finish is None or finish.type == "abort":
         detail = finish.message if finish is not None and finish.message else "no finish reason"
         raise EngineAborted(f"the engine aborted the generation ({detail}); retry the request")
-    output_ids = list(response.output_ids)
-    logprobs = response.logprobs()
-    if len(logprobs) != len(output_ids):
-        raise EngineFailed(f"the engine returned {len(logprobs)} log-probs for {len(output_ids)} output ids")
+    output_ids, logprobs = generation.output_ids, generation.logprobs
 
     text = _visible_text(tito.decode(_without_stop_ids(output_ids, tito.stop_token_ids)), finish.matched)
     parsed = tito.family.parse(text) if request.parse_tool_calls else ParsedTurn(content=text)
@@ -103,24 +104,29 @@ async def run_turn(
         output_ids=output_ids,
         output_logprobs=logprobs,
         finish_reason=reason,
-        weight_version=_weight_version(response.meta_info.weight_version),
+        weight_version=generation.oldest_version,
+        output_versions=generation.token_versions if len(set(generation.call_versions)) > 1 else None,
         message=message,
         # A turn cut off by the length limit is not a format mistake, even mid tool call.
         format_error=None if truncated else parsed.format_error,
         latency_s=latency,
-        captures=_turn_captures(response, request.captures, prepared.known_positions),
+        captures=_turn_captures(generation),
     )
     return TurnResult(record, message, len(prepared.input_ids))
 
 
-def _turn_captures(response: GenerateResponse, specs: Sequence[CaptureSpec], start: int) -> dict[str, TurnCapture]:
-    pieces = response_pieces(response.meta_info, specs, start=start)
-    return {name: TurnCapture(start=p.start, rows=p.rows, payload=p.payload) for name, p in pieces.items()}
+def _turn_captures(generation: Generation) -> dict[str, list[TurnCapture]]:
+    return {name: [TurnCapture(start=p.start, rows=p.rows, payload=p.payload) for p in pieces]
+            for name, pieces in generation.pieces.items()}
 
 
-async def _generate(engine: EngineClient, request: GenerateRequest, routing_key: str | None) -> GenerateResponse:
+async def _generate(engine: EngineClient, request: GenerateRequest, routing_key: str | None,
+                    continue_aborted: bool, captures: Sequence[CaptureSpec], capture_start: int) -> Generation:
     try:
-        return await engine.generate(request, routing_key=routing_key)
+        return await generate(engine, request, routing_key=routing_key, partial_rollout=continue_aborted,
+                              captures=captures, capture_start=capture_start)
+    except MalformedOutput as exc:
+        raise EngineFailed(f"the engine's answer does not line up: {exc}") from exc
     except EngineRequestError as exc:
         if 400 <= exc.status_code < 500 and exc.status_code not in (401, 403, 404):
             # the engine judged the request itself (e.g. a prompt beyond its context): the caller's to fix
@@ -144,11 +150,3 @@ def _visible_text(text: str, matched: int | str | None) -> str:
         return text[: -len(matched)]
     return text
 
-
-def _weight_version(value: str | int | None) -> int:
-    """Engines that never had their weights updated report ``None`` or ``"default"``: version 0."""
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        return int(value)
-    return 0

@@ -45,7 +45,7 @@ class AgenticGenerator:
     """A :class:`miles_contracts.Generator`."""
 
     def __init__(self) -> None:
-        self._embedded: dict[tuple[str, int, str], BackgroundServer] = {}
+        self._embedded: dict[tuple[str, int, str, bool], BackgroundServer] = {}
         self._embedded_lock = threading.Lock()
 
     async def __call__(self, sample: Sample, ctx: GenerateContext) -> Sample:
@@ -92,7 +92,7 @@ class AgenticGenerator:
                 "the agentic generator needs a session server: set tito.session_server_url, start the run's "
                 "session server (miles serve session), or give it an HTTP engine client"
             )
-        key = (engine_url, id(ctx.tokenizer), settings.family.name)
+        key = (engine_url, id(ctx.tokenizer), settings.family.name, ctx.partial_rollout)
         with self._embedded_lock:
             server = self._embedded.get(key)
             if server is None:
@@ -103,7 +103,7 @@ class AgenticGenerator:
                     engine_url, tito, model_name=str(getattr(ctx.tokenizer, "name_or_path", "model")),
                     max_context_len=ctx.max_context_len, default_max_tokens=ctx.sampling_params.max_new_tokens,
                     max_rollback_turns=settings.tito.max_rollback_turns,
-                    idle_timeout=settings.tito.session_idle_timeout or None,
+                    idle_timeout=settings.tito.session_idle_timeout or None, partial_rollout=ctx.partial_rollout,
                 )
                 server = self._embedded[key] = BackgroundServer(make)
                 server.start()

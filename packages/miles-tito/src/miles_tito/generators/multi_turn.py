@@ -60,7 +60,8 @@ class MultiTurnGenerator:
         for _ in range(settings.max_turns):
             try:
                 result = await run_turn(
-                    conversation, ctx.engine, TurnRequest(messages, specs, ctx.sampling_params, captures=captures),
+                    conversation, ctx.engine,
+                    TurnRequest(messages, specs, ctx.sampling_params, captures=captures, continue_aborted=ctx.partial_rollout),
                     max_context_len=ctx.max_context_len, routing_key=routing_key,
                 )
             except TitoError as exc:

@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--session-idle-timeout", type=float, default=3600.0,
                         help="seconds without a request after which a session expires (0: never)")
     add_server_security_arguments(parser)
+    parser.add_argument("--partial-rollout", action="store_true",
+                        help="continue a turn a weight update aborted with the tokens it has (run.mode fully_async) "
+                             "instead of answering 'aborted, retry'")
     parser.add_argument("--log-level", default="warning")
 
 
@@ -44,6 +47,8 @@ def session_arguments(config: Any) -> list[str]:
             "--max-context-len", str(config.rollout.max_context_len), "--max-tokens", str(config.rollout.max_new_tokens)]
     if section.family:
         argv += ["--family", section.family]
+    if config.run.mode == "fully_async" and config.rollout.partial_rollout:
+        argv.append("--partial-rollout")
     return argv
 
 
@@ -59,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         args.router, tito, model_name=str(args.model), auth_token=token, max_body_bytes=int(args.max_body_mb * 2**20),
         max_context_len=args.max_context_len,
         default_max_tokens=args.max_tokens, max_rollback_turns=args.max_rollback_turns,
-        idle_timeout=args.session_idle_timeout or None,
+        idle_timeout=args.session_idle_timeout or None, partial_rollout=args.partial_rollout,
     )
     app = make()
     # Everything loaded so far (transformers, the tokenizer: ~400k objects) lives as long as the

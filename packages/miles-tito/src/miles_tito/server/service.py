@@ -96,6 +96,7 @@ class SessionService:
         max_rollback_turns: int = 1,
         delete_timeout: float = 600.0,
         idle_timeout: float | None = 3600.0,
+        partial_rollout: bool = False,
     ) -> None:
         if idle_timeout is not None and idle_timeout <= 0:
             raise ValueError(f"idle_timeout must be > 0 seconds (or None for never), got {idle_timeout}")
@@ -107,6 +108,7 @@ class SessionService:
         self.max_rollback_turns = max_rollback_turns
         self.delete_timeout = delete_timeout
         self.idle_timeout = idle_timeout
+        self.partial_rollout = partial_rollout  # continue turns a weight update aborted (TurnRequest.continue_aborted)
         self.sessions: dict[str, Session] = {}
         self.expired: OrderedDict[str, float] = OrderedDict()  # id -> seconds it had been idle
         self._next_sweep = time.monotonic()
@@ -216,6 +218,7 @@ class SessionService:
                 parse_tool_calls=request.parse_tool_calls,
                 template_extra=self._template_extra(request),
                 captures=session.captures,
+                continue_aborted=self.partial_rollout,
             )
         except MessageError as exc:
             raise self._fail(session, InvalidRequest(str(exc), param="messages")) from None
@@ -264,5 +267,6 @@ def _trajectory(records: list[TurnRecord], max_trim_tokens: int) -> tuple[Trajec
     return TrajectoryView(
         tokens=sample.tokens, prompt_length=sample.prompt_length, response_length=sample.response_length,
         loss_mask=sample.loss_mask, rollout_logprobs=sample.rollout_logprobs, weight_versions=sample.weight_versions,
+        token_versions=sample.token_versions,
         status=sample.status.value, exit_reason=sample.exit_reason.value if sample.exit_reason else None,
     ), None

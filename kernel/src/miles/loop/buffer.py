@@ -1,0 +1,241 @@
+"""The bounded buffer between rollout workers and the trainer in ``fully_async`` mode.
+
+Its contract (``docs/design/async.md``; each point tested in ``kernel/tests/test_async_buffer.py``):
+
+- **Stable order.** First in, first out across batches: a group that was queued earlier never
+  leaves after one queued later. Within a batch, groups are sorted by group index, so the same
+  set of groups always makes the same batch, however their completions interleaved.
+- **Back-pressure.** ``put`` waits while the buffer is full, and :meth:`GroupBuffer.wait_for_room`
+  lets a producer hold off drawing new prompts meanwhile (and, given a limit, while too many
+  groups are ahead of the trainer: in flight or waiting).
+- **Admission** (at ``put``). A group with an ABORTED sample goes to the unused-group policy. A
+  group a filter drops is counted under the filter's reason and never recycled: its prompt
+  taught nothing (zero variance) or cannot be trained on, and generating it again would not
+  change that. The rest are queued.
+- **Staleness** (at ``take``): the current weight version minus the oldest version any engine
+  call of the group ran with. A group over ``max_staleness`` goes to the unused-group policy.
+  Nothing is stale before the first weight update (while the version is the one the buffer
+  started at), whatever the bound.
+- **Unused groups.** ``recycle``: the group is queued to be generated again from its prompt
+  (workers take recycled groups before drawing new prompts), at most ``max_attempts``
+  generations in all, after which it is dropped. ``drop``: it is dropped. Every outcome is
+  counted by reason (:meth:`GroupBuffer.take_counts`).
+- **Failure.** A worker that fails calls :meth:`GroupBuffer.fail`; the trainer's ``take`` raises
+  that error (waiting or not), so the run stops with it, and :meth:`GroupBuffer.drain` returns
+  every finished group not yet taken (queued, or waiting to be), so none is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from miles_contracts import Sample, Status
+
+UnusedPolicy = Literal["recycle", "drop"]
+Admit = Callable[[Sequence[Sample]], "str | None"]
+"""The filter pipeline as the buffer sees it: None keeps a group, a string is the drop reason."""
+
+MAX_ATTEMPTS = 3
+"""Generations a group gets under ``recycle`` before it is dropped: a prompt whose group keeps
+aborting or going stale is costing more than it is worth."""
+
+
+@dataclass(eq=False)
+class Group:
+    """One prompt group on its way through the buffer.
+
+    :ivar samples: the group's samples (generated, then scored).
+    :ivar pristine: the samples as drawn from the data source, to generate again from.
+    :ivar launched_version: the weight version when its generation started (its age when no
+        engine call reported a version).
+    :ivar attempt: how many times the group has been generated (1 for the first).
+    """
+
+    samples: list[Sample]
+    pristine: list[Sample]
+    launched_version: int = 0
+    attempt: int = 1
+
+    @classmethod
+    def fresh(cls, samples: list[Sample], launched_version: int = 0) -> Group:
+        return cls(samples, copy.deepcopy(samples), launched_version)
+
+    @property
+    def index(self) -> int:
+        return self.samples[0].group_index if self.samples else -1
+
+    @property
+    def aborted(self) -> bool:
+        return any(s.status is Status.ABORTED for s in self.samples)
+
+    def oldest_version(self) -> int:
+        """The oldest weight version any engine call of the group ran with."""
+        versions = [v for s in self.samples for v in s.weight_versions]
+        return min(versions) if versions else self.launched_version
+
+    def staleness(self, version: int) -> int:
+        return max(0, version - self.oldest_version())
+
+    def regenerated(self) -> Group:
+        """The same prompts, as drawn, for another attempt."""
+        return Group(copy.deepcopy(self.pristine), self.pristine, self.launched_version, self.attempt + 1)
+
+
+class BufferClosedError(RuntimeError):
+    """``put`` on a buffer whose run has stopped."""
+
+
+class GroupBuffer:
+    """See the module docstring for the contract.
+
+    :param capacity: finished groups that may wait for the trainer.
+    :param max_staleness: versions a group may lag when taken; None: no bound.
+    :param unused: what happens to an aborted or stale group.
+    :param admit: the filter pipeline (None keeps everything).
+    :param start_version: the weight version when the buffer starts (no group is stale before it moves).
+    """
+
+    def __init__(self, capacity: int, *, max_staleness: int | None = None, unused: UnusedPolicy = "recycle",
+                 admit: Admit | None = None, max_attempts: int = MAX_ATTEMPTS, start_version: int = 0) -> None:
+        if capacity < 1:
+            raise ValueError(f"buffer capacity must be at least 1 group, got {capacity}")
+        self.capacity = capacity
+        self.max_staleness = max_staleness
+        self.unused = unused
+        self.admit = admit
+        self.max_attempts = max_attempts
+        self.start_version = start_version
+        self._queue: deque[Group] = deque()
+        self._waiting: list[Group] = []  # finished groups blocked in put
+        self._recycled: deque[Group] = deque()
+        self._counts: Counter[str] = Counter()
+        self._changed = asyncio.Condition()
+        self._error: BaseException | None = None
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    @property
+    def recycled(self) -> int:
+        return len(self._recycled)
+
+    # ------------------------------------------------------------------ producer side
+
+    async def wait_for_room(self, in_flight: Callable[[], int] = lambda: 0, ahead_limit: int | None = None) -> None:
+        """Return once a finished group could be queued without waiting and, with ``ahead_limit``,
+        fewer than that many groups are waiting or (``in_flight()``) being generated."""
+        def room() -> bool:
+            waiting = len(self._queue) + len(self._waiting)
+            return waiting < self.capacity and (ahead_limit is None or waiting + in_flight() < ahead_limit)
+
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._stopped or room())
+            self._raise_if_stopped()
+
+    async def put(self, group: Group) -> str:
+        """Admit ``group``; returns what became of it: ``queued``, ``filtered_<reason>``,
+        ``aborted_recycled`` or ``aborted_dropped``. Waits while the buffer is full."""
+        if group.aborted:
+            return await self._settled(self._set_aside(group, "aborted"))
+        reason = self.admit(group.samples) if self.admit is not None else None
+        if reason is not None:
+            self._counts[f"filtered_{reason}"] += 1
+            return await self._settled(f"filtered_{reason}")
+        async with self._changed:
+            self._waiting.append(group)
+            await self._changed.wait_for(lambda: self._stopped or len(self._queue) < self.capacity)
+            self._raise_if_stopped()  # the group stays among the waiting: drain() returns it
+            self._waiting.remove(group)
+            self._queue.append(group)
+            self._counts["queued"] += 1
+            self._changed.notify_all()
+        return "queued"
+
+    async def _settled(self, outcome: str) -> str:
+        async with self._changed:  # a group is no longer in flight: a producer may start another
+            self._changed.notify_all()
+        return outcome
+
+    def next_recycled(self) -> Group | None:
+        """A group to generate again, oldest first (None when there is none)."""
+        return self._recycled.popleft() if self._recycled else None
+
+    async def fail(self, error: BaseException) -> None:
+        """A worker failed: the next (or waiting) ``take`` raises ``error``."""
+        async with self._changed:
+            if self._error is None:
+                self._error = error
+            self._changed.notify_all()
+
+    # ------------------------------------------------------------------ trainer side
+
+    async def take(self, count: int, version: int) -> list[Group]:
+        """Wait for ``count`` groups fresh enough at weight ``version``; oldest first, then sorted
+        by group index. Stale groups met on the way go to the unused-group policy."""
+        batch: list[Group] = []
+        async with self._changed:
+            try:
+                while len(batch) < count:
+                    await self._changed.wait_for(lambda: self._stopped or bool(self._queue))
+                    self._raise_if_stopped()
+                    group = self._queue.popleft()
+                    self._changed.notify_all()  # room for a waiting producer
+                    if self.is_stale(group, version):
+                        self._set_aside(group, "stale")
+                    else:
+                        batch.append(group)
+            except BaseException:  # failed or cancelled: the groups were not taken after all, drain() keeps them
+                self._queue.extendleft(reversed(batch))
+                raise
+        return sorted(batch, key=lambda g: g.index)
+
+    def is_stale(self, group: Group, version: int) -> bool:
+        if self.max_staleness is None or version == self.start_version:
+            return False
+        return group.staleness(version) > self.max_staleness
+
+    @property
+    def counts(self) -> Counter[str]:
+        """What happened to groups since the last :meth:`take_counts` (a view: do not modify)."""
+        return self._counts
+
+    def take_counts(self) -> Counter[str]:
+        """What happened to groups since the last call, by outcome (and reset)."""
+        counts, self._counts = self._counts, Counter()
+        return counts
+
+    def drain(self) -> list[Group]:
+        """Stop: every finished group not taken (queued, then those waiting to be), in order."""
+        self._closed = True
+        left = [*self._queue, *self._waiting]
+        self._queue.clear()
+        return left
+
+    # ------------------------------------------------------------------ internals
+
+    @property
+    def _stopped(self) -> bool:
+        return self._error is not None or self._closed
+
+    def _raise_if_stopped(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise BufferClosedError("the buffer was drained: the run is stopping")
+
+    def _set_aside(self, group: Group, reason: str) -> str:
+        if self.unused == "recycle" and group.attempt < self.max_attempts:
+            self._recycled.append(group.regenerated())
+            outcome = f"{reason}_recycled"
+        else:
+            outcome = f"{reason}_dropped"
+            if self.unused == "recycle":
+                self._counts["attempts_exhausted"] += 1
+        self._counts[outcome] += 1
+        return outcome

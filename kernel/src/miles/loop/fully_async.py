@@ -1,0 +1,184 @@
+"""``run.mode: fully_async``: the trainer takes batches from a buffer that rollout workers keep full.
+
+::
+
+    workers, all the time:  prompt -> generate (rollout.concurrency in flight) -> reward -> buffer (filters)
+    trainer, each step:     batch = buffer.take(prompts_per_step, version)     staleness checked here
+                            train (in a thread: the event loop keeps generating)
+                            every weights.update_interval steps, and after the last: push weights;
+                            generation goes on, requests in flight continue under the new weights
+                            evaluation: in the background, on the same engines; its metrics join the
+                            step during which it finished (``eval/step`` says which step it measured)
+
+The loop drives the run through :class:`~miles.loop.runner.Run`'s own steps (``_train``,
+``_sync_weights``, ``_evaluate``, ``_save``, ``_log``), so it runs wherever those run. The
+design and the buffer's contract: ``docs/design/async.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from miles_contracts import Sample
+
+from miles.filtering import apply_filters
+from miles.loop.buffer import Admit, Group, GroupBuffer
+from miles.loop.producer import RolloutWorkers
+from miles.loop.rollout import StepRollout, rollout_metrics
+from miles.loop.run_dir import dump_samples
+
+if TYPE_CHECKING:
+    from miles.kernel import Kernel
+    from miles.loop.runner import Run
+
+
+async def run_fully_async(run: Run) -> None:
+    """Train ``run.config.run.steps`` steps in ``fully_async`` mode."""
+    cfg = run.config
+    rollout = cfg.rollout
+    buffer = GroupBuffer(rollout.buffer_groups or 2 * rollout.prompts_per_step, max_staleness=rollout.max_staleness,
+                         unused=rollout.unused_groups, admit=filter_pipeline(rollout.filters, run.kernel),
+                         start_version=run.version)
+    workers = RolloutWorkers(run.rollout, buffer, version=lambda: run.version)
+    evaluation = BackgroundEvaluation(run)
+    assert run.services is not None
+    await asyncio.to_thread(run.services.wait_ready, cfg.executor.startup_timeout)
+    workers.start()
+    last_take = time.perf_counter()
+    try:
+        while run.step < cfg.run.steps:
+            run.step += 1
+            step, final = run.step, run.step == cfg.run.steps
+            started = time.perf_counter()
+            groups = await _take(run, buffer, workers)
+            now = time.perf_counter()
+            batch = StepRollout([g.samples for g in groups], [s for g in groups for s in g.samples])
+            batch.metrics = batch_metrics(groups, buffer, run.version, waited=now - started, interval=now - last_take)
+            batch.metrics.update(workers.take_metrics())
+            last_take = now
+            dump_samples(run.run_dir, step, batch.all_samples, tokens=cfg.run.dump_tokens)
+            metrics = dict(batch.metrics)
+            metrics.update(await run._train(batch))
+            if final or step % cfg.weights.update_interval == 0:
+                metrics.update(await asyncio.to_thread(run._sync_weights))
+            if final:  # an evaluation still running finishes first; the final one is never skipped
+                metrics.update(await evaluation.finish())
+            if evaluation.due(step):
+                evaluation.start(step)
+            metrics.update(await evaluation.finish() if final else evaluation.collect())
+            if run._checkpoint_due(step):
+                metrics["time/checkpoint"] = run._save()
+            run._log(step, metrics)
+    finally:
+        await evaluation.cancel()
+        leftovers = await workers.stop()
+        if leftovers:  # finished but never trained on: kept with the run's samples
+            dump_samples(run.run_dir, run.step, [s for g in leftovers for s in g.samples], kind="unconsumed",
+                         tokens=cfg.run.dump_tokens)
+
+
+async def _take(run: Run, buffer: GroupBuffer, workers: RolloutWorkers, report_every: float = 60.0) -> list[Group]:
+    """The next batch; says what the trainer is waiting on when that takes long (filters dropping
+    every group would otherwise look like a hang)."""
+    wanted = run.config.rollout.prompts_per_step
+    while True:
+        try:
+            return await asyncio.wait_for(buffer.take(wanted, run.version), timeout=report_every)
+        except TimeoutError:  # take() put back what it had: nothing is lost by asking again
+            pending = dict(buffer.counts)
+            run.progress.message(
+                f"step {run.step}: waiting for {wanted} groups: {len(buffer)} queued, {workers.in_flight} samples "
+                f"in flight, since the last batch {pending or 'nothing finished'}"
+            )
+
+
+def filter_pipeline(names: Sequence[str], kernel: Kernel) -> Admit:
+    """``rollout.filters`` as the buffer's admission check (None keeps, else the drop reason)."""
+
+    def admit(group: Sequence[Sample]) -> str | None:
+        kept, drops = apply_filters([group], names, kernel)
+        return None if kept else next(iter(drops))
+
+    return admit
+
+
+def batch_metrics(groups: list[Group], buffer: GroupBuffer, version: int, *, waited: float,
+                  interval: float) -> dict[str, float]:
+    """The step's rollout metrics (over the batch) plus the buffer's: staleness, what was set aside.
+
+    ``time/rollout`` is how long the trainer waited for the batch (0 when it was ready), and
+    ``perf/rollout_tokens_per_s`` the batch's tokens over the time since the previous batch.
+    """
+    counts = buffer.take_counts()
+    samples = [s for g in groups for s in g.samples]
+    drops = Counter({k.removeprefix("filtered_"): n for k, n in counts.items() if k.startswith("filtered_")})
+    finished = counts["queued"] + sum(drops.values()) + counts["aborted_recycled"] + counts["aborted_dropped"]
+    metrics = rollout_metrics(samples, [g.samples for g in groups], drops, finished, 0, interval)
+    metrics["time/rollout"] = metrics["time/wait_batch"] = waited
+    staleness = [g.staleness(version) for g in groups]
+    metrics |= {
+        "async/staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
+        "async/staleness_max": float(max(staleness, default=0)),
+        "async/buffer_groups": float(len(buffer)),
+        "async/recycled_pending": float(buffer.recycled),
+        "async/partial_samples": float(sum(len(set(s.weight_versions)) > 1 for s in samples)),
+        "async/retried_groups": float(sum(g.attempt > 1 for g in groups)),
+    }
+    for outcome in ("stale_recycled", "stale_dropped", "aborted_recycled", "aborted_dropped", "attempts_exhausted"):
+        metrics[f"async/{outcome}"] = float(counts[outcome])
+    metrics |= token_lag_metrics(samples, version)
+    return metrics
+
+
+def token_lag_metrics(samples: Sequence[Sample], version: int) -> dict[str, float]:
+    """How far behind ``version`` the batch's sampled tokens are (``token_versions``)."""
+    lags = [version - v for s in samples if s.trainable for v, m in zip(s.token_versions, s.loss_mask, strict=True)
+            if m and v >= 0]
+    if not lags:
+        return {}
+    return {"async/token_lag_mean": sum(lags) / len(lags), "async/token_lag_max": float(max(lags)),
+            "async/offpolicy_token_frac": sum(lag > 0 for lag in lags) / len(lags)}
+
+
+class BackgroundEvaluation:
+    """Evaluations on the training engines without stopping training: one at a time (a due one
+    that finds the previous still running is skipped and counted), its metrics logged with the
+    step during which it finished. The last step waits for its evaluation."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.task: asyncio.Task[dict[str, float]] | None = None
+        self.step = 0
+        self.skipped = 0
+
+    def due(self, step: int) -> bool:
+        every, steps = self.run.config.eval.every, self.run.config.run.steps
+        return bool(every) and (step % every == 0 or step == steps)
+
+    def start(self, step: int) -> None:
+        if self.task is not None and not self.task.done():
+            self.skipped += 1
+            return
+        self.task, self.step = asyncio.create_task(self.run._evaluate(step), name=f"miles-eval-{step}"), step
+
+    def collect(self) -> dict[str, Any]:
+        """The metrics of a finished evaluation (once), else nothing. An evaluation that failed fails the run."""
+        if self.task is None or not self.task.done():
+            return {}
+        metrics = {**self.task.result(), "eval/step": float(self.step), "eval/skipped": float(self.skipped)}
+        self.task, self.skipped = None, 0
+        return metrics
+
+    async def finish(self) -> dict[str, Any]:
+        if self.task is not None:
+            await asyncio.wait([self.task])
+        return self.collect()
+
+    async def cancel(self) -> None:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)

@@ -1,0 +1,208 @@
+"""The fully_async buffer's contract (docs/design/async.md), point by point."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+from miles.loop.buffer import BufferClosedError, Group, GroupBuffer
+from miles_contracts import ExitReason, Sample, Status
+
+
+def group(index: int, versions: Sequence[int] = (0,), status: Status = Status.COMPLETED, size: int = 2) -> Group:
+    """A finished group whose samples ran with weight ``versions`` (one engine call each)."""
+    samples = [Sample(prompt=f"p{index}", group_index=index, index=index * size + j) for j in range(size)]
+    fresh = Group.fresh(samples)
+    for s in fresh.samples:
+        s.tokens, s.response_length, s.loss_mask = [1, 2], 1, [1]
+        s.weight_versions, s.reward = list(versions), 1.0
+        s.finish(status, ExitReason.ABORT if status is Status.ABORTED else ExitReason.STOP)
+    return fresh
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=10))
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_groups_leave_first_in_first_out_and_each_batch_is_sorted_by_group_index() -> None:
+    async def scenario() -> list[list[int]]:
+        buffer = GroupBuffer(capacity=8)
+        for index in (3, 1, 2, 0, 5, 4):  # completion order
+            await buffer.put(group(index))
+        return [[g.index for g in await buffer.take(3, version=0)] for _ in range(2)]
+
+    assert run(scenario()) == [[1, 2, 3], [0, 4, 5]]
+
+
+def test_a_producer_blocks_while_the_buffer_is_full() -> None:
+    async def scenario() -> None:
+        buffer = GroupBuffer(capacity=1)
+        assert await buffer.put(group(0)) == "queued"
+        blocked_put = asyncio.create_task(buffer.put(group(1)))
+        blocked_room = asyncio.create_task(buffer.wait_for_room())
+        await settle()
+        assert not blocked_put.done() and not blocked_room.done() and len(buffer) == 1
+        assert [g.index for g in await buffer.take(1, version=0)] == [0]
+        assert await blocked_put == "queued"  # the taken group made room for the waiting one
+        await settle()
+        assert not blocked_room.done()  # ... and the buffer is full again
+        await buffer.take(1, version=0)
+        await blocked_room
+
+    run(scenario())
+
+
+def test_with_a_limit_a_producer_waits_while_too_many_groups_are_ahead_of_the_trainer() -> None:
+    async def scenario() -> None:
+        buffer = GroupBuffer(capacity=8)
+        in_flight = 2
+        await buffer.put(group(0))
+        await buffer.put(group(1))
+        gated = asyncio.create_task(buffer.wait_for_room(lambda: in_flight, ahead_limit=4))  # 2 waiting + 2 in flight
+        await settle()
+        assert not gated.done()
+        await buffer.take(1, version=0)  # the trainer took one: 3 ahead
+        await gated
+
+    run(scenario())
+
+
+def test_nothing_is_stale_before_the_first_update() -> None:
+    async def scenario() -> None:
+        buffer = GroupBuffer(capacity=8, max_staleness=0, start_version=3)
+        await buffer.put(group(0, versions=(0,)))  # older than the start version: a resumed run's leftovers
+        await buffer.put(group(1, versions=()))  # no engine call reported a version
+        assert [g.index for g in await buffer.take(2, version=3)] == [0, 1]
+        assert not buffer.take_counts()["stale_recycled"]
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("policy", ["recycle", "drop"])
+def test_groups_over_the_staleness_bound_are_recycled_or_dropped_and_counted(policy: str) -> None:
+    async def scenario() -> None:
+        buffer = GroupBuffer(capacity=8, max_staleness=1, unused=policy)
+        old, spanning, fresh = group(0, versions=(0,)), group(1, versions=(0, 2)), group(2, versions=(1, 2))
+        for g in (old, spanning, fresh):
+            await buffer.put(g)
+        # at version 2: staleness is 2 for the first two (their oldest call ran version 0), 1 for the last
+        assert [g.index for g in await buffer.take(1, version=2)] == [2]
+        counts = buffer.take_counts()
+        if policy == "drop":
+            assert counts["stale_dropped"] == 2 and buffer.next_recycled() is None
+            return
+        assert counts["stale_recycled"] == 2
+        again = [buffer.next_recycled(), buffer.next_recycled()]
+        assert [g.index for g in again] == [0, 1] and buffer.next_recycled() is None
+        for g in again:  # regenerated from the prompt, as drawn
+            assert g.attempt == 2 and all(s.tokens == [] and s.status is Status.PENDING for s in g.samples)
+            assert [s.prompt for s in g.samples] == [f"p{g.index}"] * 2
+
+    run(scenario())
+
+
+def test_a_group_recycled_too_often_is_dropped() -> None:
+    async def scenario() -> None:
+        buffer = GroupBuffer(capacity=4, max_staleness=0, max_attempts=2)
+        first = group(0)
+        await buffer.put(first)
+        await buffer.put(group(1, versions=(1,)))
+        await buffer.take(1, version=1)
+        second = buffer.next_recycled()
+        assert second is not None and second.attempt == 2
+        for s in second.samples:
+            s.weight_versions, s.status = [1], Status.COMPLETED
+        await buffer.put(second)
+        await buffer.put(group(2, versions=(2,)))
+        assert [g.index for g in await buffer.take(1, version=2)] == [2]
+        counts = buffer.take_counts()
+        assert counts["stale_dropped"] == 1 and counts["attempts_exhausted"] == 1 and buffer.next_recycled() is None
+
+    run(scenario())
+
+
+def test_filtered_groups_are_counted_by_reason_and_never_recycled() -> None:
+    def admit(samples: Sequence[Sample]) -> str | None:
+        return "zero_std" if samples[0].group_index % 2 else None
+
+    async def scenario() -> None:
+        buffer = GroupBuffer(capacity=8, admit=admit, unused="recycle")
+        outcomes = [await buffer.put(group(i)) for i in range(4)]
+        assert outcomes == ["queued", "filtered_zero_std", "queued", "filtered_zero_std"]
+        assert buffer.take_counts()["filtered_zero_std"] == 2
+        assert buffer.next_recycled() is None and len(buffer) == 2
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("policy", ["recycle", "drop"])
+def test_an_aborted_group_is_recycled_or_dropped_by_policy(policy: str) -> None:
+    def admit(samples: Sequence[Sample]) -> str | None:
+        raise AssertionError("an aborted group never reaches the filters")
+
+    async def scenario() -> None:
+        buffer = GroupBuffer(capacity=8, unused=policy, admit=admit)
+        outcome = {"recycle": "aborted_recycled", "drop": "aborted_dropped"}[policy]
+        assert await buffer.put(group(0, status=Status.ABORTED)) == outcome
+        assert len(buffer) == 0 and buffer.take_counts()[outcome] == 1
+        recycled = buffer.next_recycled()
+        assert (recycled is not None and recycled.index == 0) == (policy == "recycle")
+
+    run(scenario())
+
+
+def test_a_worker_error_reaches_the_taker_and_no_finished_group_is_lost() -> None:
+    async def scenario() -> None:
+        buffer = GroupBuffer(capacity=2)
+        await buffer.put(group(0))
+        await buffer.put(group(1))
+        waiting = asyncio.create_task(buffer.put(group(2)))  # finished, blocked by the full buffer
+        take = asyncio.create_task(buffer.take(4, version=0))  # takes 0, 1 and 2, then waits for a fourth
+        await settle()
+        await buffer.fail(RuntimeError("the reward plugin broke"))
+        with pytest.raises(RuntimeError, match="the reward plugin broke"):
+            await take
+        assert await waiting == "queued"
+        assert [g.index for g in buffer.drain()] == [0, 1, 2]  # the batch never trained: all kept
+
+    run(scenario())
+
+
+def test_a_group_waiting_for_room_when_a_worker_fails_is_kept() -> None:
+    async def scenario() -> None:
+        buffer = GroupBuffer(capacity=1)
+        await buffer.put(group(0))
+        waiting = asyncio.create_task(buffer.put(group(1)))
+        await settle()
+        await buffer.fail(ValueError("data source broke"))
+        with pytest.raises(ValueError, match="data source broke"):
+            await waiting
+        assert [g.index for g in buffer.drain()] == [0, 1]
+        with pytest.raises(BufferClosedError):  # the run is stopping: nothing more comes in
+            await _closed_buffer().put(group(2))
+
+    run(scenario())
+
+
+def _closed_buffer() -> GroupBuffer:
+    buffer = GroupBuffer(capacity=1)
+    buffer.drain()
+    return buffer
+
+
+def test_a_take_that_is_cancelled_leaves_its_groups_in_the_buffer_in_order() -> None:
+    async def scenario() -> None:
+        buffer = GroupBuffer(capacity=4)
+        await buffer.put(group(0))
+        await buffer.put(group(1))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(buffer.take(3, version=0), timeout=0.05)
+        assert [g.index for g in await buffer.take(2, version=0)] == [0, 1]
+
+    run(scenario())

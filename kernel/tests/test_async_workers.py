@@ -1,0 +1,83 @@
+"""Rollout workers feeding the buffer (fully_async), on the kernel's own data source, rewards and
+filter pipeline. The generator is a test plugin that answers at once: these tests are about the
+wiring between workers, buffer and trainer, not about engines (tests/test_fully_async.py runs
+the real ones)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from miles import hookimpl
+from miles.config import MilesConfig
+from miles.data.source import open_data_source
+from miles.errors import PluginError
+from miles.kernel import Kernel
+from miles.loop.buffer import GroupBuffer
+from miles.loop.fully_async import filter_pipeline
+from miles.loop.producer import RolloutWorkers
+from miles.loop.rollout import RolloutManager
+from miles.plugins import PluginSelection
+from miles.sections import AlgorithmSection, RolloutSection, RunSection
+from miles_contracts import ExitReason, FilterVerdict, Sample, Status
+
+
+async def instant(sample: Sample, ctx: object) -> Sample:
+    sample.tokens, sample.response_length, sample.loss_mask = [1, 2, 3], 1, [1]
+    sample.response, sample.weight_versions = "4", [0]
+    return sample.finish(Status.COMPLETED, ExitReason.STOP)
+
+
+def breaks_on_group_2(group: list[Sample]) -> FilterVerdict:
+    if group[0].group_index == 2:
+        raise RuntimeError("the filter has a bug")
+    return FilterVerdict(keep=True)
+
+
+class Workload:
+    @hookimpl
+    def miles_register_generators(self, register):
+        register("instant", instant)
+
+    @hookimpl
+    def miles_register_filters(self, register):
+        register("breaks_on_group_2", breaks_on_group_2)
+
+
+def _workers(filters: list[str]) -> tuple[RolloutWorkers, GroupBuffer]:
+    kernel = Kernel.load(PluginSelection(enable=("core", "data", "filters", "generators", "rewards")))
+    if "workload" not in {i.name for i in kernel.plugins()}:
+        kernel.register_plugin(Workload(), "workload")
+    config = MilesConfig(run=RunSection(mode="fully_async"), algorithm=AlgorithmSection(correction="tis"),
+                         rollout=RolloutSection(generator="instant", samples_per_prompt=2, prompts_per_step=2,
+                                                concurrency=4, filters=filters))
+    manager = RolloutManager(config, kernel, open_data_source(config.data, kernel), engine=None, tokenizer=None)
+    buffer = GroupBuffer(4, admit=filter_pipeline(filters, kernel))
+    return RolloutWorkers(manager, buffer, version=lambda: 0), buffer
+
+
+def test_workers_keep_the_buffer_filled_with_scored_groups() -> None:
+    async def scenario() -> None:
+        workers, buffer = _workers(["no_aborted"])
+        workers.start()
+        try:
+            batches = [await buffer.take(2, version=0) for _ in range(3)]
+        finally:
+            await workers.stop()
+        assert [[g.index for g in batch] for batch in batches] == [[0, 1], [2, 3], [4, 5]]
+        assert all(s.reward is not None and s.trainable for batch in batches for g in batch for s in g.samples)
+        assert workers.take_metrics()["reward/scored"] >= 12
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+
+
+def test_a_worker_error_stops_the_trainer_and_the_finished_groups_are_kept() -> None:
+    async def scenario() -> None:
+        workers, buffer = _workers(["breaks_on_group_2"])
+        workers.start()
+        with pytest.raises(PluginError, match="the filter has a bug"):
+            await buffer.take(4, version=0)  # groups 0 and 1 came in, then group 2's filter raised
+        kept = {g.index for g in await workers.stop()}
+        assert {0, 1} <= kept and 2 not in kept
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=30))

@@ -1,0 +1,62 @@
+"""Plugin ``longtail`` (distribution miles-longtail): the ``long_tail`` agent, the ``repeated_tokens``
+reward, the ``longtail`` config section and the ``bench async`` command.
+
+The agent object is configured from the run's ``longtail`` section when the run configures its
+plugins (``miles_configure``); the benchmark command loads lazily.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from miles import hookimpl
+from miles.cli import Command
+from miles.registry import Register
+
+from miles_longtail.agent import LongTailAgent, repeated_tokens
+from miles_longtail.workload import LongTailSection
+
+AGENT = LongTailAgent()
+
+
+@hookimpl
+def miles_register_agents(register: Register) -> None:
+    register("long_tail", AGENT)
+
+
+@hookimpl
+def miles_register_rewards(register: Register) -> None:
+    register("repeated_tokens", repeated_tokens)
+
+
+@hookimpl
+def miles_register_config_sections(register: Register) -> None:
+    register("longtail", LongTailSection)
+
+
+@hookimpl
+def miles_configure(config: Any) -> None:
+    AGENT.settings = config.section("longtail", LongTailSection)
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    from miles_longtail.bench import add_arguments
+
+    add_arguments(parser)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from miles_longtail.bench import run
+
+    return run(args)
+
+
+@hookimpl
+def miles_register_commands(register: Register) -> None:
+    register("bench async", Command(
+        help="sync vs one_step_off vs fully_async on a long-tail agentic workload: time to N steps, samples/s, rewards",
+        run=_run, add_arguments=_add_arguments,
+        description="Trains the same run (prompts, seeds, episodes) in each loop mode and reports each mode's speedup "
+                    "over sync measured in the same invocation; --png plots the reward curves side by side.",
+    ))

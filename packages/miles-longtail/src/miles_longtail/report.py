@@ -1,0 +1,106 @@
+"""What ``miles bench async`` reports, from the runs' ``metrics.jsonl`` rows.
+
+A step's time is the interval between two consecutive step records (everything the loop does).
+Step 1 is the warm-up -- it also fills the pipeline the later steps overlap with -- so the timed
+span is steps 2..N: ``time_to_steps_s`` is the wall time from the end of step 1 to the end of
+step N, ``samples_per_s`` the samples trained in those steps over that time. A mode's speedup is
+sync's ``time_to_steps_s`` over its own, per repeat, and of the medians.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+Rows = list[dict[str, Any]]
+
+
+def run_summary(rows: Rows) -> dict[str, Any]:
+    """Timing, throughput and learning of one run."""
+    steps = sorted((r for r in rows if "step" in r and "time" in r), key=lambda r: r["step"])
+    if len(steps) < 2:
+        raise ValueError(f"a run needs at least 2 logged steps to be timed, got {len(steps)}")
+    timed = steps[1:]
+    span = steps[-1]["time"] - steps[0]["time"]
+    intervals = [b["time"] - a["time"] for a, b in zip(steps, steps[1:], strict=False)]
+    samples = sum(r.get("train/samples", 0.0) for r in timed)
+    return {
+        "steps": len(steps),
+        "time_to_steps_s": span,
+        "samples_per_s": samples / span if span > 0 else 0.0,
+        "step_s": _spread(intervals),
+        "wait_batch_s": _spread([r.get("time/rollout", 0.0) for r in timed]),
+        "train_s": _spread([r.get("time/train", 0.0) for r in timed]),
+        "rewards": [r.get("rollout/reward_mean") for r in steps],
+        "step_end_s": [r["time"] - steps[0]["time"] for r in steps],
+        "staleness_max": max((r.get("async/staleness_max", 0.0) for r in steps), default=0.0),
+        "groups_set_aside": {k.removeprefix("async/"): sum(r.get(k, 0.0) for r in steps)
+                             for k in ("async/stale_recycled", "async/stale_dropped", "async/aborted_recycled",
+                                       "async/aborted_dropped", "async/attempts_exhausted")},
+        "partial_samples": sum(r.get("async/partial_samples", 0.0) for r in steps),
+    }
+
+
+def _spread(values: Sequence[float]) -> dict[str, float]:
+    """Median and the range of ``values`` (``{}`` when there are none)."""
+    if not values:
+        return {}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def compare(runs: dict[str, list[dict[str, Any]]], baseline: str = "sync") -> dict[str, Any]:
+    """Per mode: medians over repeats, and the speedup over ``baseline`` (medians and per repeat)."""
+    out: dict[str, Any] = {}
+    base = runs.get(baseline)
+    for mode, summaries in runs.items():
+        times = [s["time_to_steps_s"] for s in summaries]
+        entry: dict[str, Any] = {
+            "repeats": len(summaries),
+            "time_to_steps_s": _spread(times),
+            "samples_per_s": _spread([s["samples_per_s"] for s in summaries]),
+            "step_s_median": _spread([s["step_s"]["median"] for s in summaries]),
+            "train_s_median": _spread([s["train_s"]["median"] for s in summaries if s["train_s"]]),
+            "wait_batch_s_median": _spread([s["wait_batch_s"]["median"] for s in summaries if s["wait_batch_s"]]),
+        }
+        if base:
+            base_times = [s["time_to_steps_s"] for s in base]
+            entry["speedup_vs_" + baseline] = statistics.median(base_times) / statistics.median(times)
+            entry["speedup_per_repeat"] = [b / t for b, t in zip(base_times, times, strict=False)]
+        out[mode] = entry
+    return out
+
+
+def plot(runs: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None:
+    """Reward per step and reward over wall time of each mode, side by side: the mean over repeats,
+    with the range of the repeats shaded (left); the right panel places step k at the repeats' mean
+    time to step k."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError("--png needs matplotlib: pip install 'miles-longtail[plot]'") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for mode, summaries in runs.items():
+        steps = min(len(s["rewards"]) for s in summaries)
+        rewards = [[s["rewards"][k] for s in summaries if s["rewards"][k] is not None] for k in range(steps)]
+        mean = [statistics.fmean(r) if r else float("nan") for r in rewards]
+        ends = [statistics.fmean(s["step_end_s"][k] for s in summaries) for k in range(steps)]
+        line, = by_step.plot(range(1, steps + 1), mean, "o-", ms=3, label=f"{mode} ({len(summaries)} runs)")
+        by_step.fill_between(range(1, steps + 1), [min(r, default=m) for r, m in zip(rewards, mean, strict=True)],
+                             [max(r, default=m) for r, m in zip(rewards, mean, strict=True)], color=line.get_color(), alpha=0.15)
+        by_time.plot(ends, mean, "o-", ms=3, color=line.get_color(), label=mode)
+    by_step.set_xlabel("RL step")
+    by_step.set_ylabel("rollout reward (batch mean)")
+    by_time.set_xlabel("seconds since the end of step 1 (mean over runs)")
+    by_step.set_title("reward per step (range of runs shaded)")
+    by_time.set_title("reward over wall time")
+    by_step.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

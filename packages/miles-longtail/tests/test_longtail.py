@@ -1,0 +1,58 @@
+"""The long-tail workload's draws, its reward, and the benchmark report's arithmetic."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+from miles_contracts import Sample
+from miles_longtail.agent import repeated_tokens
+from miles_longtail.report import compare, run_summary
+from miles_longtail.workload import LongTailSection, episode
+
+
+def test_episodes_depend_only_on_seed_and_sample_index() -> None:
+    settings = LongTailSection(turns=3)
+    assert episode(settings, 7) == episode(LongTailSection(turns=3), 7)
+    assert episode(settings, 7) != episode(settings, 8)
+    assert episode(settings, 7) != episode(LongTailSection(turns=3, seed=1), 7)
+    plan = episode(settings, 7)
+    assert len(plan.tokens) == 3 and len(plan.latencies) == 2 and plan.tool_seconds == sum(plan.latencies)
+
+
+def test_tool_latency_and_turn_lengths_are_heavy_tailed_and_bounded() -> None:
+    settings = LongTailSection(turns=2, latency_scale=0.1, latency_alpha=1.3, latency_max=30.0, tokens_max=64)
+    plans = [episode(settings, i) for i in range(4000)]
+    latencies = sorted(lat for p in plans for lat in p.latencies)
+    median = statistics.median(latencies)
+    assert latencies[0] >= 0.1 and latencies[-1] <= 30.0
+    assert latencies[int(0.99 * len(latencies))] > 20 * median  # the tail: a few calls take far longer
+    tokens = [t for p in plans for t in p.tokens]
+    assert min(tokens) >= 2 and max(tokens) == 64 and statistics.median(tokens) == pytest.approx(12, abs=1)
+
+
+def test_repeated_tokens_scores_only_what_the_model_sampled() -> None:
+    # prompt [1]; response 2 2 5 5, the third a tool token: sampled 2 (after 1), 2 (after 2), 5 (after 5)
+    turn = Sample(tokens=[1, 2, 2, 5, 5], response_length=4, loss_mask=[1, 1, 0, 1])
+    nothing = Sample(tokens=[1], response_length=0)
+    rewards = repeated_tokens([turn, nothing])
+    assert rewards[0] == pytest.approx(2 / 3) and math.isnan(rewards[1])
+
+
+def _rows(step_times: list[float], samples: float = 16.0) -> list[dict]:
+    return [{"step": i + 1, "time": t, "train/samples": samples, "rollout/reward_mean": 0.5, "time/train": 1.0}
+            for i, t in enumerate(step_times)]
+
+
+def test_the_report_times_steps_after_the_warm_up_and_compares_with_sync() -> None:
+    sync = run_summary(_rows([100.0, 110.0, 120.0, 130.0]))  # step 1 (warm-up) ends at 100
+    assert sync["time_to_steps_s"] == 30.0 and sync["samples_per_s"] == pytest.approx(48 / 30)
+    assert sync["step_s"] == {"median": 10.0, "min": 10.0, "max": 10.0}
+    fast = run_summary(_rows([50.0, 53.0, 56.0, 60.0]))
+    table = compare({"sync": [sync, sync], "fully_async": [fast, fast]})
+    assert table["fully_async"]["speedup_vs_sync"] == pytest.approx(3.0)
+    assert table["fully_async"]["speedup_per_repeat"] == pytest.approx([3.0, 3.0])
+    assert table["sync"]["speedup_vs_sync"] == 1.0
+    with pytest.raises(ValueError, match="at least 2 logged steps"):
+        run_summary(_rows([1.0]))

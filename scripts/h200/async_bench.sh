@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# `miles bench async` on the device (docs/benchmarks/async.md), after setup.sh, with `.benchcfg` carried
+# (SmolLM2-135M's config and tokenizer: the long_tail agent and the repeated_tokens reward need no trained
+# weights, so the model is built here with random weights, as for the throughput benchmarks).
+# `.whl` must hold a wheel of miles-longtail (its entry point registers the agent, the reward and the
+# command): rebuild the wheelhouse after merging it.
+#   bash scripts/h200/async_bench.sh x2    # nvidia-h200-x2: engine on GPU 0, trainer on GPU 1, NCCL broadcast
+#   bash scripts/h200/async_bench.sh x1    # nvidia-h200: engine and trainer share GPU 0, CUDA IPC
+# STEPS (default 8) and REPEATS (default 1) per mode; each run is a `miles train` child process; ~4 min
+# per repeat (3 runs, ~30 s of start-up each). One repeat per device call, TAG names its JSON:
+#   TAG=-r1 bash scripts/h200/async_bench.sh x2; then TAG=-r2 ... in the next call (the machine is warm)
+# and here: miles bench async --replot async-h200x2-r1.json async-h200x2-r2.json --json ... --png ...
+# (no matplotlib on the device).
+set -u
+source scripts/h200/env.sh
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+STEPS=${STEPS:-8}; REPEATS=${REPEATS:-1}
+MODEL=/tmp/smol-random
+kind=${1:-x2}
+
+if [ ! -f "$MODEL/config.json" ]; then
+  python3 - "$MODEL" <<'EOF' || exit 1
+import sys
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+torch.manual_seed(0)
+config = AutoConfig.from_pretrained(".benchcfg")
+AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(sys.argv[1])
+AutoTokenizer.from_pretrained(".benchcfg").save_pretrained(sys.argv[1])
+print("random SmolLM2-135M in", sys.argv[1])
+EOF
+fi
+
+case $kind in
+  # The trainer takes GPU LOCAL_RANK (miles_fsdp.distributed.pick_device); engines started by the local
+  # executor take the first visible GPU. Placement by config arrives with the scale-out resources section.
+  x2) export LOCAL_RANK=1; placement=(--set weights.transport=broadcast) ;;
+  x1) placement=(--set weights.transport=shared_memory) ;;
+  *) echo "unknown kind $kind (x1 or x2)"; exit 2 ;;
+esac
+
+start=$SECONDS
+# 8 prompts x 4 samples per step, 64 trajectories in flight in fully_async, tool calls of 50 ms and up
+# (the tail of 64 draws per sync step is ~5 s); eager FSDP (compiling costs each run a warm-up that 8
+# steps would not pay back).
+miles bench async --model "$MODEL" --steps "$STEPS" --repeats "$REPEATS" --runs-dir "/tmp/async-runs-$kind${TAG:-}" \
+  --set model.device=cuda --set model.dtype=bfloat16 --set fsdp.compile=false "${placement[@]}" \
+  --set rollout.prompts_per_step=8 --set rollout.samples_per_prompt=4 --set rollout.concurrency=64 \
+  --set longtail.latency_scale=0.05 --set train.lr=1e-4 --timeout 400 \
+  --json "$OUT/async-h200$kind${TAG:-}.json" >"$OUT/async-$kind${TAG:-}.log" 2>&1
+echo "async bench $kind: exit $? in $((SECONDS - start)) s"
+grep -E "samples/s|failed|Error" "$OUT/async-$kind${TAG:-}.log"
+python3 - "$OUT/async-h200$kind${TAG:-}.json" <<'EOF'
+import json, sys
+report = json.load(open(sys.argv[1]))
+for mode, row in report["modes"].items():
+    print(mode, {k: row[k] for k in ("time_to_steps_s", "samples_per_s", "speedup_vs_sync") if k in row})
+EOF
