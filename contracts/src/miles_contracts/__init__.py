@@ -5,6 +5,7 @@ Nothing here imports torch, transformers or an HTTP framework at import time.
 
 from miles_contracts.algorithm import AlgorithmParams
 from miles_contracts.batch import AdvantageResult, TrainBatch
+from miles_contracts.cluster import Endpoint, Node, Service, ServiceLaunch
 from miles_contracts.protocols import (
     AdvantageEstimator,
     AgentFn,
@@ -17,7 +18,6 @@ from miles_contracts.protocols import (
     ForwardContext,
     GenerateContext,
     Generator,
-    InferenceEngine,
     ModelBridge,
     RewardFn,
     RouterMiddleware,
@@ -41,6 +41,7 @@ __all__ = [
     "DataSource",
     "EngineClient",
     "EngineSpec",
+    "Endpoint",
     "Executor",
     "ExitReason",
     "Filter",
@@ -48,14 +49,16 @@ __all__ = [
     "ForwardContext",
     "GenerateContext",
     "Generator",
-    "InferenceEngine",
     "ModelBridge",
+    "Node",
     "RewardFn",
     "RouterMiddleware",
     "RouterRequest",
     "RouterResponse",
     "Sample",
     "SampleError",
+    "Service",
+    "ServiceLaunch",
     "Stash",
     "StashKey",
     "Status",

@@ -236,13 +236,18 @@ def miles_register_weight_transports(register: Register) -> None:
 
 
 @hookspec
-def miles_register_inference_engines(register: Register) -> None:
-    """Register inference engines (``rollout.engine``: embedded, sglang).
+def miles_register_services(register: Register) -> None:
+    """Register long-running servers a run can start: inference engines, the router, the session
+    server (``rollout.engine`` picks the engine; the run starts a router and what its generator
+    asks for).
 
-    The registered object satisfies :class:`miles_contracts.InferenceEngine`: it returns the argv
-    of a server that speaks the engine wire protocol (SGLang's native HTTP API).
+    The registered object satisfies :class:`miles_contracts.Service`: its ``role`` (``engine``,
+    ``router``, ``session`` ...), the roles it ``needs`` URLs of, its ``health_path``, the
+    ``config_sections`` it reads, and ``command(launch)``, the argv of a process serving it on
+    ``launch.endpoint``. Every executor starts every service the same way (placement, GPUs, logs,
+    restarts); an engine gets the GPUs ``resources`` gives it through ``CUDA_VISIBLE_DEVICES``.
 
-    :param register: ``register(name, engine)``.
+    :param register: ``register(name, service)``.
     """
 
 

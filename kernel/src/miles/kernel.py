@@ -22,9 +22,9 @@ if TYPE_CHECKING:
         Filter,
         ForwardContext,
         Generator,
-        InferenceEngine,
         ModelBridge,
         RewardFn,
+        Service,
         Tool,
     )
     from pydantic import BaseModel
@@ -48,7 +48,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "chat_family": ("miles_register_chat_families", "chat family"),
     "train_backend": ("miles_register_train_backends", "train backend"),
     "weight_transport": ("miles_register_weight_transports", "weight transport"),
-    "inference_engine": ("miles_register_inference_engines", "inference engine"),
+    "service": ("miles_register_services", "service"),
     "router_middleware": ("miles_register_router_middlewares", "router middleware"),
     "executor": ("miles_register_executors", "executor"),
     "tracker": ("miles_register_trackers", "tracker"),
@@ -176,8 +176,8 @@ class Kernel:
     def weight_transports(self) -> Registry[Callable[..., Any]]:
         return self.registry("weight_transport")
 
-    def inference_engines(self) -> Registry[InferenceEngine]:
-        return self.registry("inference_engine")
+    def services(self) -> Registry[Service]:
+        return self.registry("service")
 
     def router_middlewares(self) -> Registry[Callable[..., Any]]:
         return self.registry("router_middleware")

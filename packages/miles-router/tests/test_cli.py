@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 from miles.cli.main import main
-from miles.sections import RouterSection
 from miles_router import router_command
+from miles_router.config import RouterSection
 from router_support import ManagedProcess, StandinEngine, free_port
 
 

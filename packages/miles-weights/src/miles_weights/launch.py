@@ -1,6 +1,6 @@
-"""Start engines for the benchmark and the tests: the registered ``embedded`` engine, as child
-processes of the kernel's :class:`~miles.executor.local.LocalExecutor` (logs, health wait, no
-orphans), on free loopback ports."""
+"""Start engines for the benchmark and the tests: the registered ``embedded`` engine service, as
+child processes of the kernel's :class:`~miles.executor.local.LocalExecutor` (logs, health wait,
+no orphans), on free loopback ports."""
 
 from __future__ import annotations
 
@@ -38,19 +38,27 @@ class RunningEngines:
 def running_engines(model_path: str | Path, launches: list[EngineLaunch], work_dir: Path, *,
                     engine: str = "embedded", startup_timeout: float = 600.0) -> Iterator[RunningEngines]:
     """Start one engine per launch, in order; stop them all on exit."""
-    from miles.executor.local import LocalExecutor, free_port
+    from miles.config import build_config
+    from miles.executor.local import LocalExecutor
     from miles.kernel import Kernel
-    from miles_contracts import EngineSpec
+    from miles_contracts import ServiceLaunch
 
-    server = Kernel.load().inference_engines().get(engine)
+    server = Kernel.load().services().get(engine)
     executor = LocalExecutor(work_dir, startup_timeout=startup_timeout)
     urls = []
     try:
         for index, launch in enumerate(launches):
-            spec = EngineSpec(str(model_path), free_port(), device=launch.device, dtype=launch.dtype,
-                              options=dict(launch.options))
-            executor.start(f"engine-{index}", server.command(spec), health_url=f"{spec.url}/health", env=launch.env)
-            urls.append(spec.url)
+            # the engine's options are keys of its ``engine`` config section
+            config = build_config({"model": {"device": launch.device, "dtype": launch.dtype},
+                                   "engine": dict(launch.options)})
+
+            def command(endpoint, config=config):
+                return server.command(ServiceLaunch(config, str(model_path), endpoint))
+
+            name = f"engine-{index}"
+            endpoint = executor.launch(name, command, health_path=server.health_path, env=launch.env)
+            executor.wait_healthy(name)
+            urls.append(endpoint.url)
         yield RunningEngines(urls, executor)
     finally:
         executor.shutdown()
