@@ -135,7 +135,7 @@ def test_ctrl_c_leaves_no_processes(tiny_model: Path, tmp_path: Path) -> None:
     manifest = tmp_path / "interrupted" / "services.json"
     _wait_for(manifest)
     pids = [row["pid"] for row in json.loads(manifest.read_text())]
-    assert len(pids) == 2  # engine and router
+    assert len(pids) == 3  # the trainer rank, the engine and the router
     _wait_for_first_step(tmp_path / "interrupted")  # mid-run
     proc.send_signal(signal.SIGINT)
     output, _ = proc.communicate(timeout=120)

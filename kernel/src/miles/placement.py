@@ -138,10 +138,8 @@ def _layout_errors(resources: ResourcesSection, nodes: Sequence[Node]) -> list[s
         errors.append(f"resources: the layout needs {need} GPUs ({_describe_ask(resources)}) but the executor "
                       f"offers {total} ({_capacity(nodes)}); {_what_fits(resources, nodes)}")
         return errors
-    fitting = _engines_that_fit(resources, nodes)
-    if fitting < resources.engines:
-        errors.append(f"resources: {resources.engines} engines of {k} GPUs do not fit on one node each next to "
-                      f"{resources.trainer_ranks} trainer GPUs ({_capacity(nodes)}); {_what_fits(resources, nodes)}")
+    # (with k dividing every node's GPUs and the trainer on a prefix, engines that fit in number
+    # also fit node by node: at most one node is partly taken)
     if resources.colocate and resources.engines * k > resources.trainer_ranks:
         # engine i's first GPU must hold a trainer rank to receive weights by CUDA IPC
         first_bare = -(-resources.trainer_ranks // k)
