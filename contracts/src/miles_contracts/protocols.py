@@ -304,9 +304,9 @@ class Executor(Protocol):
         """Exit status of a process that ended (negative: the signal that killed it), else None."""
         ...
 
-    def restart(self, name: str) -> Endpoint:
-        """Start a dead (or live) process again and wait until it is healthy; it may come back on
-        another node (its node left the cluster), so the endpoint may change."""
+    def restart(self, name: str, *, wait: bool = True) -> Endpoint:
+        """Start a dead (or live) process again (and wait until it is healthy); it may come back
+        on another node (its node left the cluster), so the endpoint may change."""
         ...
 
     def supervise(self, on_death: Callable[[str], None]) -> None:

@@ -59,7 +59,9 @@ class Placement:
         def where(slots: Sequence[Slot]) -> str:
             by_node: dict[str, list[str]] = {}
             for slot in slots:
-                by_node.setdefault(slot.node.address if slot.node.address else slot.node.name, []).extend(slot.gpus)
+                node = slot.node
+                label = node.address if node.name in (node.address, "local") else f"{node.address} ({node.name[:8]})"
+                by_node.setdefault(label, []).extend(slot.gpus)
             return "; ".join(f"{node} GPUs {','.join(g)}" if g else node for node, g in by_node.items())
 
         layout = "colocated" if self.colocated else "disaggregated"

@@ -37,7 +37,7 @@ class ServiceError(MilesError):
     """A supervised process failed to start or died."""
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Runs in the child between fork and exec. Note: the signal fires when the *thread* that
     spawned the child exits, so services are only (re)started from long-lived threads."""
     with contextlib.suppress(Exception):
@@ -140,13 +140,14 @@ class LocalExecutor:
         process = self._services[name].process
         return process.poll() if process is not None else None
 
-    def restart(self, name: str) -> Endpoint:
-        """Stop ``name`` if it runs, start it again on the same port, wait until it is healthy."""
+    def restart(self, name: str, *, wait: bool = True) -> Endpoint:
+        """Stop ``name`` if it runs, start it again on the same port (and wait until it is healthy)."""
         service = self._services[name]
         self._terminate(service)
         service.restarts += 1
         self._spawn(service)
-        self._wait_healthy(service)
+        if wait:
+            self._wait_healthy(service)
         return service.endpoint
 
     def shutdown(self) -> None:
@@ -195,7 +196,7 @@ class LocalExecutor:
         service.process = subprocess.Popen(
             service.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **service.env}, start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
         )
         log.close()
         service.started_at = time.monotonic()
@@ -222,17 +223,23 @@ class LocalExecutor:
         )
 
     def _terminate(self, service: Service, grace: float = 5.0) -> None:
-        process = service.process
-        if process is None or process.poll() is not None:
-            return
+        if service.process is not None:
+            terminate_group(service.process, grace)
+
+
+def terminate_group(process: subprocess.Popen[bytes], grace: float = 5.0) -> None:
+    """SIGTERM the process group of ``process`` (started with ``start_new_session``), SIGKILL it
+    after ``grace`` seconds, and reap the process."""
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=grace)
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=grace)
 
 
 def local_gpus() -> tuple[str, ...]:

@@ -110,7 +110,9 @@ class Services:
         if planned is None:
             return False
         old = self.urls.get(name)
-        endpoint = self.executor.restart(name)
+        # no health wait here: every dead process of one sweep is started at once, and the loop
+        # waits for healthy engines (wait_ready) before it generates or syncs again
+        endpoint = self.executor.restart(name, wait=False)
         self.urls[name] = endpoint.url
         if planned.role == ENGINE:
             self.mark_stale(name)
