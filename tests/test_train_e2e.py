@@ -196,7 +196,8 @@ def test_one_step_off_on_two_ranks_and_a_killed_rank_stops_the_run(tiny_model: P
             proc.kill()
     first, second = _metrics(run)[:2]
     assert first["train/optimizer_steps"] == 1 and second["train/optimizer_steps"] == 2  # trained on the ranks
-    assert [first["weights/version"], second["weights/version"]] == [1.0, 2.0]
+    # one_step_off: step 1's weights go out once step 2's rollout (made with version 0) is done
+    assert "weights/version" not in first and second["weights/version"] == 1.0
     assert proc.returncode != 0
     assert "trainer rank 1 (trainer-1) died" in output and "SIGKILL" in output, output[-3000:]
     assert "the last checkpoint is" in output and f"miles train --resume {run}" in output

@@ -284,9 +284,7 @@ class TrainerGroup:
                     elif reply.get("miles_error"):
                         refused[rank] = reply
                     else:
-                        self._fail(TrainerRankError(
-                            f"trainer rank {rank} failed in {method}: {reply.get('error')}\n"
-                            f"{reply.get('traceback', '').rstrip()}", rank))
+                        self._fail(self._blame(rank, method, reply))
                 if not events:
                     for rank in sorted(pending):
                         if not self.executor.alive(self.names[rank]):
@@ -305,6 +303,20 @@ class TrainerGroup:
         except (wire.WireError, OSError):
             self._fail(self._died(rank, method))
             raise  # unreachable: _fail raises
+
+    def _blame(self, rank: int, method: str, reply: dict[str, Any]) -> TrainerRankError:
+        """The error for ``rank``'s failed reply -- unless another rank died: a collective then
+        fails on the survivors first, and the dead rank is the one to name."""
+        failure = f"{reply.get('error')}\n{reply.get('traceback', '').rstrip()}"
+        deadline = time.monotonic() + 3.0
+        while True:
+            for other, name in enumerate(self.names):
+                if other != rank and not self.executor.alive(name):
+                    error = self._died(other, method)
+                    return TrainerRankError(f"{error}\n(rank {rank} then failed: {reply.get('error')})", other)
+            if time.monotonic() > deadline:
+                return TrainerRankError(f"trainer rank {rank} failed in {method}: {failure}", rank)
+            time.sleep(0.2)
 
     def _fail(self, error: TrainerRankError) -> None:
         self._broken = self._broken or error
