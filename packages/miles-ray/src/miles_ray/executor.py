@@ -248,9 +248,12 @@ class RayExecutor:
         thread.start()
 
     def manifest(self) -> list[dict[str, Any]]:
-        return [{"name": p.name, "node": p.node, "address": p.endpoint.host if p.endpoint else None, "pid": p.pid,
-                 "host_pid": p.host_pid, "gpus": list(p.gpus), "restarts": p.restarts,
-                 "log": str(self.log_dir / f"{p.name}.log")} for p in self._processes.values()]
+        import ray
+
+        names = {n["NodeID"]: n.get("NodeName") for n in ray.nodes()}
+        return [{"name": p.name, "node": p.node, "node_name": names.get(p.node), "pid": p.pid, "host_pid": p.host_pid,
+                 "gpus": list(p.gpus), "restarts": p.restarts, "log": str(self.log_dir / f"{p.name}.log")}
+                for p in self._processes.values()]
 
     def shutdown(self) -> None:
         import ray
