@@ -57,9 +57,9 @@ def miles_register_generators(register: Register) -> None:
 
 @hookimpl
 def miles_register_services(register: Register) -> None:
-    from miles_tito.server.service import SessionService
+    from miles_tito.server.launch import SessionServerService
 
-    register("session", SessionService())
+    register("session", SessionServerService())
 
 
 @hookimpl

@@ -1,27 +1,253 @@
-"""The session server as a service of a run (registered as ``session``): started behind the run's
-router when the generator asks for it (the ``agentic`` generator's ``services``), with the ``tito``
-section and the rollout limits spelled out as flags (:func:`miles_tito.server.cli.session_arguments`)."""
+"""Sessions and what the endpoints do with them, independent of the HTTP framework.
+
+Each session owns a :class:`Conversation` and an ``asyncio.Lock``. A chat request holds the lock
+from the checks through the engine call to the commit, so two requests on one session run one
+after the other: the second sees the first's turn (and, if it repeats the same messages, retries
+that turn by rolling it back). Different sessions never wait for each other.
+
+Deleting marks the session closing (new and queued requests get 409 ``session_closing``), waits for
+the request in flight to commit, removes the session and returns its final state: a turn that was
+generating when the delete arrived is in that state, not lost.
+
+A session nobody has used for ``idle_timeout`` seconds (an agent that crashed before its generator
+could delete it) is expired: removed, logged with its turn count, and remembered, so a late request
+for it gets a 404 that says it expired rather than that it never existed. A session with a request
+in flight or being deleted never expires. Without this a long run's server would keep every
+abandoned session's tokens forever.
+"""
 
 from __future__ import annotations
 
-import sys
-from typing import ClassVar
+import asyncio
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
 
-from miles_contracts.cluster import ROUTER, SESSION, ServiceLaunch
+from miles_contracts import EngineClient
+from miles_contracts.wire.session import (
+    CreateSessionRequest,
+    RequestFailure,
+    SessionSampling,
+    SessionView,
+    TrajectoryView,
+    TurnRecord,
+)
+from pydantic import ValidationError
+
+from miles_tito.assembly import AssemblyError, assemble
+from miles_tito.conversation import Conversation
+from miles_tito.errors import InvalidRequest, SessionClosing, SessionNotFound, TitoError
+from miles_tito.messages import ChatMessage, MessageError
+from miles_tito.server.schema import ChatCompletionRequest, parse_chat_request
+from miles_tito.tokenizer import TitoTokenizer
+from miles_tito.turn import TurnRequest, TurnResult, run_turn
+
+log = logging.getLogger(__name__)
+EXPIRED_MEMORY = 10_000
+"""Most expired session ids remembered (for the 404 that says so); the oldest are forgotten first."""
+
+
+@dataclass(slots=True)
+class Session:
+    id: str
+    conversation: Conversation
+    sampling: SessionSampling
+    metadata: dict[str, Any]
+    created_at: float = field(default_factory=time.time)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    failures: list[RequestFailure] = field(default_factory=list)
+    closing: bool = False
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class ChatOutcome:
+    request: ChatCompletionRequest
+    result: TurnResult
 
 
 class SessionService:
-    role: ClassVar[str] = SESSION
-    needs: ClassVar[tuple[str, ...]] = (ROUTER,)
-    health_path: ClassVar[str | None] = "/health"
-    config_sections: ClassVar[tuple[str, ...]] = ("tito", "rollout")
+    """All sessions of one server.
 
-    def command(self, launch: ServiceLaunch) -> list[str]:
-        from miles_tito.server.cli import session_arguments
+    :param engine: client for the router (or one engine); the session id is the routing key.
+    :param tito: tokenizer of the served model and its chat family.
+    :param model_name: the name responses report.
+    :param max_context_len: prompt plus completion limit, in tokens.
+    :param default_max_tokens: completion budget when neither request nor session sets one.
+    :param max_rollback_turns: how many generated turns a request may retry (rewrite).
+    :param idle_timeout: seconds without a request after which a session expires; None: never.
+    """
 
-        routers = list(launch.upstream.get(ROUTER, ()))
-        if not routers:
-            raise ValueError("the session server needs the run's router URL")
-        return [sys.executable, "-m", "miles_tito.server", "--host", launch.endpoint.host,
-                "--port", str(launch.endpoint.port), "--router", routers[0], "--model", launch.model_path,
-                *session_arguments(launch.config)]
+    def __init__(
+        self,
+        engine: EngineClient,
+        tito: TitoTokenizer,
+        *,
+        model_name: str,
+        max_context_len: int = 32768,
+        default_max_tokens: int = 1024,
+        max_rollback_turns: int = 1,
+        delete_timeout: float = 600.0,
+        idle_timeout: float | None = 3600.0,
+    ) -> None:
+        if idle_timeout is not None and idle_timeout <= 0:
+            raise ValueError(f"idle_timeout must be > 0 seconds (or None for never), got {idle_timeout}")
+        self.engine = engine
+        self.tito = tito
+        self.model_name = model_name
+        self.max_context_len = max_context_len
+        self.default_max_tokens = default_max_tokens
+        self.max_rollback_turns = max_rollback_turns
+        self.delete_timeout = delete_timeout
+        self.idle_timeout = idle_timeout
+        self.sessions: dict[str, Session] = {}
+        self.expired: OrderedDict[str, float] = OrderedDict()  # id -> seconds it had been idle
+        self._next_sweep = time.monotonic()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def create(self, body: Any = None) -> Session:
+        try:
+            request = CreateSessionRequest.model_validate(body or {})
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            raise InvalidRequest(f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}") from None
+        session = Session(
+            id=uuid.uuid4().hex,
+            conversation=Conversation(self.tito, max_rollback_turns=self.max_rollback_turns),
+            sampling=request.sampling,
+            metadata=request.metadata,
+        )
+        self.expire_idle()
+        self.sessions[session.id] = session
+        return session
+
+    def get(self, session_id: str) -> Session:
+        self.expire_idle()
+        session = self.sessions.get(session_id)
+        if session is None:
+            if session_id in self.expired:
+                raise SessionNotFound(
+                    f"session {session_id!r} expired after {self.expired[session_id]:.0f} s without a request "
+                    f"(the server's idle timeout is {self.idle_timeout:.0f} s); create a new one with POST /sessions"
+                )
+            raise SessionNotFound(f"no session {session_id!r}: it was never created or is already deleted; create one with POST /sessions")
+        session.last_used = time.monotonic()
+        return session
+
+    def expire_idle(self, now: float | None = None) -> list[str]:
+        """Remove sessions idle for longer than ``idle_timeout`` (checked at most once a second);
+        returns their ids."""
+        now = time.monotonic() if now is None else now
+        if self.idle_timeout is None or now < self._next_sweep:
+            return []
+        self._next_sweep = now + min(1.0, self.idle_timeout / 10)
+        stale = [s for s in self.sessions.values()
+                 if now - s.last_used > self.idle_timeout and not s.closing and not s.lock.locked()]
+        for session in stale:
+            del self.sessions[session.id]
+            self.expired[session.id] = now - session.last_used
+            log.warning("session %s expired after %.0f s without a request (%d turns, %d tokens)", session.id,
+                        now - session.last_used, len(session.conversation.records), len(session.conversation.token_ids))
+        while len(self.expired) > EXPIRED_MEMORY:
+            self.expired.popitem(last=False)
+        return [s.id for s in stale]
+
+    def view(self, session: Session) -> SessionView:
+        conversation = session.conversation
+        trajectory, trajectory_error = _trajectory(conversation.records, self.tito.family.max_trim_tokens)
+        return SessionView(
+            session_id=session.id,
+            family=self.tito.family.name,
+            created_at=session.created_at,
+            metadata=session.metadata,
+            messages=[m.to_openai() for m in conversation.messages],
+            token_ids=conversation.token_ids,
+            records=list(conversation.records),
+            failures=list(session.failures),
+            max_trim_tokens=self.tito.family.max_trim_tokens,
+            closed=session.closing,
+            trajectory=trajectory,
+            trajectory_error=trajectory_error,
+        )
+
+    async def delete(self, session_id: str) -> SessionView:
+        session = self.get(session_id)
+        session.closing = True
+        try:
+            await asyncio.wait_for(session.lock.acquire(), timeout=self.delete_timeout)
+        except TimeoutError:
+            pass  # the request in flight never finished; delete anyway, with what was committed
+        else:
+            session.lock.release()
+        self.sessions.pop(session_id, None)
+        return self.view(session)
+
+    # ------------------------------------------------------------------ chat
+
+    async def chat(self, session_id: str, body: Any) -> ChatOutcome:
+        session = self.get(session_id)
+        if session.closing:
+            raise SessionClosing(f"session {session_id} is being deleted; create a new session")
+        try:
+            request = parse_chat_request(body)
+            messages = ChatMessage.list_from_openai(request.messages)
+            turn = TurnRequest(
+                messages=messages,
+                tools=request.tool_dicts,
+                sampling=request.sampling(session.sampling, self.default_max_tokens),
+                parse_tool_calls=request.parse_tool_calls,
+                template_extra=self._template_extra(request),
+            )
+        except MessageError as exc:
+            raise self._fail(session, InvalidRequest(str(exc), param="messages")) from None
+        except TitoError as exc:
+            raise self._fail(session, exc) from None
+        async with session.lock:
+            if session.closing:
+                raise SessionClosing(f"session {session_id} was deleted while this request waited; create a new session")
+            try:
+                result = await run_turn(
+                    session.conversation, self.engine, turn, max_context_len=self.max_context_len, routing_key=session.id
+                )
+            except TitoError as exc:
+                raise self._fail(session, exc) from None
+            finally:
+                session.last_used = time.monotonic()  # idle time counts from the end of a turn
+        return ChatOutcome(request, result)
+
+    def _template_extra(self, request: ChatCompletionRequest) -> dict[str, Any] | None:
+        extra = request.chat_template_kwargs
+        if not extra:
+            return None
+        fixed = self.tito.family.template_kwargs
+        clash = sorted(k for k in extra if k in fixed and extra[k] != fixed[k])
+        if clash:
+            raise InvalidRequest(
+                f"chat_template_kwargs {clash} conflict with chat family {self.tito.family.name!r}, which sets "
+                f"{ {k: fixed[k] for k in clash} } to keep its template prefix-invariant",
+                param="chat_template_kwargs",
+            )
+        return dict(extra)
+
+    @staticmethod
+    def _fail(session: Session, error: TitoError) -> TitoError:
+        session.failures.append(RequestFailure(at=time.time(), status_code=error.status_code, code=error.code, message=error.message))
+        return error
+
+
+def _trajectory(records: list[TurnRecord], max_trim_tokens: int) -> tuple[TrajectoryView | None, str | None]:
+    if not any(not r.rolled_back for r in records):
+        return None, None
+    try:
+        sample = assemble(records, max_trim_tokens=max_trim_tokens)
+    except AssemblyError as exc:
+        return None, str(exc)
+    return TrajectoryView(
+        tokens=sample.tokens, prompt_length=sample.prompt_length, response_length=sample.response_length,
+        loss_mask=sample.loss_mask, rollout_logprobs=sample.rollout_logprobs, weight_versions=sample.weight_versions,
+        status=sample.status.value, exit_reason=sample.exit_reason.value if sample.exit_reason else None,
+    ), None
