@@ -81,3 +81,19 @@ def test_a_generator_of_another_package_declares_what_it_needs(kernel) -> None:
 def test_rollout_engine_must_name_an_engine_service() -> None:
     with pytest.raises(ConfigError, match="rollout.engine: 'router' is a router service, not an engine; engines: embedded"):
         build_config({"rollout": {"engine": "router"}})
+
+
+def test_disaggregated_gpus_refuse_a_transport_that_needs_the_trainers_gpu(tmp_path) -> None:
+    from miles.executor.local import LocalExecutor
+    from miles.loop.runner import place
+
+    kernel = Kernel.load()
+    executor = LocalExecutor(tmp_path, gpus=["0", "1"])  # declared GPUs: nothing is started here
+    apart = {"resources": {"colocate": False}}
+    with pytest.raises(ConfigError, match="use weights.transport=broadcast, or resources.colocate=true"):
+        place(build_config(apart), executor, kernel)
+    plan = place(build_config({**apart, "weights": {"transport": "broadcast"}}), executor, kernel)
+    assert [s.gpus for s in plan.trainer] == [("0",)] and [s.gpus for s in plan.engines] == [("1",)]
+    shared = place(build_config({}), executor, kernel)  # colocated (default): both on GPU 0
+    assert [s.gpus for s in shared.trainer] == [("0",)] == [s.gpus for s in shared.engines]
+    assert not place(build_config({"model": {"device": "cpu"}}), executor, kernel).uses_gpus

@@ -21,6 +21,7 @@ from typing import Any
 from miles.config import MilesConfig
 from miles.data.source import eval_prompts, open_data_source
 from miles.engine_client import HttpEngineClient
+from miles.errors import ConfigError
 from miles.kernel import Kernel
 from miles.loop.learner import Learner
 from miles.loop.progress import Progress
@@ -101,7 +102,7 @@ class Run:
         self.metrics_logger = open_trackers(cfg, self.run_dir, kernel)
         data = open_data_source(cfg.data, kernel)
         self.executor = kernel.executors().get(cfg.executor.name)(cfg, self.run_dir)
-        placement = place(cfg, self.executor)
+        placement = place(cfg, self.executor, kernel)
         self.progress.message(f"placement: {placement.describe()}")
         self.progress.message(f"starting {len(placement.trainer)} {cfg.train.backend} trainer rank(s), "
                               f"{len(placement.engines)} {cfg.rollout.engine} engine(s) and the router")
@@ -293,13 +294,18 @@ class Run:
         self.progress.step(step, metrics)
 
 
-def place(config: MilesConfig, executor: Any) -> Placement:
+def place(config: MilesConfig, executor: Any, kernel: Kernel) -> Placement:
     """Plan against the executor's capacity (layout errors name what fits), reserve the GPUs the
     layout needs, and place every process on what was reserved."""
     nodes = executor.nodes()
     if config.model.device == "cpu":  # GPUs the run must not use
         nodes = [type(n)(n.name, n.address) for n in nodes]
     plan = plan_placement(config.resources, nodes)
+    transport = kernel.weight_transports().get(config.weights.transport)
+    if plan.uses_gpus and not plan.colocated and getattr(transport, "needs_shared_gpu", False):
+        raise ConfigError([f"weights.transport {config.weights.transport!r} hands CUDA memory to engines on the "
+                           f"trainer's own GPU, but resources.colocate is false (engines have GPUs of their own); "
+                           f"use weights.transport=broadcast, or resources.colocate=true"])
     if not plan.uses_gpus:
         return plan_placement(config.resources, executor.reserve(0))
     return plan_placement(config.resources, executor.reserve(gpus_needed(config.resources)))
