@@ -6,27 +6,30 @@
 #   disagg        1 trainer GPU + 1 engine GPU, weights by NCCL broadcast
 #   disagg-async  the same with run.mode=one_step_off (the next rollout overlaps training)
 #   coloc2        FSDP on 2 GPUs (2 rank processes, NCCL) + an engine on each GPU, weights by CUDA IPC
-# Each part writes <part>.log, <part>.metrics.jsonl, <part>.services.json and <part>.summary.json to
-# $OUT (default /tmp/out); then scale.json compares every part with one-gpu (scale_compare.py).
+# Each part writes <part>.log, <part>.metrics.jsonl, <part>.services.json, <part>.summary.json and its
+# processes' logs to /tmp/scale, which outlives a call while the machine stays warm, so the parts may
+# be split over calls; then scale.json compares every part run so far with one-gpu
+# (scale_compare.py), and everything is copied to $OUT (default /tmp/out).
 set -u
 source scripts/h200/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STEPS=${STEPS:-20}
+WORK=/tmp/scale; mkdir -p "$WORK"
+STEPS=${STEPS:-20}  # EXTRA="key=value ..." adds overrides to every part
 CFG=scripts/learning/arithmetic_h200.yaml
 run_part() {  # name, overrides...
   local name=$1; shift
   local start=$SECONDS
   rm -rf /tmp/runs/$name
   timeout 480 miles train $CFG model.name=/tmp/smol run.output_dir=/tmp/runs run.name=$name run.steps=$STEPS \
-    eval.every=0 run.export_hf=false "$@" >"$OUT/$name.log" 2>&1
+    eval.every=0 run.export_hf=false "$@" ${EXTRA:-} >"$WORK/$name.log" 2>&1
   local code=$?
   echo "$name: exit $code in $((SECONDS - start)) s"
-  [ $code -eq 0 ] || tail -30 "$OUT/$name.log"
-  cp /tmp/runs/$name/metrics.jsonl "$OUT/$name.metrics.jsonl" 2>/dev/null
-  cp /tmp/runs/$name/services.json "$OUT/$name.services.json" 2>/dev/null
-  mkdir -p "$OUT/$name.logs" && cp /tmp/runs/$name/logs/*.log "$OUT/$name.logs/" 2>/dev/null
-  python3 scripts/learning/summarize.py "$OUT/$name.metrics.jsonl" > "$OUT/$name.summary.json" 2>/dev/null \
-    && python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print(' ', {k: s[k] for k in ('steps', 'step_s_median', 'phase_s_median')})" "$OUT/$name.summary.json"
+  [ $code -eq 0 ] || tail -30 "$WORK/$name.log"
+  cp /tmp/runs/$name/metrics.jsonl "$WORK/$name.metrics.jsonl" 2>/dev/null
+  cp /tmp/runs/$name/services.json "$WORK/$name.services.json" 2>/dev/null
+  mkdir -p "$WORK/$name.logs" && cp /tmp/runs/$name/logs/*.log "$WORK/$name.logs/" 2>/dev/null
+  python3 scripts/learning/summarize.py "$WORK/$name.metrics.jsonl" > "$WORK/$name.summary.json" 2>/dev/null \
+    && python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print(' ', {k: s[k] for k in ('steps', 'step_s_median', 'phase_s_median')})" "$WORK/$name.summary.json"
 }
 nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
 for part in "$@"; do
@@ -39,4 +42,5 @@ for part in "$@"; do
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done
-python3 scripts/h200/scale_compare.py "$OUT" --baseline one-gpu > "$OUT/scale.json" && cat "$OUT/scale.json"
+python3 scripts/h200/scale_compare.py "$WORK" --baseline one-gpu > "$WORK/scale.json" && cat "$WORK/scale.json"
+cp -r "$WORK"/. "$OUT"/
