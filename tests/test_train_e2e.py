@@ -185,7 +185,7 @@ def test_ctrl_c_leaves_no_processes(tiny_model: Path, tmp_path: Path) -> None:
     manifest = tmp_path / "interrupted" / "services.json"
     _wait_for(manifest)
     pids = [row["pid"] for row in json.loads(manifest.read_text())]
-    assert len(pids) == 2  # engine and router
+    assert len(pids) == 3  # the trainer rank, the engine and the router
     _wait_for_first_step(tmp_path / "interrupted")  # mid-run
     proc.send_signal(signal.SIGINT)
     output, _ = proc.communicate(timeout=120)
@@ -219,3 +219,40 @@ def test_engine_killed_mid_run_is_restarted_and_the_run_finishes(tiny_model: Pat
             assert s["status"] in {"completed", "truncated", "aborted"}
             if s["status"] == "aborted":
                 assert s["exit_detail"]
+
+
+@pytest.mark.slow
+def test_one_step_off_on_two_ranks_and_a_killed_rank_stops_the_run(tiny_model: Path, tmp_path: Path) -> None:
+    """Two FSDP rank processes train in one_step_off mode; killing one mid-run fails the run at
+    once, naming the rank and the checkpoint to resume from, and leaves no process behind."""
+    run = tmp_path / "ranks"
+    proc = subprocess.Popen([sys.executable, "-m", "miles.cli.main", "train",
+                             *_args(tiny_model, tmp_path, "ranks", "run.steps=50", "run.save_every=1",
+                                    "run.mode=one_step_off", "resources.trainer_ranks=2")],
+                            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not ((run / "metrics.jsonl").exists() and len(_metrics(run)) >= 2):
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "two steps were not logged"
+            time.sleep(0.5)
+        rows = {row["name"]: row for row in json.loads((run / "services.json").read_text())}
+        assert {"trainer-0", "trainer-1", "engine-0", "router"} <= set(rows)
+        os.kill(rows["trainer-1"]["pid"], signal.SIGKILL)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    first, second = _metrics(run)[:2]
+    assert first["train/optimizer_steps"] == 1 and second["train/optimizer_steps"] == 2  # trained on the ranks
+    # one_step_off: step 1's weights go out once step 2's rollout (made with version 0) is done
+    assert "weights/version" not in first and second["weights/version"] == 1.0
+    assert proc.returncode != 0
+    assert "trainer rank 1 (trainer-1) died" in output and "SIGKILL" in output, output[-3000:]
+    assert "the last checkpoint is" in output and f"miles train --resume {run}" in output
+    pids = [row["pid"] for row in rows.values()]
+    deadline = time.monotonic() + 30
+    while _pids_alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _pids_alive(pids), f"processes left: {_pids_alive(pids)}"

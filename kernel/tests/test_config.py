@@ -40,8 +40,11 @@ class DefaultsPlugin:
         register("single_turn", object)
 
     @hookimpl
-    def miles_register_inference_engines(self, register):
-        register("embedded", object)
+    def miles_register_services(self, register):
+        class Engine:
+            role = "engine"
+
+        register("embedded", Engine())
 
     @hookimpl
     def miles_register_filters(self, register):

@@ -95,3 +95,28 @@ def test_children_die_when_the_driver_is_killed(tmp_path: Path) -> None:
     proc.send_signal(signal.SIGKILL)  # no cleanup code runs in the driver
     proc.wait()
     assert _wait_gone(child), "the service outlived its killed driver"
+
+
+def test_launch_picks_the_port_sets_the_devices_and_restart_keeps_the_endpoint(tmp_path: Path) -> None:
+    executor = LocalExecutor(tmp_path, startup_timeout=60, gpus=["0", "3"])
+    assert executor.nodes()[0].gpus == ("0", "3") and executor.reserve(1)[0].gpus == ("0",)
+
+    def command(endpoint) -> list[str]:
+        serve = (f"import os, http.server as h; print('devices', os.environ['CUDA_VISIBLE_DEVICES'], flush=True); "
+                 f"h.HTTPServer(('127.0.0.1', {endpoint.port}), h.SimpleHTTPRequestHandler).serve_forever()")
+        return [sys.executable, "-c", serve]
+
+    endpoint = executor.launch("web", command, gpus=["3"], health_path="/")
+    executor.wait_healthy("web")
+    assert httpx.get(endpoint.url + "/").status_code == 200
+    pid = executor.services()["web"].process.pid
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while executor.alive("web") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert executor.returncode("web") == -signal.SIGKILL
+    assert executor.restart("web") == endpoint  # same port, healthy again
+    assert httpx.get(endpoint.url + "/").status_code == 200
+    assert [row["gpus"] for row in executor.manifest()] == [["3"]]
+    executor.shutdown()
+    assert (tmp_path / "logs" / "web.log").read_text().count("devices 3") == 2

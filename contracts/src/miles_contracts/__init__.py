@@ -6,6 +6,7 @@ Nothing here imports torch, transformers or an HTTP framework at import time.
 from miles_contracts.algorithm import AlgorithmParams
 from miles_contracts.batch import AdvantageResult, TrainBatch
 from miles_contracts.capture import CapturedPiece, CaptureError, CaptureSpec, EngineCapture, check_tiling
+from miles_contracts.cluster import Endpoint, Node, Service, ServiceLaunch
 from miles_contracts.moe import MoeLayerMap
 from miles_contracts.protocols import (
     AdvantageEstimator,
@@ -19,7 +20,6 @@ from miles_contracts.protocols import (
     ForwardContext,
     GenerateContext,
     Generator,
-    InferenceEngine,
     ModelBridge,
     RewardFn,
     RouterMiddleware,
@@ -47,6 +47,7 @@ __all__ = [
     "EngineCapture",
     "EngineClient",
     "EngineSpec",
+    "Endpoint",
     "Executor",
     "ExitReason",
     "Filter",
@@ -54,15 +55,17 @@ __all__ = [
     "ForwardContext",
     "GenerateContext",
     "Generator",
-    "InferenceEngine",
     "ModelBridge",
     "MoeLayerMap",
+    "Node",
     "RewardFn",
     "RouterMiddleware",
     "RouterRequest",
     "RouterResponse",
     "Sample",
     "SampleError",
+    "Service",
+    "ServiceLaunch",
     "Stash",
     "StashKey",
     "Status",

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
+from miles_contracts.cluster import Endpoint, Node
+
 if TYPE_CHECKING:
     import torch
 
@@ -169,19 +171,6 @@ class EngineSpec:
         return f"http://{self.host}:{self.port}"
 
 
-class InferenceEngine(Protocol):
-    """Knows how to start a server that speaks the engine wire protocol.
-
-    An engine whose options live in a config section of its own names it in a ``config_section``
-    attribute (the embedded engine: ``engine``; SGLang: ``sglang``); that section's ``options()``
-    arrive as ``spec.options``.
-    """
-
-    def command(self, spec: EngineSpec) -> list[str]:
-        """argv of a process that serves ``spec.model_path`` on ``spec.host:spec.port``."""
-        ...
-
-
 @dataclass(slots=True)
 class RouterRequest:
     """A request passing through the router middleware chain."""
@@ -308,13 +297,60 @@ class Tracker(Protocol):
 
 
 class Executor(Protocol):
-    """Starts and supervises the processes of a run (engines, router, session server)."""
+    """Starts and supervises the processes of a run (trainer ranks, engines, router, session
+    server) on the nodes it offers. ``local``: this machine; ``ray``: a Ray cluster.
 
-    def start(self, name: str, argv: Sequence[str], *, health_url: str | None = None, env: Mapping[str, str] | None = None) -> None: ...
+    Process names are unique in a run (``trainer-0``, ``engine-1``, ``router``). Every process's
+    output reaches ``<run>/logs/<name>.log``; ``shutdown`` leaves no process behind.
+    """
+
+    def nodes(self) -> list[Node]:
+        """Every node the run may use, with all its GPUs: the capacity placement plans against."""
+        ...
+
+    def reserve(self, gpus: int) -> list[Node]:
+        """Hold ``gpus`` GPUs for the run; the nodes holding them, each with only its reserved
+        GPU ids, in a stable order (by address, the driver's node first among equals). With 0,
+        the driver's node alone, without GPUs."""
+        ...
+
+    def driver_address(self) -> str:
+        """The address processes on any node reach the driver at."""
+        ...
+
+    def launch(self, name: str, command: Callable[[Endpoint], Sequence[str]], *, node: str,
+               gpus: Sequence[str] = (), health_path: str | None = None,
+               env: Mapping[str, str] | None = None) -> Endpoint:
+        """Start ``command(endpoint)`` on ``node`` (a free port there is picked for it) seeing only
+        ``gpus`` (``CUDA_VISIBLE_DEVICES``); returns at once with the endpoint. ``command`` is
+        called again on every restart."""
+        ...
+
+    def wait_healthy(self, name: str) -> None:
+        """Block until ``health_path`` of ``name`` answers 200 (no-op without one); raise with the
+        tail of its log if it exits or the start-up timeout passes."""
+        ...
+
+    def endpoint(self, name: str) -> Endpoint: ...
 
     def alive(self, name: str) -> bool: ...
 
-    def restart(self, name: str) -> None: ...
+    def returncode(self, name: str) -> int | None:
+        """Exit status of a process that ended (negative: the signal that killed it), else None."""
+        ...
+
+    def restart(self, name: str, *, wait: bool = True) -> Endpoint:
+        """Start a dead (or live) process again (and wait until it is healthy); it may come back
+        on another node (its node left the cluster), so the endpoint may change."""
+        ...
+
+    def supervise(self, on_death: Callable[[str], None]) -> None:
+        """Call ``on_death(name)`` from a watcher thread for each process found dead."""
+        ...
+
+    def manifest(self) -> list[dict[str, Any]]:
+        """One row per process for ``<run>/services.json``: name, node, pid, GPUs, restarts, log."""
+        ...
 
     def shutdown(self) -> None: ...
 

@@ -23,6 +23,7 @@ from miles.errors import ConfigError
 from miles.plugins import PluginSelection
 from miles.sections import (
     CORE_SECTIONS,
+    MOVED_KEYS,
     AlgorithmSection,
     Choice,
     DataSection,
@@ -30,9 +31,9 @@ from miles.sections import (
     ExecutorSection,
     ModelSection,
     PluginsSection,
+    ResourcesSection,
     RewardSection,
     RolloutSection,
-    RouterSection,
     RunSection,
     TrackingSection,
     TrainSection,
@@ -61,7 +62,7 @@ class MilesConfig:
     eval: EvalSection = field(default_factory=EvalSection)
     tracking: TrackingSection = field(default_factory=TrackingSection)
     executor: ExecutorSection = field(default_factory=ExecutorSection)
-    router: RouterSection = field(default_factory=RouterSection)
+    resources: ResourcesSection = field(default_factory=ResourcesSection)
     extra: Mapping[str, BaseModel] = field(default_factory=dict)
 
     def section(self, name: str, model: type[M]) -> M:
@@ -192,6 +193,7 @@ def _cross_section_errors(cfg: MilesConfig, kernel: Kernel) -> list[str]:
     if cfg.rollout.generator == "agentic" and cfg.rollout.agent is None:
         errors.append("rollout.generator 'agentic' needs rollout.agent: the name of a registered agent")
     errors += _async_errors(cfg)
+    errors += _engine_errors(cfg, kernel)
     if cfg.rollout.max_new_tokens >= cfg.rollout.max_context_len:
         errors.append(
             f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) must be below rollout.max_context_len "
@@ -210,6 +212,9 @@ def _async_errors(cfg: MilesConfig) -> list[str]:
         if cfg.algorithm.correction == "none":
             errors.append("run.mode fully_async trains on tokens sampled by older weights: set algorithm.correction to "
                           "tis or mis so the loss weighs them by how far the trainer has moved (none ignores it)")
+        if cfg.run.deterministic:
+            errors.append("run.deterministic cannot hold in run.mode fully_async: which weights sample a token, and "
+                          "which groups make a batch, depend on timing; use sync or one_step_off for reproducible runs")
         return errors
     if cfg.weights.update_interval != 1:
         errors.append(f"weights.update_interval ({cfg.weights.update_interval}) applies to run.mode fully_async only; "
@@ -218,6 +223,35 @@ def _async_errors(cfg: MilesConfig) -> list[str]:
         errors.append(f"rollout.max_staleness applies to run.mode fully_async only (sync has none, one_step_off one "
                       f"version by construction); run.mode is {cfg.run.mode!r}")
     return errors
+
+
+def _engine_errors(cfg: MilesConfig, kernel: Kernel) -> list[str]:
+    """``rollout.engine`` must name a service of role ``engine`` (not the router, say)."""
+    from miles_contracts.cluster import ENGINE
+
+    services = kernel.services()
+    if cfg.rollout.engine not in services:
+        return []
+    role = getattr(services.get(cfg.rollout.engine), "role", None)
+    if role == ENGINE:
+        return []
+    engines = [e.name for e in services.entries() if getattr(e.obj, "role", None) == ENGINE]
+    return [f"rollout.engine: {cfg.rollout.engine!r} is a {role} service, not an engine; "
+            f"engines: {', '.join(engines) or 'none installed (pip install miles-engine)'}"]
+
+
+def _without_moved_keys(data: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``data`` without keys that moved (:data:`MOVED_KEYS`), and one error per such key naming
+    where it lives now (rather than a bare "unknown key")."""
+    out = dict(data)
+    errors = []
+    for old, new in MOVED_KEYS.items():
+        section, key = old.split(".", 1)
+        raw = out.get(section)
+        if isinstance(raw, dict) and key in raw:
+            errors.append(f"{old}: moved to {new}; write {new}: {raw[key]!r}")
+            out[section] = {k: v for k, v in raw.items() if k != key}
+    return out, errors
 
 
 def build_config(data: Mapping[str, Any], *, source: str | None = None, kernel: Kernel | None = None) -> MilesConfig:
@@ -236,6 +270,8 @@ def build_config(data: Mapping[str, Any], *, source: str | None = None, kernel: 
     if clashes:
         errors += [f"{name}: a plugin registered a section that the kernel owns" for name in clashes]
 
+    data, moved = _without_moved_keys(data)
+    errors += moved
     known = [*CORE_SECTIONS, *extra_models]
     # A disabled plugin's section is left alone: ``plugins.disable: [x]`` turns x off without
     # having to delete its settings (its section is named after it by convention).
@@ -292,7 +328,7 @@ __all__ = [
     "PluginsSection",
     "RewardSection",
     "RolloutSection",
-    "RouterSection",
+    "ResourcesSection",
     "RunSection",
     "TrackingSection",
     "TrainSection",

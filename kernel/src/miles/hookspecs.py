@@ -225,6 +225,20 @@ def miles_register_train_backends(register: Register) -> None:
     """
 
 
+@hookspec
+def miles_train_step_end(metrics: dict[str, float]) -> None:
+    """Called in every trainer rank process after each ``train_step`` of the backend.
+
+    The place for plugins that measure inside the backend (a ``miles_forward`` wrapper) to report:
+    add namespaced entries (``"r3/train/routing_agreement"``) to ``metrics``. Trainer ranks are
+    processes of their own, so a driver-side hook (``miles_step_end``) cannot see such counters.
+    Rank 0's metrics are the step's; a plugin that needs all ranks reduces over them itself.
+
+    :param metrics: the backend's metrics of this train step; mutable. Names with a ``/`` keep
+        their namespace in the step's metrics, the backend's own get ``train/``.
+    """
+
+
 @hookspec(firstresult=True)
 def miles_forward(ctx: ForwardContext) -> Generator[None, Any, Any]:
     """Wrap every forward pass a train backend runs (log-prob passes and training).
@@ -254,13 +268,18 @@ def miles_register_weight_transports(register: Register) -> None:
 
 
 @hookspec
-def miles_register_inference_engines(register: Register) -> None:
-    """Register inference engines (``rollout.engine``: embedded, sglang).
+def miles_register_services(register: Register) -> None:
+    """Register long-running servers a run can start: inference engines, the router, the session
+    server (``rollout.engine`` picks the engine; the run starts a router and what its generator
+    asks for).
 
-    The registered object satisfies :class:`miles_contracts.InferenceEngine`: it returns the argv
-    of a server that speaks the engine wire protocol (SGLang's native HTTP API).
+    The registered object satisfies :class:`miles_contracts.Service`: its ``role`` (``engine``,
+    ``router``, ``session`` ...), the roles it ``needs`` URLs of, its ``health_path``, the
+    ``config_sections`` it reads, and ``command(launch)``, the argv of a process serving it on
+    ``launch.endpoint``. Every executor starts every service the same way (placement, GPUs, logs,
+    restarts); an engine gets the GPUs ``resources`` gives it through ``CUDA_VISIBLE_DEVICES``.
 
-    :param register: ``register(name, engine)``.
+    :param register: ``register(name, service)``.
     """
 
 

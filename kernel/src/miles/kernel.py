@@ -23,9 +23,9 @@ if TYPE_CHECKING:
         Filter,
         ForwardContext,
         Generator,
-        InferenceEngine,
         ModelBridge,
         RewardFn,
+        Service,
         Tool,
     )
     from pydantic import BaseModel
@@ -49,7 +49,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "chat_family": ("miles_register_chat_families", "chat family"),
     "train_backend": ("miles_register_train_backends", "train backend"),
     "weight_transport": ("miles_register_weight_transports", "weight transport"),
-    "inference_engine": ("miles_register_inference_engines", "inference engine"),
+    "service": ("miles_register_services", "service"),
     "router_middleware": ("miles_register_router_middlewares", "router middleware"),
     "executor": ("miles_register_executors", "executor"),
     "tracker": ("miles_register_trackers", "tracker"),
@@ -177,8 +177,8 @@ class Kernel:
     def weight_transports(self) -> Registry[Callable[..., Any]]:
         return self.registry("weight_transport")
 
-    def inference_engines(self) -> Registry[InferenceEngine]:
-        return self.registry("inference_engine")
+    def services(self) -> Registry[Service]:
+        return self.registry("service")
 
     def router_middlewares(self) -> Registry[Callable[..., Any]]:
         return self.registry("router_middleware")
@@ -267,6 +267,9 @@ class Kernel:
 
     def step_end(self, step: int, metrics: dict[str, float]) -> None:
         self._pm.hook.miles_step_end(step=step, metrics=metrics)
+
+    def train_step_end(self, metrics: dict[str, float]) -> None:
+        self._pm.hook.miles_train_step_end(metrics=metrics)
 
     def weights_synced(self, version: int) -> None:
         self._pm.hook.miles_weights_synced(version=version)

@@ -95,8 +95,7 @@ class DataSection(Section):
 
 class RolloutSection(Section):
     generator: Annotated[str, Choice("generator")] = "single_turn"
-    engine: Annotated[str, Choice("inference_engine")] = "embedded"
-    num_engines: int = Field(default=1, ge=1)
+    engine: Annotated[str, Choice("service")] = Field(default="embedded", description="registered engine service")
     prompts_per_step: int = Field(default=4, ge=1, description="prompt groups trained per step")
     samples_per_prompt: int = Field(default=4, ge=1)
     over_sampling: float = Field(
@@ -189,33 +188,30 @@ class ExecutorSection(Section):
     restart_engines: bool = True
 
 
-class RouterSection(Section):
-    middlewares: list[Annotated[str, Choice("router_middleware")]] = Field(default_factory=list)
-    health_interval: float = Field(default=5.0, gt=0, description="seconds between health probes of each worker")
-    failure_threshold: int = Field(default=3, ge=1, description="failures in a row that quarantine a worker")
-    middleware_options: dict[str, dict[str, Any]] = Field(
-        default_factory=dict, description="options per middleware name, passed to its factory"
+class ResourcesSection(Section):
+    """Where the run's processes go (``miles.placement``; docs/design/process-model.md)."""
+
+    trainer_ranks: int = Field(
+        default=1, ge=1, description="trainer processes (the backend's world size); one GPU each when the run has GPUs",
     )
-    health_timeout: float = Field(default=5.0, gt=0, description="seconds a health probe may take")
-    request_timeout: float = Field(default=3600.0, gt=0, description="seconds an engine may take to answer one request")
-    max_attempts: int = Field(default=3, ge=1, description="engines one request may be tried on (failover)")
-    affinity_capacity: int = Field(default=100_000, ge=1, description="routing keys remembered for session affinity")
-    check_weight_version: bool = Field(
-        default=True, description="hold back a worker whose weight_version is behind the fleet's"
+    engines: int = Field(default=1, ge=1, description="inference engine processes")
+    gpus_per_engine: int = Field(default=1, ge=1, description="GPUs each engine shards over (its tensor-parallel size)")
+    colocate: bool = Field(
+        default=True, description="trainer and engines share GPUs (weights by CUDA IPC); false: engines get GPUs "
+        "of their own (weights by broadcast, weights.transport=broadcast)",
     )
-    forward_client: Literal["lean", "httpx"] = Field(
-        default="lean", description="HTTP client for non-streamed requests: miles.http11 (fast) or httpx (honours "
-                                    "HTTP_PROXY; the baseline of `miles bench rollout-path`)"
+    nodes: int | None = Field(default=None, ge=1, description="machines to use; null: every node the executor offers")
+    gpus_per_node: int | None = Field(
+        default=None, ge=0, description="GPUs each machine offers; null: ask the executor (0: run on CPU)",
     )
 
     @model_validator(mode="after")
-    def _options_name_a_middleware(self) -> RouterSection:
-        unused = sorted(set(self.middleware_options) - set(self.middlewares))
-        if unused:
-            raise ValueError(
-                f"middleware_options given for {unused} which are not in middlewares {self.middlewares}; "
-                "add them to router.middlewares or drop their options"
-            )
+    def _engine_fits_a_node(self) -> ResourcesSection:
+        k, per_node = self.gpus_per_engine, self.gpus_per_node
+        if per_node and per_node % k:
+            divisors = [d for d in range(1, per_node + 1) if per_node % d == 0]
+            raise ValueError(f"gpus_per_engine ({k}) does not divide gpus_per_node ({per_node}); use one of "
+                             f"{', '.join(map(str, divisors))}")
         return self
 
 
@@ -239,5 +235,10 @@ CORE_SECTIONS: dict[str, type[BaseModel]] = {
     "eval": EvalSection,
     "tracking": TrackingSection,
     "executor": ExecutorSection,
-    "router": RouterSection,
+    "resources": ResourcesSection,
 }
+
+MOVED_KEYS: dict[str, str] = {
+    "rollout.num_engines": "resources.engines",
+}
+"""Keys that moved, old -> new: a config that uses the old spelling gets an error naming the new one."""

@@ -14,7 +14,7 @@ from miles.config import ConfigError, build_config
 from miles.kernel import Kernel
 from miles_contracts import EngineSpec
 from miles_contracts.wire.auth import auth_headers
-from miles_engine.launcher import EmbeddedEngine
+from miles_engine.launcher import EmbeddedEngine, EngineService
 from miles_engine.options import EngineSection, options_argv
 
 
@@ -24,8 +24,8 @@ def kernel():
 
 
 def test_embedded_engine_is_registered_and_starts_a_server(kernel, dense_path):
-    engine = kernel.inference_engines().get("embedded")
-    assert isinstance(engine, EmbeddedEngine)
+    assert isinstance(kernel.services().get("embedded"), EngineService)
+    engine = EmbeddedEngine()
     spec = EngineSpec(model_path=str(dense_path), port=free_port(), device="cpu",
                       options={"max_running_requests": 4, "context_length": 512})
     argv = engine.command(spec)

@@ -165,16 +165,33 @@ def test_replay_removes_a_forced_routing_disagreement(rollout, tiny_moe, moe_map
 
 def test_each_step_reports_routing_agreement_next_to_the_logprob_gap(rollout_samples, tiny_moe, moe_map, replay_settings) -> None:
     """The loop's learner trains on the samples (their routing reaches the batch on its own) and the
-    step's metrics carry the agreement the r3 plugin adds at ``miles_step_end``."""
+    step's metrics carry the agreement the r3 plugin adds at ``miles_train_step_end`` (called in a
+    trainer rank process after each train step; the backend runs in this process here)."""
     from miles.kernel import Kernel
     from miles.loop.learner import Learner
 
     replay_settings(replay=True)
     backend = backend_with(tiny_moe, moe_map, router_noise=1.0)
     kernel = Kernel.load()
-    metrics = Learner(config_for(tiny_moe), kernel, backend, pad_token_id=0).train(rollout_samples)
-    kernel.step_end(1, metrics)
+    rank_side = _RankSide(backend, kernel)
+    metrics = Learner(config_for(tiny_moe), kernel, rank_side, pad_token_id=0).train(rollout_samples)
     backend.close()
     assert metrics["r3/train/replayed_tokens"] == sum(len(s.tokens) - 1 for s in rollout_samples)
     assert 0.0 < metrics["r3/train/routing_agreement"] < 1.0 and 0.0 < metrics["r3/train/expert_overlap"] < 1.0
     assert metrics["train/train_rollout_logprob_abs_diff"] > 0.0
+
+
+class _RankSide:
+    """The backend as the driver sees it through a trainer rank: each train step followed by the
+    rank's ``miles_train_step_end`` (what ``miles.trainer.rank.RankWorker`` does)."""
+
+    def __init__(self, backend, kernel) -> None:
+        self.backend, self.kernel = backend, kernel
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def train_step(self, batch):
+        metrics = dict(self.backend.train_step(batch))
+        self.kernel.train_step_end(metrics)
+        return metrics

@@ -226,9 +226,9 @@ def router_for(workers: list[str], middlewares: list[Any] | None = None, **setti
     """A router on a background thread (health probes every minute unless ``health_interval`` is
     given, so a test decides when probes matter) and an HTTP client for it."""
     import httpx
-    from miles.sections import RouterSection
     from miles_contracts.wire.auth import auth_headers
     from miles_router import RouterServer
+    from miles_router.config import RouterSection
 
     section = RouterSection(**{"health_interval": 60.0, **settings})
     with RouterServer(workers, section=section, middlewares=middlewares) as server, \

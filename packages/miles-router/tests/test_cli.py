@@ -9,9 +9,9 @@ from pathlib import Path
 import httpx
 import pytest
 from miles.cli.main import main
-from miles.sections import RouterSection
 from miles_contracts.wire.auth import auth_headers
 from miles_router import router_command
+from miles_router.config import RouterSection
 from router_support import ManagedProcess, StandinEngine, free_port
 
 

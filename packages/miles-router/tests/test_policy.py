@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 from miles.errors import ConfigError
-from miles.sections import RouterSection
 from miles_contracts import RouterRequest, RouterResponse
 from miles_router.cli import add_arguments, section_from_args
+from miles_router.config import RouterSection
 from miles_router.fleet import Fleet, UnknownWorker
 from miles_router.middleware import NamedMiddleware, compose
 from miles_router.selection import AffinityTable, LeastInFlight

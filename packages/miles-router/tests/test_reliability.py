@@ -16,12 +16,13 @@ from typing import Any
 
 import httpx
 import pytest
+from miles.config import build_config
 from miles.kernel import Kernel
-from miles.sections import RouterSection
-from miles_contracts import EngineSpec
+from miles_contracts import Endpoint, ServiceLaunch
 from miles_contracts.wire.auth import auth_headers
 from miles_contracts.wire.engine import ROUTING_KEY_HEADER, GenerateResponse
 from miles_router import router_command
+from miles_router.config import RouterSection
 from router_support import ManagedProcess, free_port, wait_until
 
 pytestmark = pytest.mark.slow
@@ -48,8 +49,9 @@ class Cluster:
     def start_engine(self, port: int) -> ManagedProcess:
         # The argv the run's executor uses: the registered engine's command (``miles serve engine``
         # without the CLI's plugin loading in front).
-        spec = EngineSpec(model_path=str(self.model), port=port, device="cpu", dtype="float32")
-        argv = Kernel.load().inference_engines().get("embedded").command(spec)
+        config = build_config({"model": {"device": "cpu", "dtype": "float32"}})
+        launch = ServiceLaunch(config, str(self.model), Endpoint("127.0.0.1", port))
+        argv = Kernel.load().services().get("embedded").command(launch)
         run = len([p for p in self.logs.iterdir() if p.name.startswith(f"engine-{port}")])
         self.engines[port] = ManagedProcess(argv, self.logs / f"engine-{port}-{run}.log", env=ENGINE_ENV)
         self.processes.append(self.engines[port])

@@ -20,9 +20,10 @@ import pytest
 from miles.config import ConfigError, build_config
 from miles.executor.local import LocalExecutor, free_port
 from miles.kernel import Kernel
-from miles.loop.services import engine_options
 from miles_contracts import EngineSpec
+from miles_contracts.cluster import Endpoint, ServiceLaunch
 from miles_sglang import LaunchPlan, SGLangEngine, SGLangSection, launch_plan
+from miles_sglang.launch import SGLangService
 
 SPEC = EngineSpec(model_path="/models/qwen3-30b-a3b", port=30001, host="127.0.0.1", dtype="bfloat16")
 
@@ -102,15 +103,16 @@ def test_bad_layouts_and_clashing_args_are_refused():
 
 def test_the_kernel_starts_sglang_from_the_run_config():
     kernel = Kernel.load()
-    engine = kernel.inference_engines().get("sglang")
-    assert isinstance(engine, SGLangEngine) and engine.config_section == "sglang"
+    service = kernel.services().get("sglang")
+    assert isinstance(service, SGLangService) and service.role == "engine"
     cfg = build_config({"rollout": {"engine": "sglang"}, "sglang": {"tp_size": 2, "python": "/opt/sg/bin/python"}},
                        kernel=kernel)
-    options = engine_options(cfg, engine)
-    assert options["tp_size"] == 2
-    argv = SGLangEngine({"MILES_AUTH_TOKEN": "tok"}).command(EngineSpec(model_path="/m", port=5, options=options))
+    launch = ServiceLaunch(cfg, "/m", Endpoint("127.0.0.1", 5), gpus=2)
+    argv = SGLangService({"MILES_AUTH_TOKEN": "tok"}).command(launch)
     assert argv[:4] == ["env", "-u", "PYTHONPATH", "/opt/sg/bin/python"]
-    assert flags(argv)["--tp-size"] == "2" and flags(argv)["--api-key"] == "tok"
+    assert flags(argv)["--tp-size"] == "2" and flags(argv)["--api-key"] == "tok" and flags(argv)["--port"] == "5"
+    with pytest.raises(ValueError, match="resources.gpus_per_engine=2"):  # placement gave it one GPU
+        SGLangService({}).command(ServiceLaunch(cfg, "/m", Endpoint("127.0.0.1", 5), gpus=1))
     with pytest.raises(ConfigError) as error:
         build_config({"sglang": {"tp_sise": 2, "ep_size": 0}}, kernel=kernel)
     assert "tp_sise" in str(error.value) and "ep_size" in str(error.value)  # every error at once

@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from miles.config import MilesConfig
 from miles.hookspecs import hookimpl
 from miles.registry import Register
 
+if TYPE_CHECKING:
+    from miles_contracts import Executor
 
-def local_executor(config: MilesConfig, run_dir: Path):
-    from miles.executor.local import LocalExecutor
 
-    return LocalExecutor(run_dir, startup_timeout=config.executor.startup_timeout)
+def local_executor(config: MilesConfig, run_dir: Path) -> Executor:
+    from miles.executor.local import LocalExecutor, local_gpus
+
+    gpus = None
+    per_node = config.resources.gpus_per_node
+    if per_node is not None:  # the config says how many; prefer the ids this machine shows
+        shown = local_gpus()
+        gpus = list(shown[:per_node]) if len(shown) >= per_node else [str(i) for i in range(per_node)]
+    return LocalExecutor(run_dir, startup_timeout=config.executor.startup_timeout, gpus=gpus)
 
 
 @hookimpl

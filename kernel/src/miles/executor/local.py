@@ -1,5 +1,7 @@
-"""`LocalExecutor`: starts the run's services as child processes on this machine and supervises them.
+"""`LocalExecutor`: starts the run's processes as children on this machine and supervises them.
 
+One node, ``local`` at 127.0.0.1, with the GPUs this machine shows (``CUDA_VISIBLE_DEVICES`` if
+set, else ``nvidia-smi``), or as many as the config says. A process given GPUs sees only those.
 Every child gets its own process group and a parent-death signal (Linux ``PR_SET_PDEATHSIG``), so
 neither Ctrl-C nor a crash of the driver (even SIGKILL) leaves orphans; ``shutdown()`` terminates
 each group, then kills what is still alive. Output goes to ``<run_dir>/logs/<name>.log``; a service
@@ -19,19 +21,23 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
+from miles_contracts.cluster import Endpoint, Node
 
 from miles.errors import MilesError
 
 _PR_SET_PDEATHSIG = 1
+HOST = "127.0.0.1"
+NODE = "local"
 
 
 class ServiceError(MilesError):
     """A supervised process failed to start or died."""
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Runs in the child between fork and exec. Note: the signal fires when the *thread* that
     spawned the child exits, so services are only (re)started from long-lived threads."""
     with contextlib.suppress(Exception):
@@ -41,10 +47,13 @@ def _die_with_parent() -> None:
 @dataclass
 class Service:
     name: str
-    argv: list[str]
+    command: Callable[[Endpoint], Sequence[str]]
+    endpoint: Endpoint
     health_url: str | None
     env: dict[str, str]
     log_path: Path
+    gpus: tuple[str, ...] = ()
+    argv: list[str] = field(default_factory=list)  # of the current process
     process: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = field(default_factory=time.monotonic)
@@ -60,12 +69,16 @@ class Service:
 
 
 class LocalExecutor:
-    """Implements :class:`miles_contracts.Executor` with child processes."""
+    """Implements :class:`miles_contracts.Executor` with child processes.
 
-    def __init__(self, run_dir: Path, *, startup_timeout: float = 600.0) -> None:
+    :param gpus: ids of the GPUs the run may use; default: what this machine shows.
+    """
+
+    def __init__(self, run_dir: Path, *, startup_timeout: float = 600.0, gpus: Sequence[str] | None = None) -> None:
         self.log_dir = run_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.startup_timeout = startup_timeout
+        self._gpus = tuple(gpus) if gpus is not None else local_gpus()
         self._services: dict[str, Service] = {}
         self._lock = threading.Lock()
         self._watch: threading.Thread | None = None
@@ -73,44 +86,99 @@ class LocalExecutor:
 
     # -------------------------------------------------------------- Executor protocol
 
-    def start(self, name: str, argv: Sequence[str], *, health_url: str | None = None,
-              env: Mapping[str, str] | None = None) -> None:
+    def nodes(self) -> list[Node]:
+        return [Node(NODE, HOST, self._gpus)]
+
+    def reserve(self, gpus: int) -> list[Node]:
+        if gpus > len(self._gpus):
+            raise ServiceError(f"the run needs {gpus} GPUs but this machine has {len(self._gpus)}")
+        return [Node(NODE, HOST, self._gpus[:gpus])]
+
+    def driver_address(self) -> str:
+        return HOST
+
+    def launch(self, name: str, command: Callable[[Endpoint], Sequence[str]], *, node: str = NODE,
+               gpus: Sequence[str] = (), health_path: str | None = None,
+               env: Mapping[str, str] | None = None) -> Endpoint:
+        if node != NODE:
+            raise ServiceError(f"the local executor has one node, {NODE!r}; {name!r} asked for {node!r}")
         if name in self._services and self._services[name].alive():
             raise ServiceError(f"service {name!r} is already running")
-        service = Service(name, list(argv), health_url, dict(env or {}), self.log_dir / f"{name}.log")
+        endpoint = Endpoint(HOST, free_port(HOST))
+        env = dict(env or {})
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        health_url = f"{endpoint.url}{health_path}" if health_path is not None else None
+        service = Service(name, command, endpoint, health_url, env, self.log_dir / f"{name}.log", tuple(gpus))
+        self._services[name] = service
+        self._spawn(service)
+        return endpoint
+
+    def wait_healthy(self, name: str) -> None:
+        self._wait_healthy(self._services[name])
+
+    def start(self, name: str, argv: Sequence[str], *, health_url: str | None = None,
+              env: Mapping[str, str] | None = None) -> None:
+        """Start ``argv`` (which picked its own port) and wait for ``health_url``: for tools and
+        benchmarks that start a few servers by hand."""
+        if name in self._services and self._services[name].alive():
+            raise ServiceError(f"service {name!r} is already running")
+        fixed = list(argv)
+        service = Service(name, lambda _endpoint: fixed, Endpoint(HOST, 0), health_url, dict(env or {}),
+                          self.log_dir / f"{name}.log")
         self._services[name] = service
         self._spawn(service)
         self._wait_healthy(service)
 
+    def endpoint(self, name: str) -> Endpoint:
+        return self._services[name].endpoint
+
     def alive(self, name: str) -> bool:
         return self._services[name].alive()
 
-    def restart(self, name: str) -> None:
+    def returncode(self, name: str) -> int | None:
+        process = self._services[name].process
+        return process.poll() if process is not None else None
+
+    def restart(self, name: str, *, wait: bool = True) -> Endpoint:
+        """Stop ``name`` if it runs, start it again on the same port (and wait until it is healthy)."""
         service = self._services[name]
         self._terminate(service)
         service.restarts += 1
         self._spawn(service)
-        self._wait_healthy(service)
+        if wait:
+            self._wait_healthy(service)
+        return service.endpoint
 
     def shutdown(self) -> None:
         self._stop.set()
         for service in reversed(list(self._services.values())):
             self._terminate(service)
 
+    def manifest(self) -> list[dict[str, Any]]:
+        return [{"name": s.name, "node": NODE, "pid": s.process.pid if s.process else None, "gpus": list(s.gpus),
+                 "restarts": s.restarts, "log": str(s.log_path)} for s in self._services.values()]
+
     # -------------------------------------------------------------- supervision
 
     def supervise(self, on_death: Callable[[str], None], interval: float = 1.0) -> None:
         """Watch services in a thread; ``on_death(name)`` runs for each one found dead."""
 
+        reported: dict[str, int] = {}  # name -> pid whose death was reported (each death once)
+
         def watch() -> None:
             while not self._stop.wait(interval):
                 for service in list(self._services.values()):
-                    if service.process is not None and not service.alive() and not self._stop.is_set():
-                        try:
-                            on_death(service.name)
-                        except Exception as exc:  # keep supervising the others
-                            print(f"miles: handling the death of {service.name!r} failed: {exc}", file=sys.stderr)
-                            service.process = None  # do not report the same death again
+                    process = service.process
+                    if process is None or service.alive() or self._stop.is_set():
+                        continue
+                    if reported.get(service.name) == process.pid:
+                        continue
+                    reported[service.name] = process.pid
+                    try:
+                        on_death(service.name)
+                    except Exception as exc:  # keep supervising the others
+                        print(f"miles: handling the death of {service.name!r} failed: {exc}", file=sys.stderr)
 
         self._watch = threading.Thread(target=watch, name="miles-supervisor", daemon=True)
         self._watch.start()
@@ -121,13 +189,14 @@ class LocalExecutor:
     # -------------------------------------------------------------- internals
 
     def _spawn(self, service: Service) -> None:
+        service.argv = list(service.command(service.endpoint))
         log = service.log_path.open("ab")
         log.write(f"\n==== start {time.strftime('%H:%M:%S')}: {' '.join(service.argv)}\n".encode())
         log.flush()
         service.process = subprocess.Popen(
             service.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **service.env}, start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
         )
         log.close()
         service.started_at = time.monotonic()
@@ -154,17 +223,39 @@ class LocalExecutor:
         )
 
     def _terminate(self, service: Service, grace: float = 5.0) -> None:
-        process = service.process
-        if process is None or process.poll() is not None:
-            return
+        if service.process is not None:
+            terminate_group(service.process, grace)
+
+
+def terminate_group(process: subprocess.Popen[bytes], grace: float = 5.0) -> None:
+    """SIGTERM the process group of ``process`` (started with ``start_new_session``), SIGKILL it
+    after ``grace`` seconds, and reap the process."""
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=grace)
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=grace)
+
+
+def local_gpus() -> tuple[str, ...]:
+    """GPU ids this machine offers the run: ``CUDA_VISIBLE_DEVICES`` when set, else ``nvidia-smi``'s
+    list, else none. (No torch here: the kernel stays light, and CUDA must not be initialised in the
+    driver before its children pick their devices.)"""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = tuple(v.strip() for v in visible.split(",") if v.strip())
+        return () if ids in ((), ("-1",)) else ids
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    return tuple(line.strip() for line in out.splitlines() if line.strip())
 
 
 def free_port(host: str = "127.0.0.1") -> int:

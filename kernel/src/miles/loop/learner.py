@@ -43,7 +43,8 @@ class Learner:
         batch.advantages, batch.returns = result.advantages, result.returns
 
         start = time.perf_counter()
-        metrics = {f"train/{k}": float(v) for k, v in self.backend.train_step(batch).items()}
+        # the backend's own names get ``train/``; plugins' (``miles_train_step_end``) keep their namespace
+        metrics = {k if "/" in k else f"train/{k}": float(v) for k, v in self.backend.train_step(batch).items()}
         timings["time/optimizer"] = time.perf_counter() - start
         metrics.update({f"advantage/{k}": float(v) for k, v in result.metrics.items()})
         metrics["train/samples"] = float(batch.size)

@@ -6,6 +6,9 @@
 training on step k (the next rollout uses weights one step old; samples record the version).
 ``fully_async`` generates all the time into a bounded buffer the trainer takes batches from
 (:mod:`miles.loop.fully_async`).
+
+The trainer runs in its own rank processes behind one handle (:class:`~miles.trainer.group.TrainerGroup`);
+the driver keeps data, rollout, rewards and advantages (docs/design/process-model.md).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from miles_contracts import Status
 from miles.config import MilesConfig
 from miles.data.source import eval_prompts, open_data_source
 from miles.engine_client import HttpEngineClient
-from miles.errors import MilesError
+from miles.errors import ConfigError, MilesError
 from miles.kernel import Kernel
 from miles.loop.fully_async import run_fully_async
 from miles.loop.interrupts import stop_requested
@@ -39,7 +42,10 @@ from miles.loop.run_dir import (
     write_state,
 )
 from miles.loop.services import Services, start_services
+from miles.placement import Placement, gpus_needed, plan_placement
 from miles.tracking import open_trackers
+from miles.trainer.errors import TrainerCallError, TrainerRankError
+from miles.trainer.group import TrainerGroup
 
 
 def load_tokenizer(model_path: Path) -> Any:
@@ -61,23 +67,30 @@ class Run:
         self.progress = Progress(config.run.steps)
         self.step = 0
         self.version = 0
+        self.executor: Any = None
         self.services: Services | None = None
-        self.backend: Any = None
-        self.transport: Any = None
+        self.trainer: TrainerGroup | None = None
         self.metrics_logger: Any = None
         self._failed_step = -1  # the last step whose samples were all aborted
+        self._fatal: BaseException | None = None
+        self._main: tuple[Any, Any] = (None, None)  # the event loop and task to stop from another thread
 
     # ------------------------------------------------------------------ lifecycle
 
     async def main(self) -> str:
         status = "failed"
+        self._main = (asyncio.get_running_loop(), asyncio.current_task())
         try:
             await self._start()
             await self._loop()
             if stop_requested():  # a cancellation was swallowed on the way: still an interruption
                 raise asyncio.CancelledError
             status = "completed"
+        except TrainerRankError as exc:
+            raise TrainerRankError(f"{exc}\n{self._resume_hint()}", exc.rank) from None
         except (KeyboardInterrupt, asyncio.CancelledError):
+            if isinstance(self._fatal, TrainerRankError):  # a rank died while the driver was elsewhere
+                raise TrainerRankError(f"{self._fatal}\n{self._resume_hint()}", self._fatal.rank) from None
             status = "interrupted"
             raise
         finally:
@@ -98,14 +111,19 @@ class Run:
             self._supersede_metrics()
         self.metrics_logger = open_trackers(cfg, self.run_dir, kernel)
         data = open_data_source(cfg.data, kernel)
-        self.progress.message(f"starting {cfg.rollout.num_engines} {cfg.rollout.engine} engine(s) and the router")
-        self.services = start_services(cfg, kernel, model_path, self.run_dir)
-        self.progress.message(f"building the {cfg.train.backend} train backend")
-        self.backend = kernel.train_backends().get(cfg.train.backend)(cfg)
-        self.transport = kernel.weight_transports().get(cfg.weights.transport)(cfg)
+        self.executor = kernel.executors().get(cfg.executor.name)(cfg, self.run_dir)
+        placement = place(cfg, self.executor, kernel)
+        self.progress.message(f"placement: {placement.describe()}")
+        self.progress.message(f"starting {len(placement.trainer)} {cfg.train.backend} trainer rank(s), "
+                              f"{len(placement.engines)} {cfg.rollout.engine} engine(s) and the router")
+        self.trainer = TrainerGroup.launch(cfg, self.executor, placement, self.run_dir)
+        self.services = start_services(cfg, kernel, model_path, self.executor, placement, self.run_dir)
+        self.trainer.wait_ready()
+        self.services.write_manifest()
+        self.executor.supervise(self._on_death)
         self.engine = HttpEngineClient(self.services.router_url)
         self.rollout = RolloutManager(cfg, kernel, data, self.engine, tokenizer, self.services.session_url)
-        self.learner = Learner(cfg, kernel, self.backend, pad)
+        self.learner = Learner(cfg, kernel, self.trainer, pad)
         self.eval_prompts = self._eval_prompts(data)
         if self.resume:
             self._restore()
@@ -118,11 +136,10 @@ class Run:
         kernel.run_start(cfg, self.run_dir)
 
     def _stop(self) -> None:
-        for closer in (self.backend, self.transport):
-            if closer is not None and hasattr(closer, "close"):
-                closer.close()
-        if self.services is not None:
-            self.services.executor.shutdown()
+        if self.trainer is not None:
+            self.trainer.close()
+        if self.executor is not None:
+            self.executor.shutdown()
         if self.metrics_logger is not None:
             self.metrics_logger.close()
 
@@ -131,7 +148,7 @@ class Run:
     async def _loop(self) -> None:
         await self._steps()
         if self.config.run.export_hf:
-            self.backend.export_hf(self.run_dir / "hf")
+            self.trainer.export_hf(self.run_dir / "hf")
             self.progress.message(f"exported the trained model to {self.run_dir / 'hf'}")
 
     async def _steps(self) -> None:
@@ -203,12 +220,13 @@ class Run:
         targets = list(self.services.engine_urls.values())
         waited = self.services.wait_ready(self.config.executor.startup_timeout)
         try:
-            report = self.transport.push(self.backend.named_weights(), targets=targets, version=self.version)
-        except MilesError as exc:
+            report = self.trainer.push_weights(targets, self.version)
+        except TrainerCallError as exc:
             # an engine may have died during the push: once the supervisor has it back, push again
             self.progress.message(f"weight sync of version {self.version} failed ({exc}); retrying once engines are healthy")
             waited += self.services.wait_ready(self.config.executor.startup_timeout)
-            report = self.transport.push(self.backend.named_weights(), targets=targets, version=self.version)
+            targets = list(self.services.engine_urls.values())  # a restarted engine may have moved
+            report = self.trainer.push_weights(targets, self.version)
         restarted = self.services.take_stale()
         self.kernel.weights_synced(self.version)
         return {
@@ -246,7 +264,7 @@ class Run:
         path.mkdir(parents=True, exist_ok=True)
         extra = {"data": self.rollout.data.state_dict(), "rollout": self.rollout.state_dict(),
                  "python_random": _jsonable_random_state()}
-        self.backend.save_checkpoint(path, extra)
+        self.trainer.save_checkpoint(path, extra)
         write_state(path, {"step": self.step, "weight_version": self.version, "saved_at": time.time()})
         _, failed = prune_checkpoints(self.run_dir, self.config.run.keep_checkpoints)
         if failed:
@@ -270,18 +288,61 @@ class Run:
             self.resume = False
             return
         state = read_state(path)
-        extra = self.backend.load_checkpoint(path)
+        extra = self.trainer.load_checkpoint(path)
         self.rollout.data.load_state_dict(extra["data"])
         self.rollout.load_state_dict(extra["rollout"])
         random.setstate(_random_state_from_json(extra["python_random"]))
         self.step, self.version = int(state["step"]), int(state["weight_version"])
         self.progress.message(f"resumed from {path} (step {self.step}, weight version {self.version})")
 
+    # ------------------------------------------------------------------ faults
+
+    def _on_death(self, name: str) -> None:
+        """A supervised process died (called from the executor's watcher thread)."""
+        if self.trainer is not None and self.trainer.owns(name):
+            error = self.trainer.rank_died(name)
+            if error is not None:  # every other rank is stuck in a collective: stop the run at once
+                loop, task = self._main
+                loop.call_soon_threadsafe(self._abort, error, task)
+            return
+        if self.services is not None and self.config.executor.restart_engines:
+            self.services.handle_death(name)
+
+    def _abort(self, error: BaseException, task: asyncio.Task[Any] | None) -> None:
+        self._fatal = error
+        if task is not None:
+            task.cancel()
+
+    def _resume_hint(self) -> str:
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            return (f"no checkpoint was saved yet (run.save_every={self.config.run.save_every}): start the run again "
+                    f"(set run.save_every to checkpoint more often)")
+        step = read_state(path)["step"]
+        return f"the last checkpoint is {path} (step {step}): continue with `miles train --resume {self.run_dir}`"
+
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         metrics = {k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))}
         self.kernel.step_end(step, metrics)
         self.metrics_logger.log(metrics, step)
         self.progress.step(step, metrics)
+
+
+def place(config: MilesConfig, executor: Any, kernel: Kernel) -> Placement:
+    """Plan against the executor's capacity (layout errors name what fits), reserve the GPUs the
+    layout needs, and place every process on what was reserved."""
+    nodes = executor.nodes()
+    if config.model.device == "cpu":  # GPUs the run must not use
+        nodes = [type(n)(n.name, n.address) for n in nodes]
+    plan = plan_placement(config.resources, nodes)
+    transport = kernel.weight_transports().get(config.weights.transport)
+    if plan.uses_gpus and not plan.colocated and getattr(transport, "needs_shared_gpu", False):
+        raise ConfigError([f"weights.transport {config.weights.transport!r} hands CUDA memory to engines on the "
+                           f"trainer's own GPU, but resources.colocate is false (engines have GPUs of their own); "
+                           f"use weights.transport=broadcast, or resources.colocate=true"])
+    if not plan.uses_gpus:
+        return plan_placement(config.resources, executor.reserve(0))
+    return plan_placement(config.resources, executor.reserve(gpus_needed(config.resources)))
 
 
 def failed_step_error(step: int, rollout: StepRollout, *, previous_failed: bool, last_step: bool) -> MilesError | None:

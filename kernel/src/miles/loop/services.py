@@ -1,43 +1,78 @@
-"""Start the inference side of a run: engines, the router in front of them, a session server.
+"""Start the inference side of a run: engines, the router in front of them, what the generator needs.
 
-The executor owns the processes; this module decides what to start and wires the URLs. An engine
-that dies is restarted by the supervisor (when ``executor.restart_engines``) and marked stale until
-the next weight sync gives it the current weights; the router keeps it out of rotation meanwhile.
+Packages declare services (``miles_register_services``); this module picks those the run needs --
+the engine ``rollout.engine`` names, one ``router``, and the roles the generator lists in its
+``services`` attribute -- starts them through the executor in dependency order (engines on the
+slots placement gave them) and wires the URLs. An engine that dies is restarted by the supervisor
+(when ``executor.restart_engines``) and marked stale until the next weight sync gives it the
+current weights; the router keeps it out of rotation meanwhile. If it came back at another address
+(its node left), the services behind it follow: the router swaps the worker when it can
+(:class:`miles_contracts.cluster.UpstreamAware`), anything else is restarted.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from miles_contracts import EngineSpec
-from miles_contracts.wire.auth import ensure_run_token
+from miles_contracts.cluster import ENGINE, ROUTER, SESSION, Endpoint, Service, ServiceLaunch
 
 from miles.config import MilesConfig
 from miles.errors import MilesError
-from miles.executor.local import free_port
 from miles.kernel import Kernel
+from miles.placement import Placement, Slot
 
-HOST = "127.0.0.1"
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """One process of a service: its name, the service, its slot and instance index."""
+
+    name: str
+    role: str
+    service: Service
+    slot: Slot
+    index: int = 0
 
 
 @dataclass
 class Services:
-    """URLs of the running inference services."""
+    """The running inference services and their URLs."""
 
-    executor: Any
+    executor: Any  # miles_contracts.Executor
     run_dir: Path
-    engine_urls: dict[str, str]  # service name -> base URL
-    router_url: str
-    session_url: str | None = None
+    config: MilesConfig
+    model_path: Path
+    planned: dict[str, Planned]  # process name -> what it runs
+    urls: dict[str, str] = field(default_factory=dict)  # process name -> base URL
     stale_engines: set[str] = field(default_factory=set)  # restarted, waiting for weights
     restarts: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    # ------------------------------------------------------------------ URLs
+
+    @property
+    def engine_urls(self) -> dict[str, str]:
+        """Engine process name -> base URL, in engine order."""
+        return {name: self.urls[name] for name, p in self.planned.items() if p.role == ENGINE and name in self.urls}
+
+    def role_urls(self, role: str) -> list[str]:
+        return [self.urls[name] for name, p in self.planned.items() if p.role == role and name in self.urls]
+
+    @property
+    def router_url(self) -> str:
+        return self.role_urls(ROUTER)[0]
+
+    @property
+    def session_url(self) -> str | None:
+        urls = self.role_urls(SESSION)
+        return urls[0] if urls else None
+
+    # ------------------------------------------------------------------ health
 
     def take_stale(self) -> list[str]:
         with self._lock:
@@ -51,108 +86,158 @@ class Services:
         its next probe; a rollout started before would see every request refused); returns the
         seconds waited. Raises :class:`MilesError` after ``timeout``."""
         start = time.monotonic()
-        pending = dict(self.engine_urls)
+        pending = set(self.engine_urls)
         if router:
-            pending["router"] = self.router_url
+            pending |= {name for name, p in self.planned.items() if p.role == ROUTER}
         while pending:
-            for name, url in list(pending.items()):
-                if self.executor.alive(name) and _healthy(url):  # the router answers 503 while no engine serves
-                    del pending[name]
+            for name in list(pending):
+                url = self.urls.get(name)
+                if url is not None and self.executor.alive(name) and _healthy(url):
+                    pending.discard(name)
             if pending:
                 if time.monotonic() - start > timeout:
-                    raise MilesError(f"engine(s) {', '.join(pending)} not healthy after {timeout:.0f} s; see {self.run_dir}/logs")
+                    raise MilesError(f"engine(s) {', '.join(sorted(pending))} not healthy after {timeout:.0f} s; "
+                                     f"see {self.run_dir}/logs")
                 time.sleep(0.5)
         return time.monotonic() - start
-
-    def write_manifest(self, run_dir: Path) -> None:
-        """``<run>/services.json``: name, pid, URL and restarts of every service (for operators)."""
-        urls = {**self.engine_urls, "router": self.router_url, "session": self.session_url}
-        rows = [{"name": name, "pid": svc.process.pid if svc.process else None, "url": urls.get(name),
-                 "restarts": svc.restarts, "log": str(svc.log_path)}
-                for name, svc in self.executor.services().items()]
-        tmp = run_dir / "services.json.tmp"
-        tmp.write_text(json.dumps(rows, indent=2))
-        tmp.rename(run_dir / "services.json")
 
     def mark_stale(self, name: str) -> None:
         with self._lock:
             self.stale_engines.add(name)
             self.restarts += 1
 
+    # ------------------------------------------------------------------ faults
 
-def _miles_cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "miles.cli.main", *args]
+    def handle_death(self, name: str) -> bool:
+        """Restart service process ``name`` (if it is one of ours); False for other processes."""
+        planned = self.planned.get(name)
+        if planned is None:
+            return False
+        old = self.urls.get(name)
+        # no health wait here: every dead process of one sweep is started at once, and the loop
+        # waits for healthy engines (wait_ready) before it generates or syncs again
+        endpoint = self.executor.restart(name, wait=False)
+        self.urls[name] = endpoint.url
+        if planned.role == ENGINE:
+            self.mark_stale(name)
+        if old is not None and old != endpoint.url:
+            self._follow(planned.role, old, endpoint.url)
+        self.write_manifest()
+        return True
+
+    def _follow(self, role: str, old: str, new: str) -> None:
+        """Services that need ``role`` learn that one of its instances moved from ``old`` to ``new``."""
+        for name, dependent in self.planned.items():
+            if role not in dependent.service.needs or name not in self.urls:
+                continue
+            follow = getattr(dependent.service, "upstream_moved", None)
+            if follow is not None:
+                follow(self.urls[name], role, old, new)
+            else:
+                self.handle_death(name)  # started again with the new upstream URLs
+
+    # ------------------------------------------------------------------ operators
+
+    def write_manifest(self) -> None:
+        """``<run>/services.json``: name, role, node, pid, URL, GPUs, restarts and log of every process."""
+        rows = []
+        for row in self.executor.manifest():
+            planned = self.planned.get(row["name"])
+            if planned is not None:
+                row = {**row, "role": planned.role, "url": self.urls.get(row["name"]),
+                       "config_sections": list(planned.service.config_sections)}
+            rows.append(row)
+        tmp = self.run_dir / "services.json.tmp"
+        tmp.write_text(json.dumps(rows, indent=2))
+        tmp.rename(self.run_dir / "services.json")
 
 
-def engine_options(config: MilesConfig, engine: Any) -> dict[str, Any]:
-    """``EngineSpec.options`` from the engine's own config section: the one its ``config_section``
-    names (``engine`` for the embedded engine, ``sglang`` for SGLang), when its plugin registers it."""
-    section = config.extra.get(getattr(engine, "config_section", "engine"))
-    return section.options() if section is not None and hasattr(section, "options") else {}
+# ---------------------------------------------------------------------- what to start
 
 
-def _optional(module: str, name: str, distribution: str) -> Any:
-    """A function of a sibling package the loop needs, with an install hint when it is missing."""
-    import importlib
+def _provider(kernel: Kernel, role: str, wanted_by: str) -> Service:
+    """The one registered service of ``role``."""
+    entries = [e for e in kernel.services().entries() if getattr(e.obj, "role", None) == role]
+    if not entries:
+        raise MilesError(f"{wanted_by} needs a {role!r} service, but no loaded plugin registers one "
+                         f"(miles_register_services); registered services: {kernel.services().describe() or 'none'}")
+    if len(entries) > 1:
+        names = ", ".join(f"{e.name} ({e.origin})" for e in entries)
+        raise MilesError(f"several plugins register a {role!r} service: {names}; disable all but one with plugins.disable")
+    return entries[0].obj
 
-    try:
-        return getattr(importlib.import_module(module), name)
-    except ImportError as exc:
-        raise MilesError(f"miles train needs {distribution}: pip install {distribution} ({exc})") from exc
+
+def plan_services(config: MilesConfig, kernel: Kernel, placement: Placement) -> list[Planned]:
+    """Every service process of the run, engines first, each after the roles it needs."""
+    engine = kernel.services().get(config.rollout.engine)
+    planned = [Planned(f"engine-{i}", ENGINE, engine, slot, i) for i, slot in enumerate(placement.engines)]
+    generator = kernel.generators().get(config.rollout.generator)
+    roles = [ROUTER, *(r for r in getattr(generator, "services", ()) if r != ROUTER)]
+    driver = Slot(placement.trainer[0].node)  # routers and session servers run beside the driver
+    providers = {role: _provider(kernel, role, f"the run (generator {config.rollout.generator!r})") for role in roles}
+    started = {ENGINE}
+    while providers:
+        ready = [role for role, s in providers.items() if set(s.needs) <= started]
+        if not ready:
+            raise MilesError(f"services {', '.join(providers)} need roles nobody provides: "
+                             + "; ".join(f"{r} needs {', '.join(s.needs)}" for r, s in providers.items()))
+        for role in ready:
+            planned.append(Planned(role, role, providers.pop(role), driver))
+            started.add(role)
+    return planned
 
 
-def start_services(config: MilesConfig, kernel: Kernel, model_path: Path, run_dir: Path) -> Services:
-    ensure_run_token()  # in this process's environment, so every service started below inherits it
-    executor = kernel.executors().get(config.executor.name)(config, run_dir)
-    try:
-        engine = kernel.inference_engines().get(config.rollout.engine)
-        options = engine_options(config, engine)
-        engine_urls = {}
-        for i in range(config.rollout.num_engines):
-            spec = EngineSpec(model_path=str(model_path), port=free_port(HOST), host=HOST,
-                              device=config.model.device, dtype=config.model.dtype, options=dict(options),
-                              deterministic=config.run.deterministic,
-                              weight_dirs=[str(run_dir.resolve())])
-            name = f"engine-{i}"
-            executor.start(name, engine.command(spec), health_url=f"{spec.url}/health")
-            engine_urls[name] = spec.url
-
-        router_command = _optional("miles_router", "router_command", "miles-router")
-        router_port = free_port(HOST)
-        router_url = f"http://{HOST}:{router_port}"
-        argv = router_command(list(engine_urls.values()), port=router_port, host=HOST, section=config.router)
-        executor.start("router", argv, health_url=f"{router_url}/health")
-
-        session_url = None
-        if config.rollout.generator == "agentic":
-            port = free_port(HOST)
-            session_url = f"http://{HOST}:{port}"
-            session_arguments = _optional("miles_tito.server.cli", "session_arguments", "miles-tito")
-            executor.start("session", _miles_cli("serve", "session", "--host", HOST, "--port", str(port),
-                                                 "--router", router_url, "--model", str(model_path),
-                                                 *session_arguments(config)),
-                           health_url=f"{session_url}/health")
-    except BaseException:
-        executor.shutdown()
-        raise
-
-    services = Services(executor, run_dir, engine_urls, router_url, session_url)
-    services.write_manifest(run_dir)
-    if config.executor.restart_engines:
-        def on_death(name: str) -> None:
-            executor.restart(name)
-            if name in engine_urls:
-                services.mark_stale(name)
-            services.write_manifest(run_dir)
-        executor.supervise(on_death)
+def start_services(config: MilesConfig, kernel: Kernel, model_path: Path, executor: Any, placement: Placement,
+                   run_dir: Path) -> Services:
+    """Start every service the run needs (engines in parallel, then what needs them); on failure,
+    what was started is left to the caller's ``executor.shutdown()``."""
+    planned = plan_services(config, kernel, placement)
+    services = Services(executor, run_dir, config, model_path, {p.name: p for p in planned})
+    for wave in _waves(planned):
+        for p in wave:
+            executor.launch(p.name, _command(services, p), node=p.slot.node.name, gpus=p.slot.gpus,
+                            health_path=p.service.health_path)
+        for p in wave:
+            executor.wait_healthy(p.name)
+            services.urls[p.name] = executor.endpoint(p.name).url
+    services.write_manifest()
     return services
+
+
+def _waves(planned: Sequence[Planned]) -> list[list[Planned]]:
+    """Processes grouped by dependency depth (engines first): a group is started together, and
+    needs only roles of earlier groups. ``planned`` is in dependency order."""
+    depth: dict[str, int] = {}
+    for p in planned:
+        depth[p.role] = max((depth[r] + 1 for r in p.service.needs if r in depth), default=0)
+    waves: dict[int, list[Planned]] = {}
+    for p in planned:
+        waves.setdefault(depth[p.role], []).append(p)
+    return [waves[d] for d in sorted(waves)]
+
+
+def _command(services: Services, planned: Planned):
+    """argv builder the executor calls with the endpoint it picked (again on every restart, with
+    the upstream URLs of that moment)."""
+
+    def command(endpoint: Endpoint) -> list[str]:
+        upstream = {role: services.role_urls(role) for role in planned.service.needs}
+        launch = ServiceLaunch(services.config, str(services.model_path), endpoint, upstream, planned.index,
+                               len(planned.slot.gpus), run_dir=str(services.run_dir.resolve()))
+        try:
+            return list(planned.service.command(launch))
+        except ValueError as exc:
+            raise MilesError(f"cannot start {planned.name} ({planned.role} service): {exc}") from exc
+
+    return command
 
 
 def _healthy(url: str, timeout: float = 5.0) -> bool:
     """``GET {url}/health`` answers 200, or 503 ``{"status": "paused"}``: an engine paused on
     purpose (a weight sync that failed half-way leaves engines paused until the next one) is up and
     can take weights. Plain ``http.client``: called before every weight sync, and ``httpx.get``
-    builds a client (and its TLS context) per call, ~30 ms."""
+    builds a client (and its TLS context) per call, ~30 ms. (The router answers 503 while no engine
+    serves, without ``paused``: not healthy.)"""
     import http.client
     from urllib.parse import urlsplit
 

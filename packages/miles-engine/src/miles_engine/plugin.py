@@ -36,10 +36,10 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 @hookimpl
-def miles_register_inference_engines(register: Register) -> None:
-    from miles_engine.launcher import EmbeddedEngine
+def miles_register_services(register: Register) -> None:
+    from miles_engine.launcher import EngineService
 
-    register("embedded", EmbeddedEngine())
+    register("embedded", EngineService())
 
 
 @hookimpl

@@ -171,7 +171,8 @@ def miles_register_commands(register: Register) -> None:
 
 
 @hookimpl
-def miles_step_end(step: int, metrics: dict[str, float]) -> None:
-    """Add the step's ``r3/<phase>/...`` agreement metrics (see :meth:`RoutingStats.flush`)."""
+def miles_train_step_end(metrics: dict[str, float]) -> None:
+    """Add the step's ``r3/<phase>/...`` agreement metrics (see :meth:`RoutingStats.flush`), in the
+    trainer rank process where the forwards ran (rank 0's share of the batch is what is reported)."""
     if STATE._stats is not None:
         metrics.update(STATE.stats.flush())

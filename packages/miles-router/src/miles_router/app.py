@@ -22,13 +22,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from miles.sections import RouterSection
 from miles_contracts import RouterRequest, RouterResponse
 from miles_contracts.wire.auth import ensure_run_token
 from miles_contracts.wire.engine import CONTROL, HEALTH, ROUTING_KEY_HEADER
 from miles_contracts.wire.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
 
 from miles_router.aborts import router_abort
+from miles_router.config import RouterSection
 from miles_router.fleet import UnknownWorker
 from miles_router.middleware import STATE_QUERY, NamedMiddleware, build_middlewares
 from miles_router.router import Router

@@ -1,7 +1,7 @@
 """``miles serve router``: the router in front of engines given with ``--worker``.
 
 Settings come from ``--config`` (its ``router`` section only) when given, then from the flags; the
-result is validated as :class:`miles.sections.RouterSection`, so a bad value fails at start-up
+result is validated as :class:`miles_router.config.RouterSection`, so a bad value fails at start-up
 with every problem listed.
 """
 
@@ -11,8 +11,9 @@ import argparse
 import json
 
 from miles.errors import ConfigError
-from miles.sections import RouterSection
 from miles.server_process import add_server_security_arguments
+
+from miles_router.config import RouterSection
 
 # flag -> RouterSection field, for flags that map one to one
 _FIELD_FLAGS = {

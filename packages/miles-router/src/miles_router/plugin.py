@@ -1,6 +1,6 @@
-"""Plugin ``router``: the ``miles serve router`` command and the router middlewares ``metrics``,
-``access_log`` and ``concurrency_limit``. Light on purpose: FastAPI and httpx load only when the
-router runs."""
+"""Plugin ``router``: the ``router`` service and config section, the ``miles serve router`` command
+and the router middlewares ``metrics``, ``access_log`` and ``concurrency_limit``. Light on purpose:
+FastAPI and httpx load only when the router runs."""
 
 from __future__ import annotations
 
@@ -65,6 +65,20 @@ def _lazy_bench(name: str):
         return getattr(bench, name)(*args)
 
     return call
+
+
+@hookimpl
+def miles_register_services(register: Register) -> None:
+    from miles_router.service import RouterService
+
+    register("router", RouterService())
+
+
+@hookimpl
+def miles_register_config_sections(register: Register) -> None:
+    from miles_router.config import RouterSection
+
+    register("router", RouterSection)
 
 
 @hookimpl

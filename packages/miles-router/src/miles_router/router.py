@@ -10,10 +10,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import httpx
-from miles.sections import RouterSection
 from miles_contracts import RouterRequest, RouterResponse
 from miles_contracts.wire.auth import auth_headers
 
+from miles_router.config import RouterSection
 from miles_router.fanout import FANOUT_PATHS, Broadcaster
 from miles_router.fleet import Fleet
 from miles_router.health import HealthMonitor

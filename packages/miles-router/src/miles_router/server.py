@@ -9,8 +9,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from miles.sections import RouterSection
-
+from miles_router.config import RouterSection
 from miles_router.middleware import NamedMiddleware
 
 
@@ -38,6 +37,7 @@ def router_command(workers: Sequence[str], *, port: int, host: str = "127.0.0.1"
         "--request-timeout", repr(section.request_timeout),
         "--max-attempts", str(section.max_attempts),
         "--affinity-capacity", str(section.affinity_capacity),
+        "--forward-client", section.forward_client,
     ]
     if not section.check_weight_version:
         argv.append("--no-weight-version-check")

@@ -2,9 +2,9 @@
 
 :func:`launch_plan` is a pure function from (engine spec, ``sglang`` section, token, GPUs) to the
 argv and the environment of the process, so any launcher can use it: :class:`SGLangEngine` folds
-the environment into the argv (``env K=V ... python -m sglang.launch_server ...``) for the
-kernel's ``InferenceEngine.command`` protocol, and an executor that places engines on GPUs can call
-:func:`launch_plan` with the GPUs it chose and start ``plan.argv`` with ``plan.env`` itself.
+the environment into the argv (``env K=V ... python -m sglang.launch_server ...``), and
+:class:`SGLangService` is what the package registers through ``miles_register_services`` (role
+``engine``): the executor picks host, port and GPUs (``CUDA_VISIBLE_DEVICES``), the service the rest.
 
 SGLang runs in its own environment (``sglang.python``, ``sglang.env``): it pins a transformers
 version Miles does not use, and the two must never share a Python process.
@@ -22,12 +22,14 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
+
+from miles_contracts.cluster import ENGINE
 
 from miles_sglang.settings import SGLangSection
 
 if TYPE_CHECKING:
-    from miles_contracts import EngineSpec
+    from miles_contracts import EngineSpec, ServiceLaunch
 
 TOKEN_ENV = "MILES_AUTH_TOKEN"
 _DTYPES = {"bfloat16", "float16", "float32", "half", "float"}
@@ -120,7 +122,7 @@ def _switches(spec: EngineSpec, section: SGLangSection) -> list[str]:
 
 
 class SGLangEngine:
-    """The ``sglang`` inference engine as the kernel sees it (:class:`miles_contracts.InferenceEngine`).
+    """``command(spec)``: the argv (environment folded in) of the SGLang server that serves ``spec``.
 
     ``spec.options`` holds the ``sglang`` section (:attr:`config_section`); the token comes from
     ``MILES_AUTH_TOKEN`` in the launcher's environment, the GPUs from the environment the executor
@@ -135,3 +137,34 @@ class SGLangEngine:
     def command(self, spec: EngineSpec) -> list[str]:
         section = SGLangSection.model_validate(dict(spec.options))
         return launch_plan(spec, section, token=self._environ.get(TOKEN_ENV) or None).command()
+
+
+class SGLangService:
+    """The ``sglang`` engine as a service of the run (role ``engine``, ``rollout.engine: sglang``).
+
+    Each engine gets the GPUs placement gave it (``resources.gpus_per_engine``, which must be what
+    the ``sglang`` section's layout occupies: ``tp_size * dp_size``) through
+    ``CUDA_VISIBLE_DEVICES``, set by the executor.
+    """
+
+    role: ClassVar[str] = ENGINE
+    needs: ClassVar[tuple[str, ...]] = ()
+    health_path: ClassVar[str | None] = "/health"
+    config_sections: ClassVar[tuple[str, ...]] = ("model", "sglang")
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        self._engine = SGLangEngine(environ)
+
+    def command(self, launch: ServiceLaunch) -> list[str]:
+        from miles_contracts import EngineSpec
+
+        config = launch.config
+        section = config.section("sglang", SGLangSection)
+        if launch.gpus and launch.gpus != gpus_needed(section):
+            raise ValueError(f"an SGLang engine with tp_size={section.tp_size} and dp_size={section.dp_size} runs on "
+                             f"{gpus_needed(section)} GPUs, but placement gives it {launch.gpus}; set "
+                             f"resources.gpus_per_engine={gpus_needed(section)}")
+        spec = EngineSpec(model_path=launch.model_path, port=launch.endpoint.port, host=launch.endpoint.host,
+                          device=config.model.device, dtype=config.model.dtype, options=section.options(),
+                          deterministic=config.run.deterministic)
+        return self._engine.command(spec)

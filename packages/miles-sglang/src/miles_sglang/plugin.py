@@ -7,10 +7,10 @@ from miles.registry import Register
 
 
 @hookimpl
-def miles_register_inference_engines(register: Register) -> None:
-    from miles_sglang.launch import SGLangEngine
+def miles_register_services(register: Register) -> None:
+    from miles_sglang.launch import SGLangService
 
-    register("sglang", SGLangEngine())
+    register("sglang", SGLangService())
 
 
 @hookimpl

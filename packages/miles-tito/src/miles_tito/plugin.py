@@ -1,5 +1,6 @@
-"""Plugin ``tito`` (distribution miles-tito): generators, the calculator tool, the ``tito`` config
-section and the ``serve session``, ``verify-template``, ``bench session`` and ``bench tito`` commands.
+"""Plugin ``tito`` (distribution miles-tito): generators, the calculator tool, the ``session``
+service, the ``tito`` config section and the ``serve session``, ``verify-template``, ``bench
+session`` and ``bench tito`` commands.
 
 Light on purpose: ``miles plugins`` imports this module, so FastAPI, transformers and the
 generators load only when used.
@@ -14,6 +15,7 @@ from typing import Any
 from miles import hookimpl
 from miles.cli import Command
 from miles.registry import Register
+from miles_contracts.cluster import SESSION
 
 from miles_tito.calculator import Calculator
 
@@ -28,11 +30,16 @@ def _lazy(module: str, attribute: str) -> Callable[..., Any]:
 
 
 class _LazyGenerator:
-    """Defers importing a generator (and what it imports) to its first call."""
+    """Defers importing a generator (and what it imports) to its first call.
 
-    def __init__(self, module: str, cls: str) -> None:
+    ``services`` are the roles of services a run using it must start (``session``: the session
+    server, which this package registers too).
+    """
+
+    def __init__(self, module: str, cls: str, services: tuple[str, ...] = ()) -> None:
         self._module, self._cls = module, cls
         self._instance: Any = None
+        self.services = services
 
     async def __call__(self, sample: Any, ctx: Any) -> Any:
         if self._instance is None:
@@ -45,7 +52,14 @@ class _LazyGenerator:
 @hookimpl
 def miles_register_generators(register: Register) -> None:
     register("multi_turn", _LazyGenerator("miles_tito.generators.multi_turn", "MultiTurnGenerator"))
-    register("agentic", _LazyGenerator("miles_tito.generators.agentic", "AgenticGenerator"))
+    register("agentic", _LazyGenerator("miles_tito.generators.agentic", "AgenticGenerator", services=(SESSION,)))
+
+
+@hookimpl
+def miles_register_services(register: Register) -> None:
+    from miles_tito.server.launch import SessionServerService
+
+    register("session", SessionServerService())
 
 
 @hookimpl

@@ -1,6 +1,6 @@
-"""Start engines for the benchmark and the tests: the registered ``embedded`` engine, as child
-processes of the kernel's :class:`~miles.executor.local.LocalExecutor` (logs, health wait, no
-orphans), on free loopback ports."""
+"""Start engines for the benchmark and the tests: the registered ``embedded`` engine service, as
+child processes of the kernel's :class:`~miles.executor.local.LocalExecutor` (logs, health wait,
+no orphans), on free loopback ports."""
 
 from __future__ import annotations
 
@@ -39,24 +39,42 @@ def running_engines(model_path: str | Path, launches: list[EngineLaunch], work_d
                     engine: str = "embedded", startup_timeout: float = 600.0,
                     weight_dirs: Sequence[str | Path] = ()) -> Iterator[RunningEngines]:
     """Start one engine per launch, in order; stop them all on exit. Disk updates may read
-    ``work_dir`` and ``weight_dirs``; the engines share this process's run token."""
+    ``work_dir`` (the run folder the engines are given) and ``weight_dirs`` (given to engines whose
+    section has a ``weight_dir`` option, as the embedded engine's has); the engines share this
+    process's run token."""
+    from miles.config import build_config
+    from miles.executor.local import LocalExecutor
+    from miles.kernel import Kernel
+    from miles_contracts import ServiceLaunch
     from miles_contracts.wire.auth import ensure_run_token
 
     ensure_run_token()
-    from miles.executor.local import LocalExecutor, free_port
-    from miles.kernel import Kernel
-    from miles_contracts import EngineSpec
-
-    server = Kernel.load().inference_engines().get(engine)
+    kernel = Kernel.load()
+    server = kernel.services().get(engine)
+    # the engine's options are keys of its own config section (``engine``; ``sglang`` for SGLang)
+    section = next(name for name in server.config_sections if name != "model")
+    section_model = kernel.config_sections().get(section)
     executor = LocalExecutor(work_dir, startup_timeout=startup_timeout)
     urls = []
     try:
         for index, launch in enumerate(launches):
-            spec = EngineSpec(str(model_path), free_port(), device=launch.device, dtype=launch.dtype,
-                              options=dict(launch.options),
-                              weight_dirs=[str(Path(d).resolve()) for d in (work_dir, *weight_dirs)])
-            executor.start(f"engine-{index}", server.command(spec), health_url=f"{spec.url}/health", env=launch.env)
-            urls.append(spec.url)
+            config = build_config({"model": {"device": launch.device, "dtype": launch.dtype},
+                                   section: _options(launch.options, section_model, weight_dirs)})
+
+            def command(endpoint, config=config):
+                return server.command(ServiceLaunch(config, str(model_path), endpoint, run_dir=str(work_dir.resolve())))
+
+            name = f"engine-{index}"
+            endpoint = executor.launch(name, command, health_path=server.health_path, env=launch.env)
+            executor.wait_healthy(name)
+            urls.append(endpoint.url)
         yield RunningEngines(urls, executor)
     finally:
         executor.shutdown()
+
+
+def _options(options: Mapping[str, Any], section_model: Any, weight_dirs: Sequence[str | Path]) -> dict[str, Any]:
+    out = dict(options)
+    if weight_dirs and "weight_dir" in section_model.model_fields:
+        out["weight_dir"] = [*out.get("weight_dir", []), *(str(Path(d).resolve()) for d in weight_dirs)]
+    return out

@@ -31,6 +31,11 @@ def shared_memory(config: MilesConfig) -> WeightTransport:
     return SharedMemoryTransport.from_config(config)
 
 
+# CUDA IPC: an engine opens the trainer's GPU memory, so with GPUs it must sit on that GPU
+# (a colocated placement); the run refuses a disaggregated one before anything starts
+shared_memory.needs_shared_gpu = True  # type: ignore[attr-defined]
+
+
 def broadcast(config: MilesConfig) -> WeightTransport:
     from miles_weights.broadcast import BroadcastTransport
 

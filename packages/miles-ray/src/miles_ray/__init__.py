@@ -1,0 +1,1 @@
+"""Miles on a Ray cluster: the ``ray`` executor (see README.md)."""

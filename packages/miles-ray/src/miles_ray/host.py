@@ -1,0 +1,89 @@
+"""`ProcessHost`: the Ray actor that runs a run's processes on its node.
+
+One host lives in each GPU bundle of the run's placement group (and one, pinned, on a node that
+runs processes without GPUs: the router beside the driver). It starts processes with ``Popen``
+exactly as the local executor does -- own process group, parent-death signal, output to a log file
+on its node -- and answers the driver's questions about them (alive? exit code? log bytes since
+offset N?). The driver copies the logs into ``<run>/logs`` (nodes need not share a filesystem).
+
+A host in a bundle is restarted by Ray (``max_restarts=-1``) when its node leaves and the bundle
+is placed elsewhere; it then knows no process, and the executor starts them again on it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from miles.executor.local import die_with_parent, terminate_group
+
+_READ_LIMIT = 1 << 20
+
+
+class ProcessHost:
+    """Starts, watches and stops processes on this actor's node (used as a Ray actor)."""
+
+    def __init__(self, run_id: str) -> None:
+        self.log_dir = Path(tempfile.gettempdir()) / "miles-ray-logs" / run_id
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._processes: dict[str, subprocess.Popen[bytes]] = {}
+        self._logs: dict[str, Path] = {}
+
+    def info(self) -> dict[str, Any]:
+        """Where this host runs: node id and address, GPU ids Ray gave it, its pid."""
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "address": ray.util.get_node_ip_address(),
+                "gpus": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
+
+    def free_port(self) -> int:
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            return int(probe.getsockname()[1])
+
+    def spawn(self, name: str, log_name: str, argv: Sequence[str], env: Mapping[str, str]) -> int:
+        """Start ``argv`` as process ``name``, its output in log ``log_name``; returns its pid."""
+        self.terminate(name)
+        path = self.log_dir / log_name
+        with path.open("ab") as log:
+            log.write(f"==== start {time.strftime('%H:%M:%S')} on {socket.gethostname()}: {' '.join(argv)}\n".encode())
+            log.flush()
+            process = subprocess.Popen(
+                list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, **env}, start_new_session=True,
+                # the actor's methods run on one long-lived thread, which the death signal is tied to
+                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
+            )
+        self._processes[name] = process
+        self._logs[log_name] = path
+        return process.pid
+
+    def poll(self, name: str) -> int | str | None:
+        """None while ``name`` runs, its exit status once it ended, ``"unknown"`` if this host never
+        started it (a host restarted on another node)."""
+        process = self._processes.get(name)
+        return "unknown" if process is None else process.poll()
+
+    def read_log(self, log_name: str, offset: int) -> bytes:
+        path = self._logs.get(log_name)
+        if path is None or not path.exists():
+            return b""
+        with path.open("rb") as log:
+            log.seek(offset)
+            return log.read(_READ_LIMIT)
+
+    def terminate(self, name: str, grace: float = 5.0) -> None:
+        process = self._processes.pop(name, None)
+        if process is not None:
+            terminate_group(process, grace)
+
+    def stop_all(self) -> None:
+        for name in reversed(list(self._processes)):
+            self.terminate(name)

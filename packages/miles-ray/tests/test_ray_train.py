@@ -1,0 +1,89 @@
+"""`miles train` on the ``ray`` executor over a real 2-node Ray cluster on this machine.
+
+The cluster (conftest) has a head with 2 stand-in GPUs (the custom resource ``miles_gpu``) and
+two more nodes with 1 each. Disaggregated, 2 trainer ranks and 1 engine take 3 of them: the ranks on
+the head (the first node), the engine on another node. Mid-run the engine's node is killed the way a
+machine dies; Ray places its bundle on the node left, the engine comes back there, the router
+follows it, and the run finishes. Afterwards no process of the run is left on any node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from ray_support import GPU, RAY_ENV
+
+pytestmark = pytest.mark.slow
+
+
+def _train(cluster, model: Path, out: Path, name: str, *extra: str) -> subprocess.Popen[str]:
+    args = [f"model.name={model}", f"run.output_dir={out}", f"run.name={name}", "rollout.prompts_per_step=2",
+            "rollout.samples_per_prompt=4", "rollout.max_new_tokens=12", "reward.name=f1", "data.options={digits: 1}",
+            "executor.name=ray", f"ray.address={cluster.address}", f"ray.gpu_resource={GPU}",
+            "executor.startup_timeout=300", *extra]
+    env = {**os.environ, **RAY_ENV, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, "-m", "miles.cli.main", "train", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _metrics(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
+                alive.append(pid)
+        except OSError:
+            pass
+    return alive
+
+
+def test_trainer_on_one_node_engine_on_another_and_a_lost_node_comes_back(ray_cluster, tiny_model, tmp_path) -> None:
+    run = tmp_path / "nodes"
+    proc = _train(ray_cluster, tiny_model, tmp_path, "nodes", "run.steps=3", "resources.trainer_ranks=2",
+                  "resources.colocate=false", "weights.transport=broadcast")
+    try:
+        deadline = time.monotonic() + 400
+        while len(_metrics(run)) < 1:
+            assert proc.poll() is None, proc.communicate()[0][-5000:]
+            assert time.monotonic() < deadline, "no step was logged"
+            time.sleep(0.5)
+        before = {row["name"]: row for row in json.loads((run / "services.json").read_text())}
+        # bundles in (node, GPU) order, the head first: both ranks on the head, the engine elsewhere
+        assert before["trainer-0"]["node_name"] == before["trainer-1"]["node_name"] == "head"
+        lost = before["engine-0"]["node_name"]
+        assert lost in ("a", "b") and before["router"]["node_name"] == "head"
+        # every process's log reached the run folder, whichever node it ran on
+        assert "miles engine:" in (run / "logs" / "engine-0.log").read_text()
+        assert (run / "logs" / "trainer-1.log").is_file()
+
+        # the engine's node dies, with every process on it; the other worker has room for its bundle
+        ray_cluster.kill(lost, also=[before["engine-0"]["pid"], before["engine-0"]["host_pid"]])
+        output, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-5000:]
+    metrics = _metrics(run)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["weights/version"] for m in metrics] == [1.0, 2.0, 3.0]
+    assert sum(m["weights/engines_restarted"] for m in metrics) == 1
+    after = {row["name"]: row for row in json.loads((run / "services.json").read_text())}
+    assert after["engine-0"]["restarts"] == 1 and after["engine-0"]["node_name"] not in (lost, "head")
+    assert "run completed" in output
+
+    pids = [row[key] for row in after.values() for key in ("pid", "host_pid") if row.get(key)]
+    deadline = time.monotonic() + 30
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _alive(pids), f"left behind: {_alive(pids)}"

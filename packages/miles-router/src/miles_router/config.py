@@ -1,0 +1,39 @@
+"""The ``router`` config section (registered by this package): how the router a run starts
+behaves. ``miles serve router`` validates its flags against the same model."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from miles.sections import Choice, Section
+from pydantic import Field, model_validator
+
+
+class RouterSection(Section):
+    middlewares: list[Annotated[str, Choice("router_middleware")]] = Field(default_factory=list)
+    health_interval: float = Field(default=5.0, gt=0, description="seconds between health probes of each worker")
+    failure_threshold: int = Field(default=3, ge=1, description="failures in a row that quarantine a worker")
+    middleware_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="options per middleware name, passed to its factory"
+    )
+    health_timeout: float = Field(default=5.0, gt=0, description="seconds a health probe may take")
+    request_timeout: float = Field(default=3600.0, gt=0, description="seconds an engine may take to answer one request")
+    max_attempts: int = Field(default=3, ge=1, description="engines one request may be tried on (failover)")
+    affinity_capacity: int = Field(default=100_000, ge=1, description="routing keys remembered for session affinity")
+    check_weight_version: bool = Field(
+        default=True, description="hold back a worker whose weight_version is behind the fleet's"
+    )
+    forward_client: Literal["lean", "httpx"] = Field(
+        default="lean", description="HTTP client for non-streamed requests: miles.http11 (fast) or httpx (honours "
+                                    "HTTP_PROXY; the baseline of `miles bench rollout-path`)"
+    )
+
+    @model_validator(mode="after")
+    def _options_name_a_middleware(self) -> RouterSection:
+        unused = sorted(set(self.middleware_options) - set(self.middlewares))
+        if unused:
+            raise ValueError(
+                f"middleware_options given for {unused} which are not in middlewares {self.middlewares}; "
+                "add them to router.middlewares or drop their options"
+            )
+        return self

@@ -1,0 +1,44 @@
+"""The router as a service of a run (registered as ``router`` through ``miles_register_services``):
+started in front of the run's engines with the ``router`` config section spelled out as flags.
+
+When an engine comes back at another address (its node left and the executor restarted it
+elsewhere), the running router swaps the worker (``/remove_worker``, ``/add_worker``) instead of
+being restarted, so requests in flight on the other engines are not lost.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import ClassVar
+
+from miles_contracts.cluster import ENGINE, ROUTER, ServiceLaunch
+
+_TIMEOUT_S = 30.0
+
+
+class RouterService:
+    role: ClassVar[str] = ROUTER
+    needs: ClassVar[tuple[str, ...]] = (ENGINE,)
+    health_path: ClassVar[str | None] = "/health"
+    config_sections: ClassVar[tuple[str, ...]] = ("router",)
+
+    def command(self, launch: ServiceLaunch) -> list[str]:
+        from miles_router.config import RouterSection
+        from miles_router.server import router_command
+
+        section = launch.config.section("router", RouterSection)
+        return router_command(list(launch.upstream.get(ENGINE, ())), port=launch.endpoint.port,
+                              host=launch.endpoint.host, section=section)
+
+    def upstream_moved(self, url: str, role: str, old: str, new: str) -> None:
+        import httpx
+
+        headers = {}
+        token = os.environ.get("MILES_AUTH_TOKEN")
+        if token:  # control routes take the run's token
+            headers["Authorization"] = f"Bearer {token}"
+        with httpx.Client(timeout=_TIMEOUT_S, headers=headers, trust_env=False) as client:
+            removed = client.post(f"{url}/remove_worker", params={"url": old})
+            if removed.status_code not in (200, 404):  # 404: already gone
+                removed.raise_for_status()
+            client.post(f"{url}/add_worker", params={"url": new}).raise_for_status()
