@@ -4,7 +4,7 @@
 # weights, so the model is built here with random weights, as for the throughput benchmarks).
 # `.whl` must hold a wheel of miles-longtail (its entry point registers the agent, the reward and the
 # command): rebuild the wheelhouse after merging it.
-#   bash scripts/h200/async_bench.sh x2    # nvidia-h200-x2: engine on GPU 0, trainer on GPU 1, NCCL broadcast
+#   bash scripts/h200/async_bench.sh x2    # nvidia-h200-x2: trainer and engine on a GPU each, NCCL broadcast
 #   bash scripts/h200/async_bench.sh x1    # nvidia-h200: engine and trainer share GPU 0, CUDA IPC
 # STEPS (default 8) and REPEATS (default 1) per mode; each run is a `miles train` child process; ~4 min
 # per repeat (3 runs, ~30 s of start-up each). One repeat per device call, TAG names its JSON:
@@ -32,9 +32,8 @@ EOF
 fi
 
 case $kind in
-  # The trainer takes GPU LOCAL_RANK (miles_fsdp.distributed.pick_device); engines started by the local
-  # executor take the first visible GPU. Placement by config arrives with the scale-out resources section.
-  x2) export LOCAL_RANK=1; placement=(--set weights.transport=broadcast) ;;
+  # Disaggregated (docs/design/process-model.md): the trainer rank on one GPU, the engine on the other.
+  x2) placement=(--set resources.colocate=false --set weights.transport=broadcast) ;;
   x1) placement=(--set weights.transport=shared_memory) ;;
   *) echo "unknown kind $kind (x1 or x2)"; exit 2 ;;
 esac

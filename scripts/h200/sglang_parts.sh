@@ -12,7 +12,7 @@
 #                   (~2 min on a fresh machine: SGLang's first start builds its JIT kernels)
 #   sync-ipc        `miles train` 2 steps, rollout.engine=sglang, weights.transport=shared_memory
 #                   (CUDA IPC, SGLang and FSDP on GPU 0), weights.check=true (~2 min)
-#   sync-broadcast  the same over NCCL broadcast, SGLang on GPU 1 (needs 2 GPUs; ~2 min)
+#   sync-broadcast  the same over NCCL broadcast, disaggregated: trainer and SGLang on a GPU each (needs 2 GPUs; ~2 min)
 #   train           the learning config (docs/benchmarks/learning.md) with rollout.engine=sglang,
 #                   STEPS steps (default 5), random weights (~3 min)
 #   bench           `miles bench engine`: SGLang against the embedded engine, same GPU, model, prompts
@@ -34,13 +34,12 @@ need_sglang() { [ -d /tmp/sg/sglang ] || { echo "SGLang is not unpacked in /tmp/
 need_model() { [ -f $MODEL/config.json ] || { echo "$MODEL is missing: run the prepare part first"; exit 2; }; }
 
 # A run config: the base YAML plus the sglang section with SGLang's environment (JSON is YAML).
-run_config() {  # out_file base_yaml gpu
-  python3 - "$1" "$2" "$3" "${SG_ENV[@]}" <<'PY'
+run_config() {  # out_file base_yaml  (the GPUs come from placement: resources, CUDA_VISIBLE_DEVICES by the executor)
+  python3 - "$1" "$2" "${SG_ENV[@]}" <<'PY'
 import json, sys, yaml
-out, base, gpu, *env = sys.argv[1:]
+out, base, *env = sys.argv[1:]
 cfg = yaml.safe_load(open(base)) if base != "-" else {}
 env = dict(kv.split("=", 1) for kv in env)
-env["CUDA_VISIBLE_DEVICES"] = gpu
 cfg.setdefault("rollout", {})["engine"] = "sglang"
 cfg["sglang"] = {"python": "python3", "env": env, "mem_fraction_static": 0.4, "attention_backend": "fa3"}
 cfg.pop("engine", None)  # the embedded engine's section: unused here
@@ -88,7 +87,7 @@ PY
       tar -C /tmp/sgjit -cJf "$OUT/sgjit.tar.xz" . 2>/dev/null && echo "JIT cache -> \$OUT/sgjit.tar.xz" ;;
     sync-ipc)
       need_sglang; need_model
-      run_config /tmp/sync.json - 0
+      run_config /tmp/sync.json -  # colocated (the default): trainer rank and engine on GPU 0
       miles_train sglang-sync-ipc /tmp/sync.json run.steps=2 data.source=arithmetic rollout.prompts_per_step=4 \
         rollout.samples_per_prompt=4 rollout.max_new_tokens=16 train.backend=fsdp fsdp.compile=false \
         weights.transport=shared_memory weights.check=true eval.every=0 ;;
@@ -96,13 +95,13 @@ PY
       need_sglang; need_model
       [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] || {
         echo "sync-broadcast: needs 2 GPUs (NCCL refuses two ranks on one): run on the nvidia-h200-x2 kind"; continue; }
-      run_config /tmp/sync.json - 1
+      run_config /tmp/sync.json -
       miles_train sglang-sync-broadcast /tmp/sync.json run.steps=2 data.source=arithmetic \
         rollout.prompts_per_step=4 rollout.samples_per_prompt=4 rollout.max_new_tokens=16 train.backend=fsdp \
-        fsdp.compile=false weights.transport=broadcast weights.check=true eval.every=0 ;;
+        fsdp.compile=false resources.colocate=false weights.transport=broadcast weights.check=true eval.every=0 ;;
     train)
       need_sglang; need_model
-      run_config /tmp/learning-sglang.json scripts/learning/arithmetic_h200.yaml 0
+      run_config /tmp/learning-sglang.json scripts/learning/arithmetic_h200.yaml
       miles_train sglang-learning /tmp/learning-sglang.json run.steps=$STEPS eval.every=0 run.export_hf=false ;;
     bench)
       need_sglang

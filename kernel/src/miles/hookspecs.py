@@ -219,7 +219,10 @@ def miles_register_chat_families(register: Register) -> None:
 def miles_register_train_backends(register: Register) -> None:
     """Register training backends (``train.backend``: fsdp, megatron).
 
-    The registered object is a factory ``(config: MilesConfig) -> TrainBackend``.
+    The registered object is a factory ``(config: MilesConfig) -> TrainBackend``. A factory whose
+    backends yield the full weights from ``named_weights()`` on trainer rank 0 only says so with an
+    attribute ``weights_on_rank0 = True``: the kernel then refuses layouts in which another rank
+    would push weights (colocated engines on other ranks' GPUs).
 
     :param register: ``register(name, factory)``.
     """

@@ -340,6 +340,11 @@ def place(config: MilesConfig, executor: Any, kernel: Kernel) -> Placement:
         raise ConfigError([f"weights.transport {config.weights.transport!r} hands CUDA memory to engines on the "
                            f"trainer's own GPU, but resources.colocate is false (engines have GPUs of their own); "
                            f"use weights.transport=broadcast, or resources.colocate=true"])
+    backend = kernel.train_backends().get(config.train.backend)
+    if getattr(backend, "weights_on_rank0", False) and any(plan.pushers):
+        raise ConfigError([f"train.backend {config.train.backend!r} yields the full weights on trainer rank 0 only, but "
+                           f"this layout has other ranks feed the engines on their GPUs (colocated); use "
+                           f"resources.colocate=false with weights.transport=broadcast"])
     if not plan.uses_gpus:
         return plan_placement(config.resources, executor.reserve(0))
     return plan_placement(config.resources, executor.reserve(gpus_needed(config.resources)))

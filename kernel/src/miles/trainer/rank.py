@@ -17,6 +17,7 @@ fails, so collectives stay in step.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import socket
 import traceback
@@ -95,7 +96,12 @@ class RankWorker:
         try:
             if not mine:
                 return None
-            return self._weight_transport().push(weights, targets=mine, version=version)
+            first = next(weights, None)
+            if first is None:  # pushing nothing would leave the engines' old weights under the new version
+                raise MilesError(f"trainer rank {self.rank} must push weights to {mine} but its backend yielded "
+                                 f"none (a backend that gathers weights on rank 0 only needs rank 0 to push: "
+                                 f"resources.colocate=false)")
+            return self._weight_transport().push(itertools.chain([first], weights), targets=mine, version=version)
         finally:
             weights.drain()
 

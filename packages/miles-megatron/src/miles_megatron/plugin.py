@@ -22,6 +22,11 @@ def create_backend(config: MilesConfig) -> TrainBackend:
     return MegatronBackend(config)
 
 
+# named_weights() gathers every shard to global rank 0 and yields nothing elsewhere, so only rank 0
+# can push: the kernel refuses layouts that would have another rank feed a colocated engine.
+create_backend.weights_on_rank0 = True  # type: ignore[attr-defined]
+
+
 @hookimpl
 def miles_register_train_backends(register: Register) -> None:
     register("megatron", create_backend)
