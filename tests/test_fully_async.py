@@ -67,8 +67,10 @@ def test_a_trajectory_spanning_a_weight_update_keeps_its_first_tokens_records_tw
     import torch
     from miles.builtin.generators import single_turn
     from miles.engine_client import HttpEngineClient
+    from miles.executor.local import LocalExecutor
     from miles.kernel import Kernel
     from miles.loop.learner import Learner
+    from miles.loop.runner import place
     from miles.loop.services import start_services
     from miles_contracts import GenerateContext, Sample, TrainBatch
     from miles_contracts.wire.engine import SamplingParams
@@ -82,8 +84,9 @@ def test_a_trajectory_spanning_a_weight_update_keeps_its_first_tokens_records_tw
     backend = kernel.train_backends().get("fsdp")(config)
     transport = kernel.weight_transports().get("shared_memory")(config)
     learner = Learner(config, kernel, backend, tokenizer.pad_token_id)
-    services = start_services(config, kernel, tiny_model, tmp_path)
+    executor = LocalExecutor(tmp_path, startup_timeout=120)
     try:
+        services = start_services(config, kernel, tiny_model, executor, place(config, executor, kernel), tmp_path)
         services.wait_ready(120)
         engine = RecordingEngine(HttpEngineClient(services.router_url))
         engine_url = next(iter(services.engine_urls.values()))
@@ -111,7 +114,7 @@ def test_a_trajectory_spanning_a_weight_update_keeps_its_first_tokens_records_tw
         warmup, long = asyncio.run(scenario())
     finally:
         transport.close()
-        services.executor.shutdown()
+        executor.shutdown()
 
     first, second = engine.calls[-2], engine.calls[-1]
     assert first[1].meta_info.finish_reason.type == "abort"  # the update paused the engine mid-generation
@@ -144,7 +147,9 @@ async def _until_decoding(engine_url: str, steps: int, timeout: float = 60.0) ->
     import httpx
 
     deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient(base_url=engine_url) as http:
+    from miles_contracts.wire.auth import auth_headers
+
+    async with httpx.AsyncClient(base_url=engine_url, headers=auth_headers()) as http:
         start = (await http.get("/get_server_info")).json()["stats"]["decode_steps"]
         while time.monotonic() < deadline:
             if (await http.get("/get_server_info")).json()["stats"]["decode_steps"] >= start + steps:

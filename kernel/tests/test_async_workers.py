@@ -81,3 +81,44 @@ def test_a_worker_error_stops_the_trainer_and_the_finished_groups_are_kept() -> 
         assert {0, 1} <= kept and 2 not in kept
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+
+
+async def refused(sample: Sample, ctx: object) -> Sample:
+    sample.tokens = [1, 2]
+    return sample.finish(Status.ABORTED, ExitReason.ENGINE_ERROR, "engine answered HTTP 401")
+
+
+def test_a_run_whose_every_group_aborts_stops_with_the_reason() -> None:
+    """Engines that refuse every request must not leave the trainer waiting forever."""
+    from types import SimpleNamespace
+
+    from miles.errors import MilesError
+    from miles.loop.fully_async import _take
+
+    class Refused:
+        @hookimpl
+        def miles_register_generators(self, register):
+            register("refused", refused)
+
+    kernel = Kernel.load(PluginSelection(enable=("core", "data", "filters", "generators", "rewards")))
+    if "refused" not in {i.name for i in kernel.plugins()}:
+        kernel.register_plugin(Refused(), "refused")
+    config = MilesConfig(run=RunSection(mode="fully_async"), algorithm=AlgorithmSection(correction="tis"),
+                         rollout=RolloutSection(generator="refused", samples_per_prompt=2, prompts_per_step=2,
+                                                concurrency=4))
+    manager = RolloutManager(config, kernel, open_data_source(config.data, kernel), engine=None, tokenizer=None)
+    buffer = GroupBuffer(4)
+    workers = RolloutWorkers(manager, buffer, version=lambda: 0)
+    messages: list[str] = []
+    run = SimpleNamespace(config=config, step=1, version=0, progress=SimpleNamespace(message=messages.append))
+
+    async def scenario() -> None:
+        workers.start()
+        try:
+            with pytest.raises(MilesError, match="every group that finished was aborted.*HTTP 401"):
+                await _take(run, buffer, workers, report_every=0.2)
+        finally:
+            await workers.stop()
+
+    asyncio.run(scenario())
+    assert len(messages) == 2  # it said what it was waiting on before giving up

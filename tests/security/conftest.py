@@ -35,8 +35,8 @@ def engine(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest.fixture(scope="session")
 def router(engine: Served) -> Iterator[Served]:
-    from miles.sections import RouterSection
     from miles_router import RouterServer
+    from miles_router.config import RouterSection
 
     with RouterServer([engine.url], section=RouterSection(health_interval=0.2, health_timeout=5.0)) as server, \
             httpx.Client(base_url=server.url, timeout=60, headers=auth_headers()) as client:

@@ -117,6 +117,7 @@ class GroupBuffer:
         self._changed = asyncio.Condition()
         self._error: BaseException | None = None
         self._closed = False
+        self.last_abort: str | None = None  # why the last aborted group's first sample ended
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -142,6 +143,9 @@ class GroupBuffer:
         """Admit ``group``; returns what became of it: ``queued``, ``filtered_<reason>``,
         ``aborted_recycled`` or ``aborted_dropped``. Waits while the buffer is full."""
         if group.aborted:
+            first = group.samples[0] if group.samples else None
+            if first is not None:
+                self.last_abort = f"{first.status.value}: {first.exit_detail or first.exit_reason}"[:300]
             return await self._settled(self._set_aside(group, "aborted"))
         reason = self.admit(group.samples) if self.admit is not None else None
         if reason is not None:

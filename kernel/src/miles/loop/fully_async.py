@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles_contracts import Sample
 
+from miles.errors import MilesError
 from miles.filtering import apply_filters
 from miles.loop.buffer import Admit, Group, GroupBuffer
 from miles.loop.producer import RolloutWorkers
@@ -81,19 +82,30 @@ async def run_fully_async(run: Run) -> None:
                          tokens=cfg.run.dump_tokens)
 
 
-async def _take(run: Run, buffer: GroupBuffer, workers: RolloutWorkers, report_every: float = 60.0) -> list[Group]:
+async def _take(run: Run, buffer: GroupBuffer, workers: RolloutWorkers, report_every: float = 60.0,
+                aborted_windows: int = 2) -> list[Group]:
     """The next batch; says what the trainer is waiting on when that takes long (filters dropping
-    every group would otherwise look like a hang)."""
+    every group would otherwise look like a hang), and stops the run when for ``aborted_windows``
+    reports in a row every group that finished was aborted (engines that refuse every request: the
+    run would otherwise wait forever on groups that never come)."""
     wanted = run.config.rollout.prompts_per_step
+    waited = 0
     while True:
         try:
             return await asyncio.wait_for(buffer.take(wanted, run.version), timeout=report_every)
         except TimeoutError:  # take() put back what it had: nothing is lost by asking again
             pending = dict(buffer.counts)
+            waited += 1
             run.progress.message(
                 f"step {run.step}: waiting for {wanted} groups: {len(buffer)} queued, {workers.in_flight} samples "
                 f"in flight, since the last batch {pending or 'nothing finished'}"
             )
+            only_aborted = any(k.startswith("aborted_") for k in pending) and not any(
+                k == "queued" or k.startswith("filtered_") for k in pending)
+            if only_aborted and waited >= aborted_windows:
+                raise MilesError(f"step {run.step}: for {waited * report_every:.0f} s every group that finished was "
+                                 f"aborted ({pending}); the last one: {buffer.last_abort}. Unused groups are kept in "
+                                 f"<run>/unconsumed/")
 
 
 def filter_pipeline(names: Sequence[str], kernel: Kernel) -> Admit:

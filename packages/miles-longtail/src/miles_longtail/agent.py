@@ -32,8 +32,9 @@ class LongTailAgent:
         messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         body = dict(request_kwargs)
         body.update(body.pop("extra_body", None) or {})  # what an OpenAI client would merge in
-        # Requests carry no Authorization header: the session server of this branch takes none.
-        async with httpx.AsyncClient(base_url=base_url, timeout=None) as http:
+        # the session's own key (what an OpenAI client sends as its api_key), not the run's token
+        headers = {"Authorization": f"Bearer {metadata['api_key']}"} if metadata.get("api_key") else {}
+        async with httpx.AsyncClient(base_url=base_url, timeout=None, headers=headers) as http:
             for turn, budget in enumerate(plan.tokens):
                 if turn:
                     await asyncio.sleep(plan.latencies[turn - 1])

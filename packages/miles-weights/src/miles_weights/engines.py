@@ -147,5 +147,22 @@ class EngineCalls:
     def post_all(self, urls: Sequence[str], path: str, body: Any = None, *, step: str) -> dict[str, dict[str, Any]]:
         return self.collect(self.submit(urls, "POST", path, body, step=step))
 
+    def flush_all(self, urls: Sequence[str], *, step: str) -> list[str]:
+        """``POST /flush_cache`` on every engine; returns the engines that declined with 400 because
+        requests were queued (SGLang's rule, which the embedded engine follows); other failures raise."""
+        futures = {url: self._pool.submit(self._client.post, url + "/flush_cache") for url in urls}
+        declined = []
+        for url, future in futures.items():
+            try:
+                response = future.result()
+            except httpx.HTTPError as exc:
+                raise WeightSyncError(f"{step}: cannot reach engine {url} ({exc}); check that it is running") from exc
+            if response.status_code == 400:
+                declined.append(url)
+            elif response.status_code >= 400:
+                raise WeightSyncError(f"{step}: engine {url} rejected POST /flush_cache with HTTP "
+                                      f"{response.status_code}: {_detail(response)}")
+        return declined
+
     def get_all(self, urls: Sequence[str], path: str, *, step: str) -> dict[str, dict[str, Any]]:
         return self.collect(self.submit(urls, "GET", path, step=step))

@@ -4,10 +4,10 @@
 
     stage buckets (disk: write safetensors)           engines still generate
     pause_generation(mode)                            -- engines stop here --
+    flush_cache (mode abort only)                     KV computed with old weights is void
     [check mode, first sync of an engine: embedded engine: fill_weights_noise, remember its
      checksums; SGLang: weights_checker snapshot, then reset_tensors]
     deliver buckets (disk: one load; shared memory: one call per bucket; broadcast: one collective per bucket, or per tensor)
-    flush_cache (mode abort only)                     KV computed with old weights is void
     [check mode: embedded engine: every sent tensor's checksum equals the trainer's, nothing left
      as noise; SGLang (first sync): weights_checker compare]
     update_weight_version(version)                    only once every bucket landed
@@ -19,8 +19,14 @@ and the version is set only after every bucket landed: no generated token carrie
 weights its engine does not fully hold. When a step fails, the engines stay paused (see
 :class:`~miles_weights.errors.WeightSyncError`).
 
-SGLang flushes only a fully idle engine (it answers 400 otherwise), so the flush is sent after a
-pause in mode ``abort`` only: ``retract`` keeps the paused requests queued (their KV was dropped
+Nothing runs while the engines are paused, so the flush comes right after the pause. SGLang
+flushes only a fully idle engine (it answers 400 otherwise), so the flush is sent after a pause in
+mode ``abort`` only, and a 400 is not a failure: with partial rollout (``run.mode: fully_async``)
+a generation the pause aborted is sent again at once and waits in the engine's queue. That request
+holds no KV; the embedded engine keeps none across requests, so nothing computed with old weights
+survives there. SGLang's radix cache would keep its old prefix entries when it declines: runs with
+partial rollout on SGLang set ``sglang.disable_radix_cache: true`` (docs/design/async.md). A
+declined flush is logged once per engine. The pause modes: ``retract`` keeps the paused requests queued (their KV was dropped
 when they were retracted; they are prefilled again with the new weights) and ``in_place`` keeps
 their KV on purpose. ``update_weight_version`` says ``abort_all_requests: false``: SGLang's default
 would abort the requests a ``retract`` or ``in_place`` pause holds.
@@ -34,6 +40,7 @@ engine are not checked.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
@@ -47,6 +54,8 @@ from miles_weights.checksums import TensorTally, compare_checksums
 from miles_weights.engine_info import EngineInfo
 from miles_weights.engines import EngineCalls, normalize_targets
 from miles_weights.errors import WeightCheckError, WeightSyncError
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -116,6 +125,7 @@ class BucketedTransport(ABC):
         self._snapshotted: set[str] = set()  # SGLang engines whose first sync check mode is proving now
         self._engines: dict[str, EngineInfo] = {}
         self._closed = False
+        self._declined_flush: set[str] = set()
 
     # ------------------------------------------------------------------ the protocol
 
@@ -137,11 +147,11 @@ class BucketedTransport(ABC):
             paused = time.perf_counter()
             self._calls.post_all(urls, "/pause_generation", {"mode": self.options.pause_mode},
                                  step=f"version {version}: pause generation")
+            if self.options.pause_mode == "abort":
+                self._note_declined_flush(self._calls.flush_all(urls, step=f"version {version}: flush cache"))
             if self.options.check:
                 self._fill_noise([url for url in urls if url not in self._noise], version)
             num_buckets = self._deliver(staged, urls, version)
-            if self.options.pause_mode == "abort":
-                self._calls.post_all(urls, "/flush_cache", step=f"version {version}: flush cache")
             if self.options.check:
                 self._verify(urls, tally, version)
             self._calls.post_all(urls, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False},
@@ -151,6 +161,13 @@ class BucketedTransport(ABC):
         end = time.perf_counter()  # after the staged files are cleaned up
         return TransferReport(version=version, num_tensors=tally.count, num_bytes=tally.nbytes, seconds=end - start,
                               num_buckets=num_buckets, paused_seconds=resumed - paused)
+
+    def _note_declined_flush(self, urls: list[str]) -> None:
+        for url in urls:
+            if url not in self._declined_flush:
+                self._declined_flush.add(url)
+                log.warning("engine %s declined /flush_cache: requests were queued during the pause (partial "
+                            "rollout sends aborted generations again at once); they hold no KV", url)
 
     def close(self) -> None:
         if not self._closed:
