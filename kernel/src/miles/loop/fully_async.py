@@ -105,7 +105,7 @@ async def _take(run: Run, buffer: GroupBuffer, workers: RolloutWorkers, report_e
             if only_aborted and waited >= aborted_windows:
                 raise MilesError(f"step {run.step}: for {waited * report_every:.0f} s every group that finished was "
                                  f"aborted ({pending}); the last one: {buffer.last_abort}. Unused groups are kept in "
-                                 f"<run>/unconsumed/")
+                                 f"<run>/unconsumed/") from None
 
 
 def filter_pipeline(names: Sequence[str], kernel: Kernel) -> Admit:
