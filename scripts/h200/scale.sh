@@ -15,12 +15,15 @@ source scripts/h200/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 WORK=/tmp/scale; mkdir -p "$WORK"
 STEPS=${STEPS:-20}  # EXTRA="key=value ..." adds overrides to every part
+# MODEL: /tmp/smol (model.sh: the real SmolLM2) or any folder of that shape, e.g. the random-weight
+# /tmp/sgmodel of sglang_parts.sh prepare: step times do not depend on what the weights learned
+MODEL=${MODEL:-/tmp/smol}
 CFG=scripts/learning/arithmetic_h200.yaml
 run_part() {  # name, overrides...
   local name=$1; shift
   local start=$SECONDS
   rm -rf /tmp/runs/$name
-  timeout 480 miles train $CFG model.name=/tmp/smol run.output_dir=/tmp/runs run.name=$name run.steps=$STEPS \
+  timeout 480 miles train $CFG model.name=$MODEL run.output_dir=/tmp/runs run.name=$name run.steps=$STEPS \
     eval.every=0 run.export_hf=false "$@" ${EXTRA:-} >"$WORK/$name.log" 2>&1
   local code=$?
   echo "$name: exit $code in $((SECONDS - start)) s"

@@ -15,7 +15,8 @@
 #   sync-broadcast  the same over NCCL broadcast, disaggregated: trainer and SGLang on a GPU each (needs 2 GPUs; ~2 min)
 #   train           the learning config (docs/benchmarks/learning.md) with rollout.engine=sglang,
 #                   STEPS steps (default 5), random weights (~3 min)
-#   bench           `miles bench engine`: SGLang against the embedded engine, same GPU, model, prompts
+#   bench           `miles bench engine`: SGLang, the embedded engine and transformers `generate`, same GPU,
+#                   model, prompts (also the embedded-vs-generate numbers of engine.md)
 #                   (docs/benchmarks/engine.md; ~4 min)
 set -u
 source scripts/h200/env.sh
@@ -107,7 +108,7 @@ PY
       need_sglang
       start=$SECONDS
       CUDA_VISIBLE_DEVICES=0 miles bench engine --model .benchcfg --random-weights --device cuda \
-        --systems embedded sglang --concurrency 1 32 128 256 --repeats 3 \
+        --systems embedded sglang generate --concurrency 1 32 128 --repeats 3 \
         --sglang-python python3 --sglang-env "${SG_ENV[@]}" --out "$OUT/engine-sglang-h200.json" >"$OUT/bench.log" 2>&1
       echo "bench: exit $? in $((SECONDS - start)) s"
       grep -E 'tok/s' "$OUT/bench.log" | tail -12
