@@ -44,7 +44,9 @@ def main() -> int:
     section = SGLangSection(python=args.sglang_python, env=dict(kv.split("=", 1) for kv in args.sglang_env),
                             attention_backend=args.attention_backend, mem_fraction_static=args.mem_fraction_static,
                             disable_radix_cache=not args.radix_cache, enable_memory_saver=args.memory_saver,
-                            log_level="info")
+                            log_level="info",
+                            # the trimmed SGLang of ../shared/device/sglang.sh has no xgrammar
+                            sglang_args=["--grammar-backend", "none"])
     spec = EngineSpec(model_path=args.model, port=args.port)
     plan = launch_plan(spec, section, token=token)
     print("launch:", " ".join(a if a != token else "<token>" for a in plan.command()), flush=True)

@@ -42,7 +42,8 @@ out, base, *env = sys.argv[1:]
 cfg = yaml.safe_load(open(base)) if base != "-" else {}
 env = dict(kv.split("=", 1) for kv in env)
 cfg.setdefault("rollout", {})["engine"] = "sglang"
-cfg["sglang"] = {"python": "python3", "env": env, "mem_fraction_static": 0.4, "attention_backend": "fa3"}
+cfg["sglang"] = {"python": "python3", "env": env, "mem_fraction_static": 0.4, "attention_backend": "fa3",
+                 "sglang_args": ["--grammar-backend", "none"]}  # the trimmed SGLang has no xgrammar
 cfg.pop("engine", None)  # the embedded engine's section: unused here
 json.dump(cfg, open(out, "w"), indent=1)
 PY
