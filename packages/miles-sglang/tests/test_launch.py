@@ -90,6 +90,16 @@ def test_sglang_runs_in_its_own_environment():
     assert LaunchPlan(["python"]).command() == ["python"]
 
 
+def test_a_high_port_gets_a_grpc_port_sglang_accepts():
+    # SGLang checks --port + 10000 <= 65535 at start-up even with its gRPC server off; the GPU run
+    # that found this got port 58493 from the executor.
+    high = launch_plan(EngineSpec(model_path="/m", port=58493), SGLangSection())
+    assert high.env == {"SGLANG_GRPC_PORT": "48493"}
+    assert launch_plan(EngineSpec(model_path="/m", port=55535), SGLangSection()).env == {}
+    chosen = launch_plan(EngineSpec(model_path="/m", port=60000), SGLangSection(env={"SGLANG_GRPC_PORT": "40000"}))
+    assert chosen.env == {"SGLANG_GRPC_PORT": "40000"}  # the user's own choice stays
+
+
 def test_bad_layouts_and_clashing_args_are_refused():
     with pytest.raises(ValueError, match="ep_size"):
         SGLangSection(tp_size=4, ep_size=3)

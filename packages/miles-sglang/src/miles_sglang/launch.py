@@ -80,12 +80,20 @@ def launch_plan(spec: EngineSpec, section: SGLangSection, *, token: str | None =
         argv += ["--api-key", token]
     argv += list(section.sglang_args)
     env = dict(section.env)
+    if spec.port + _GRPC_OFFSET > 65535 and "SGLANG_GRPC_PORT" not in env:
+        # SGLang 0.5.13 derives its native gRPC port as --port + 10000 and refuses to start when that
+        # passes 65535, even with gRPC off (sgl-project/sglang#29416); the executor's free ports can
+        # be that high. Off by default, the gRPC port is only checked: give it one that passes.
+        env["SGLANG_GRPC_PORT"] = str(spec.port - _GRPC_OFFSET)
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     # Another Python is another environment: Miles' own PYTHONPATH must not reach it (its
     # transformers would shadow SGLang's), unless the section gives SGLang one of its own.
     unset = ("PYTHONPATH",) if section.python and "PYTHONPATH" not in env else ()
     return LaunchPlan(argv, env, unset)
+
+
+_GRPC_OFFSET = 10000
 
 
 def gpus_needed(section: SGLangSection) -> int:
