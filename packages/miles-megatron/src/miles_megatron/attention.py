@@ -49,14 +49,22 @@ class _GatherChunks(torch.autograd.Function):
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout: float) -> torch.Tensor:
     """``q: [h, lq, d]`` against ``k, v: [g, lk, d]`` (``lk >= lq``), causal with the diagonal at the
-    bottom right (the queries are the last ``lq`` positions of the keys' span)."""
-    lq, lk = q.shape[1], k.shape[1]
-    if lq == lk:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout, enable_gqa=True)
-    from torch.nn.attention.bias import causal_lower_right
+    bottom right (the queries are the last ``lq`` positions of the keys' span).
 
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(lq, lk), scale=scale,
-                                          dropout_p=dropout, enable_gqa=True)
+    The inputs get a batch dimension of 1: PyTorch's fused kernels (flash, memory-efficient) take
+    4-D tensors only, and 3-D ones silently go to the math kernel, which materialises the
+    ``[h, lq, lk]`` score matrix per layer (it ran a 16K-token row out of the H200's 140 GB).
+    """
+    lq, lk = q.shape[1], k.shape[1]
+    q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    if lq == lk:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout, enable_gqa=True)
+    else:
+        from torch.nn.attention.bias import causal_lower_right
+
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(lq, lk), scale=scale,
+                                             dropout_p=dropout, enable_gqa=True)
+    return out.squeeze(0)
 
 
 class TorchAttention(MegatronModule):
