@@ -12,6 +12,7 @@
 #                   (~2 min on a fresh machine: SGLang's first start builds its JIT kernels)
 #   sync-ipc        `miles train` 2 steps, rollout.engine=sglang, weights.transport=shared_memory
 #                   (CUDA IPC, SGLang and FSDP on GPU 0), weights.check=true (~2 min)
+#   sync-megatron   sync-ipc with train.backend=megatron (~2 min)
 #   sync-broadcast  the same over NCCL broadcast, disaggregated: trainer and SGLang on a GPU each (needs 2 GPUs; ~2 min)
 #   train           the learning config (docs/benchmarks/learning.md) with rollout.engine=sglang,
 #                   STEPS steps (default 5), random weights (~3 min)
@@ -92,6 +93,12 @@ PY
       run_config /tmp/sync.json -  # colocated (the default): trainer rank and engine on GPU 0
       miles_train sglang-sync-ipc /tmp/sync.json run.steps=2 data.source=arithmetic rollout.prompts_per_step=4 \
         rollout.samples_per_prompt=4 rollout.max_new_tokens=16 train.backend=fsdp fsdp.compile=false \
+        weights.transport=shared_memory weights.check=true eval.every=0 ;;
+    sync-megatron)
+      need_sglang; need_model
+      run_config /tmp/sync.json -  # as sync-ipc, trained by the megatron backend
+      miles_train sglang-sync-megatron /tmp/sync.json run.steps=2 data.source=arithmetic rollout.prompts_per_step=4 \
+        rollout.samples_per_prompt=4 rollout.max_new_tokens=16 train.backend=megatron \
         weights.transport=shared_memory weights.check=true eval.every=0 ;;
     sync-broadcast)
       need_sglang; need_model

@@ -224,7 +224,7 @@ class Run:
         except TrainerCallError as exc:
             # an engine may have died during the push: once the supervisor has it back, push again
             self.progress.message(f"weight sync of version {self.version} failed ({exc}); retrying once engines are healthy")
-            waited += self.services.wait_ready(self.config.executor.startup_timeout)
+            waited += self.services.wait_ready(self.config.executor.startup_timeout, probe=True)
             targets = list(self.services.engine_urls.values())  # a restarted engine may have moved
             report = self.trainer.push_weights(targets, self.version)
         restarted = self.services.take_stale()

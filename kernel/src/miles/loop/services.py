@@ -50,6 +50,7 @@ class Services:
     planned: dict[str, Planned]  # process name -> what it runs
     urls: dict[str, str] = field(default_factory=dict)  # process name -> base URL
     stale_engines: set[str] = field(default_factory=set)  # restarted, waiting for weights
+    unconfirmed: set[str] = field(default_factory=set)  # restarted, not yet seen healthy
     restarts: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -80,11 +81,16 @@ class Services:
             self.stale_engines.clear()
             return names
 
-    def wait_ready(self, timeout: float = 600.0, *, router: bool = False) -> float:
+    def wait_ready(self, timeout: float = 600.0, *, router: bool = False, probe: bool = False) -> float:
         """Block until every engine process is alive and healthy (the supervisor may be restarting
         one), and with ``router`` until the router serves too (it re-admits a restarted engine at
         its next probe; a rollout started before would see every request refused); returns the
-        seconds waited. Raises :class:`MilesError` after ``timeout``."""
+        seconds waited. Raises :class:`MilesError` after ``timeout``.
+
+        An engine seen healthy since its last start and still alive is not asked again unless
+        ``probe``: the supervisor restarts a process that dies, and a health request is not free
+        on every engine (SGLang's ``/health`` runs a one-token generation: ~1 s, which this wait,
+        called before every rollout and weight sync, used to add to each step)."""
         start = time.monotonic()
         pending = set(self.engine_urls)
         if router:
@@ -92,8 +98,13 @@ class Services:
         while pending:
             for name in list(pending):
                 url = self.urls.get(name)
-                if url is not None and self.executor.alive(name) and _healthy(url):
+                if url is None or not self.executor.alive(name):
+                    continue
+                trusted = not probe and self.planned[name].role == ENGINE and name not in self.unconfirmed
+                if trusted or _healthy(url):
                     pending.discard(name)
+                    with self._lock:
+                        self.unconfirmed.discard(name)
             if pending:
                 if time.monotonic() - start > timeout:
                     raise MilesError(f"engine(s) {', '.join(sorted(pending))} not healthy after {timeout:.0f} s; "
@@ -116,6 +127,8 @@ class Services:
         old = self.urls.get(name)
         # no health wait here: every dead process of one sweep is started at once, and the loop
         # waits for healthy engines (wait_ready) before it generates or syncs again
+        with self._lock:
+            self.unconfirmed.add(name)
         endpoint = self.executor.restart(name, wait=False)
         self.urls[name] = endpoint.url
         if planned.role == ENGINE:
