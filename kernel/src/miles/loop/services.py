@@ -51,6 +51,7 @@ class Services:
     urls: dict[str, str] = field(default_factory=dict)  # process name -> base URL
     stale_engines: set[str] = field(default_factory=set)  # restarted, waiting for weights
     unconfirmed: set[str] = field(default_factory=set)  # restarted, not yet seen healthy
+    _starts: dict[str, int] = field(default_factory=dict)  # process name -> restarts so far
     restarts: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -100,11 +101,16 @@ class Services:
                 url = self.urls.get(name)
                 if url is None or not self.executor.alive(name):
                     continue
-                trusted = not probe and self.planned[name].role == ENGINE and name not in self.unconfirmed
-                if trusted or _healthy(url):
+                with self._lock:
+                    restarted = name in self.unconfirmed
+                    starts = self._starts.get(name, 0)
+                if not probe and not restarted and self.planned[name].role == ENGINE:
+                    pending.discard(name)  # seen healthy since its last start, and alive
+                elif _healthy(url):
                     pending.discard(name)
-                    with self._lock:
-                        self.unconfirmed.discard(name)
+                    with self._lock:  # unless it died and restarted while it was being asked
+                        if self._starts.get(name, 0) == starts:
+                            self.unconfirmed.discard(name)
             if pending:
                 if time.monotonic() - start > timeout:
                     raise MilesError(f"engine(s) {', '.join(sorted(pending))} not healthy after {timeout:.0f} s; "
@@ -129,6 +135,7 @@ class Services:
         # waits for healthy engines (wait_ready) before it generates or syncs again
         with self._lock:
             self.unconfirmed.add(name)
+            self._starts[name] = self._starts.get(name, 0) + 1
         endpoint = self.executor.restart(name, wait=False)
         self.urls[name] = endpoint.url
         if planned.role == ENGINE:
