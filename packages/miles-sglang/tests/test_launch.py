@@ -26,6 +26,7 @@ from miles_sglang import LaunchPlan, SGLangEngine, SGLangSection, launch_plan
 from miles_sglang.launch import SGLangService
 
 SPEC = EngineSpec(model_path="/models/qwen3-30b-a3b", port=30001, host="127.0.0.1", dtype="bfloat16")
+QUIET_HEALTH = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}  # /health without a generation
 
 
 def flags(argv: list[str]) -> dict[str, str | bool]:
@@ -55,7 +56,7 @@ def test_layouts(layout, gpus, expected):
     assert {k: got.get(k) for k in expected} == expected
     assert got["--model-path"] == SPEC.model_path and got["--port"] == "30001" and got["--host"] == "127.0.0.1"
     assert got["--dtype"] == "bfloat16" and got["--api-key"] == "s3cret" and got["--weight-version"] == "0"
-    assert plan.env == {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} and plan.unset == ()
+    assert plan.env == {"CUDA_VISIBLE_DEVICES": ",".join(gpus), **QUIET_HEALTH} and plan.unset == ()
 
 
 def test_every_option_becomes_its_flag_and_extra_args_come_last():
@@ -80,13 +81,15 @@ def test_every_option_becomes_its_flag_and_extra_args_come_last():
 
 
 def test_sglang_runs_in_its_own_environment():
-    own = launch_plan(SPEC, SGLangSection(python="/opt/sg/bin/python"))
+    own = launch_plan(SPEC, SGLangSection(python="/opt/sg/bin/python", health_generates=True))
     assert own.argv[0] == "/opt/sg/bin/python" and own.unset == ("PYTHONPATH",)
     assert own.command()[:4] == ["env", "-u", "PYTHONPATH", "/opt/sg/bin/python"]
     assert own.environment({"PYTHONPATH": "/tmp/site", "HOME": "/root"}) == {"HOME": "/root"}
     paths = launch_plan(SPEC, SGLangSection(python="/usr/bin/python3", env={"PYTHONPATH": "/tmp/sg"}))
-    assert paths.unset == () and paths.environment({"PYTHONPATH": "/tmp/site"}) == {"PYTHONPATH": "/tmp/sg"}
-    assert paths.command()[:3] == ["env", "PYTHONPATH=/tmp/sg", "/usr/bin/python3"]
+    assert paths.unset == ()
+    assert paths.environment({"PYTHONPATH": "/tmp/site"}) == {"PYTHONPATH": "/tmp/sg", **QUIET_HEALTH}
+    assert paths.command()[:4] == ["env", "PYTHONPATH=/tmp/sg", "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false",
+                                   "/usr/bin/python3"]
     assert LaunchPlan(["python"]).command() == ["python"]
 
 
@@ -94,10 +97,19 @@ def test_a_high_port_gets_a_grpc_port_sglang_accepts():
     # SGLang checks --port + 10000 <= 65535 at start-up even with its gRPC server off; the GPU run
     # that found this got port 58493 from the executor.
     high = launch_plan(EngineSpec(model_path="/m", port=58493), SGLangSection())
-    assert high.env == {"SGLANG_GRPC_PORT": "48493"}
-    assert launch_plan(EngineSpec(model_path="/m", port=55535), SGLangSection()).env == {}
+    assert high.env == {"SGLANG_GRPC_PORT": "48493", **QUIET_HEALTH}
+    assert launch_plan(EngineSpec(model_path="/m", port=55535), SGLangSection()).env == QUIET_HEALTH
     chosen = launch_plan(EngineSpec(model_path="/m", port=60000), SGLangSection(env={"SGLANG_GRPC_PORT": "40000"}))
-    assert chosen.env == {"SGLANG_GRPC_PORT": "40000"}  # the user's own choice stays
+    assert chosen.env == {"SGLANG_GRPC_PORT": "40000", **QUIET_HEALTH}  # the user's own choice stays
+
+
+def test_health_does_not_generate_unless_asked():
+    # The router's /health probes, every few seconds, would each add a greedy one-token request to
+    # the rollout's batch (~1 s each, and a sampling path SGLang JIT-builds on first use).
+    assert launch_plan(SPEC, SGLangSection()).env == QUIET_HEALTH
+    assert launch_plan(SPEC, SGLangSection(health_generates=True)).env == {}  # SGLang's own default
+    own = launch_plan(SPEC, SGLangSection(env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "1"}))
+    assert own.env == {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "1"}  # sglang.env wins
 
 
 def test_bad_layouts_and_clashing_args_are_refused():
@@ -119,7 +131,8 @@ def test_the_kernel_starts_sglang_from_the_run_config():
                        kernel=kernel)
     launch = ServiceLaunch(cfg, "/m", Endpoint("127.0.0.1", 5), gpus=2)
     argv = SGLangService({"MILES_AUTH_TOKEN": "tok"}).command(launch)
-    assert argv[:4] == ["env", "-u", "PYTHONPATH", "/opt/sg/bin/python"]
+    assert argv[:5] == ["env", "-u", "PYTHONPATH", "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false",
+                        "/opt/sg/bin/python"]
     assert flags(argv)["--tp-size"] == "2" and flags(argv)["--api-key"] == "tok" and flags(argv)["--port"] == "5"
     with pytest.raises(ValueError, match="resources.gpus_per_engine=2"):  # placement gave it one GPU
         SGLangService({}).command(ServiceLaunch(cfg, "/m", Endpoint("127.0.0.1", 5), gpus=1))

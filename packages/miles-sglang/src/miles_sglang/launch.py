@@ -56,6 +56,10 @@ class LaunchPlan:
         return ["env", *removals, *(f"{key}={value}" for key, value in sorted(self.env.items())), *self.argv]
 
 
+_GRPC_OFFSET = 10000  # SGLang's native gRPC port is --port + this
+_HEALTH_GENERATION = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
+
+
 def launch_plan(spec: EngineSpec, section: SGLangSection, *, token: str | None = None,
                 gpus: Sequence[int | str] | None = None) -> LaunchPlan:
     """The argv and environment that serve ``spec`` with SGLang.
@@ -85,15 +89,17 @@ def launch_plan(spec: EngineSpec, section: SGLangSection, *, token: str | None =
         # passes 65535, even with gRPC off (sgl-project/sglang#29416); the executor's free ports can
         # be that high. Off by default, the gRPC port is only checked: give it one that passes.
         env["SGLANG_GRPC_PORT"] = str(spec.port - _GRPC_OFFSET)
+    if not section.health_generates:
+        # The router probes /health every few seconds. Generating there costs ~1 s a probe, and its
+        # greedy request joins the rollout's batch, whose sampling flags then keep the top-k path
+        # (a flashinfer kernel that is JIT-built on first use) for every decode step after.
+        env.setdefault(_HEALTH_GENERATION, "false")
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     # Another Python is another environment: Miles' own PYTHONPATH must not reach it (its
     # transformers would shadow SGLang's), unless the section gives SGLang one of its own.
     unset = ("PYTHONPATH",) if section.python and "PYTHONPATH" not in env else ()
     return LaunchPlan(argv, env, unset)
-
-
-_GRPC_OFFSET = 10000
 
 
 def gpus_needed(section: SGLangSection) -> int:

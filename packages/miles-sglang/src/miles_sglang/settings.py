@@ -39,6 +39,10 @@ class SGLangSection(Section):
     load_format: str | None = Field(default=None, description="'dummy' serves random weights (benchmarks)")
     random_seed: int | None = None
     log_level: str = "warning"
+    health_generates: bool = Field(
+        default=False, description="SGLang's /health runs a one-token greedy generation (its default); off here, "
+        "/health only says the server is up and /health_generate keeps the deep check (docs/design/sglang.md)",
+    )
     sglang_args: list[str] = Field(default_factory=list, description="more launch_server flags, passed as they are, last")
 
     @model_validator(mode="after")
