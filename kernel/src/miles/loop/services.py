@@ -90,8 +90,8 @@ class Services:
 
         An engine seen healthy since its last start and still alive is not asked again unless
         ``probe``: the supervisor restarts a process that dies, and a health request is not free
-        on every engine (SGLang's ``/health`` runs a one-token generation: ~1 s, which this wait,
-        called before every rollout and weight sync, used to add to each step)."""
+        on every engine (SGLang's default ``/health`` runs a one-token generation: ~1 s, which this
+        wait, called before every rollout and weight sync, used to add to each step)."""
         start = time.monotonic()
         pending = set(self.engine_urls)
         if router:
