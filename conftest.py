@@ -1,8 +1,10 @@
-"""Repo-wide pytest setup: offline model hub, a run token, and the `gpu` marker skips without CUDA."""
+"""Repo-wide pytest setup: offline model hub, a run token, the `gpu` marker skips without CUDA, and
+the tiny random models of ``miles_models.testing`` as fixtures."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from miles_contracts.wire.auth import ensure_run_token
@@ -29,3 +31,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_dense() -> Path:
+    """miles-models' tiny Llama (tied embeddings, 4 heads in 2 groups, SmolLM2's vocabulary)."""
+    from miles_models.testing import tiny_model
+
+    return tiny_model("dense")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe() -> Path:
+    """miles-models' tiny Qwen3-MoE (2 MoE layers, 4 experts, top-2)."""
+    from miles_models.testing import tiny_model
+
+    return tiny_model("moe")

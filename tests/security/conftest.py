@@ -22,13 +22,6 @@ from security_support import MAX_BODY, Served, serve_engine  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def tiny_dense() -> Path:
-    from miles_models.testing import tiny_model
-
-    return tiny_model("dense")
-
-
-@pytest.fixture(scope="session")
 def engine(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     yield from serve_engine(tiny_dense, weight_dir=[str(tmp_path_factory.getbasetemp() / "allowed")])
 

@@ -12,20 +12,6 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-@pytest.fixture(scope="session")
-def tiny_dense() -> Path:
-    from miles_models.testing import tiny_model
-
-    return tiny_model("dense")
-
-
-@pytest.fixture(scope="session")
-def tiny_moe() -> Path:
-    from miles_models.testing import tiny_model
-
-    return tiny_model("moe")
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _few_threads() -> None:
     import torch

@@ -1,5 +1,5 @@
-"""Fixtures: the tiny random Qwen3-MoE (2 MoE layers, 4 experts, top-2) and the dense Llama of
-``miles_models.testing``, and one real embedded engine serving the MoE on loopback (in a thread of
+"""Fixtures: the MoE layer map of the tiny random Qwen3-MoE (``tiny_moe`` and ``tiny_dense`` come
+from the root conftest.py), and one real embedded engine serving the MoE on loopback (in a thread of
 the test process) that every test of this package shares."""
 
 from __future__ import annotations
@@ -20,20 +20,6 @@ def _few_threads() -> None:
     import torch
 
     torch.set_num_threads(1)  # the suite shares 2 cores; tiny models gain nothing from more
-
-
-@pytest.fixture(scope="session")
-def tiny_moe() -> Path:
-    from miles_models.testing import tiny_model
-
-    return tiny_model("moe")
-
-
-@pytest.fixture(scope="session")
-def tiny_dense() -> Path:
-    from miles_models.testing import tiny_model
-
-    return tiny_model("dense")
 
 
 @pytest.fixture(scope="session")

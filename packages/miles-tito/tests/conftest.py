@@ -12,13 +12,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(scope="session")
-def tiny_dense() -> Path:
-    from miles_models.testing import tiny_model
-
-    return tiny_model("dense")
-
-
-@pytest.fixture(scope="session")
 def tokenizer(tiny_dense: Path) -> Any:
     from transformers import AutoTokenizer
 

@@ -32,14 +32,6 @@ def save_tiny_llama(folder: Path, **overrides: Any) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_dense() -> Path:
-    """miles-models' tiny Llama: tied embeddings, 4 heads in 2 groups, SmolLM2 vocabulary."""
-    from miles_models.testing import tiny_model
-
-    return tiny_model("dense")
-
-
-@pytest.fixture(scope="session")
 def tiny_untied(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Untied output layer, 6 heads in 2 groups, head_dim (16) != hidden / heads (8), Llama 3.1 rope."""
     return save_tiny_llama(tmp_path_factory.mktemp("untied"), rope_parameters=LLAMA3_ROPE)

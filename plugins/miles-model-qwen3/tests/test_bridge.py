@@ -31,14 +31,6 @@ def _save(folder: Path, config: Any) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny_moe() -> Path:
-    """miles-models' tiny Qwen3-MoE: 4 experts, top-2, tied embeddings."""
-    from miles_models.testing import tiny_model
-
-    return tiny_model("moe")
-
-
-@pytest.fixture(scope="module")
 def tiny_dense_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen3 dense, untied, head_dim 16 != hidden / heads (8); large init so mistakes show in logits."""
     from transformers import Qwen3Config

@@ -142,7 +142,7 @@ def run_miles(preset: str, batch, *, device: str, options: dict[str, Any], gradi
         train=TrainSection(lr=1e-6, micro_batch_tokens=micro_batch_tokens, gradient_checkpointing=gradient_checkpointing),
         extra={"fsdp": FSDPSection(**options)},
     )
-    from miles_fsdp.distributed import pick_device
+    from miles.trainer.device import pick_device
 
     backend = FSDPBackend(config, actor=build_model(preset, device=pick_device(device)))
     dev = backend.dist.device
@@ -228,7 +228,7 @@ def run_benchmark(
 
     ``backend`` other than ``fsdp`` runs through the train-backend registry with ``options`` as its
     config ``section`` (e.g. ``megatron`` with ``{"tensor_parallel": 2}``)."""
-    from miles_fsdp.distributed import pick_device
+    from miles.trainer.device import pick_device
 
     dev = pick_device(device)
     probe = build_model(preset, device="meta")

@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from miles.trainer.device import pick_device
+
 if TYPE_CHECKING:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
@@ -43,19 +45,6 @@ class DistContext:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def pick_device(preference: str) -> torch.device:
-    """``auto``: CUDA when available. On CUDA each rank takes GPU ``LOCAL_RANK``."""
-    import torch
-
-    if preference == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("model.device is 'cuda' but torch sees no CUDA device; use model.device: cpu or auto")
-    if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
 
 
 def setup_distributed(device_preference: str = "auto") -> DistContext:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
+from miles.trainer.device import pick_device
 
 from miles_megatron import checkpoint, parallel
 from miles_megatron.config import MegatronSection
@@ -94,7 +95,7 @@ class MegatronBackend:
         unsupported = [s for s, on in (("train.use_critic", train.use_critic), ("train.teacher_model", train.teacher_model)) if on]
         if unsupported:
             raise ValueError(f"the megatron backend does not support {', '.join(unsupported)} yet; use train.backend: fsdp")
-        self.device = parallel.pick_device(config.model.device)
+        self.device = pick_device(config.model.device)
         self.layout, self.ranks = parallel.setup(self.options, self.device, config.run.seed)
         try:
             self._build(config, hf_state, hf_config)

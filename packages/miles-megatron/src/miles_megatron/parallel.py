@@ -72,17 +72,6 @@ class Ranks:
         return self.rank == 0
 
 
-def pick_device(preference: str) -> torch.device:
-    """``auto``: CUDA when available (GPU ``LOCAL_RANK``), else the CPU."""
-    if preference == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("model.device is 'cuda' but torch sees no CUDA device; use model.device: cpu or auto")
-    if preference == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
-
-
 def setup(options: MegatronSection, device: torch.device, seed: int) -> tuple[Layout, Ranks]:
     """Join or create the process group, then initialise (or reuse) megatron-core's parallel state."""
     global _USERS, _LAYOUT, _OWNS_GROUP
