@@ -118,3 +118,56 @@ def test_values_that_cannot_cross_are_refused_before_sending() -> None:
         wire.Frame({"kind": "call"}, {"x": {1, 2}})
     with pytest.raises(TypeError, match="only str keys"):
         wire.Frame({"kind": "call"}, {1: 2})
+
+
+def test_an_unauthenticated_peer_cannot_make_the_reader_allocate_or_recurse(pair) -> None:
+    a, b = pair
+    a.sendall(struct.pack("!4sIQ", wire.MAGIC, 2, 1 << 40))  # a tiny header announcing 1 TiB of payload
+    with pytest.raises(wire.WireError, match=r"payload 1099511627776 \(limit 0\)"):
+        wire.receive(b, max_header=64 << 10, max_payload=0)
+    c, d = socket.socketpair()
+    nested = b"[" * 60_000  # nested past the JSON parser's recursion limit
+    c.sendall(struct.pack("!4sIQ", wire.MAGIC, len(nested), 0) + nested)
+    with pytest.raises(wire.WireError, match="not JSON: RecursionError"):
+        wire.receive(d, max_header=64 << 10, max_payload=0)
+    c.close()
+    d.close()
+
+
+def test_the_handshake_admits_each_rank_once_and_only_with_the_secret() -> None:
+    from miles.placement import Node, Placement, Slot
+    from miles.trainer.group import TrainerGroup
+
+    node = Node("n", "127.0.0.1", ())
+    group = TrainerGroup(executor=None, placement=Placement((Slot(node), Slot(node)), (), (), colocated=False),
+                         config_data={})
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def tcp_pair() -> tuple[socket.socket, socket.socket]:  # the ranks connect over TCP (TCP_NODELAY)
+        client = socket.create_connection(listener.getsockname())
+        return client, listener.accept()[0]
+
+    def hello(**fields) -> int | None:
+        a, b = tcp_pair()
+        try:
+            wire.send(a, {"kind": "hello", **fields})
+            return group._authenticate(b)
+        finally:
+            a.close()
+            b.close()
+
+    secret = group._secret
+    assert hello(secret="wrong", rank=0) is None
+    assert hello(rank=0) is None
+    assert hello(secret=secret, rank=2) is None  # a world of 2
+    assert hello(secret=secret, rank="0") is None
+    assert hello(secret=secret, rank=1) == 1
+    group._socks[1] = None  # rank 1 joined
+    assert hello(secret=secret, rank=1) is None  # not twice
+    a, b = tcp_pair()
+    a.sendall(struct.pack("!4sIQ", wire.MAGIC, 2, 1 << 40))
+    assert group._authenticate(b) is None  # refused before allocating, the accept loop goes on
+    a.close()
+    b.close()
+    listener.close()

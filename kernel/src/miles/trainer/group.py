@@ -43,6 +43,7 @@ from miles.trainer import wire
 from miles.trainer.errors import TrainerCallError, TrainerRankError
 
 _HELLO_LIMIT = 64 << 10  # bytes of header an unauthenticated peer may send
+_HELLO_TIMEOUT = 10.0  # seconds an unauthenticated peer may take to send its hello
 
 
 class TrainerGroup:
@@ -148,10 +149,12 @@ class TrainerGroup:
                 init.send(conn)
 
     def _authenticate(self, conn: socket.socket) -> int | None:
-        conn.settimeout(30)
+        """The rank number a connection proved with the run's secret, or None. Nothing a peer
+        sends here may stop the accept loop: the listener can be reachable from the cluster."""
+        conn.settimeout(_HELLO_TIMEOUT)
         try:
-            hello = wire.receive(conn, max_header=_HELLO_LIMIT)
-        except (wire.WireError, OSError):
+            hello = wire.receive(conn, max_header=_HELLO_LIMIT, max_payload=0)
+        except (wire.WireError, OSError, ValueError, TypeError, RecursionError):
             return None
         secret = hello.get("secret")
         rank = hello.get("rank")

@@ -134,19 +134,21 @@ def send(sock: socket.socket, header: dict[str, Any], value: Any = None) -> None
     Frame(header, value).send(sock)
 
 
-def receive(sock: socket.socket, *, max_header: int = MAX_HEADER) -> dict[str, Any]:
+def receive(sock: socket.socket, *, max_header: int = MAX_HEADER, max_payload: int = MAX_PAYLOAD) -> dict[str, Any]:
     """Read one frame; returns its header with ``value`` decoded. Raises :class:`PeerClosed` when
-    the stream ends between frames."""
+    the stream ends between frames. Both lengths are checked before anything is allocated: a peer
+    not yet authenticated is read with small limits (``max_payload=0``: no tensors)."""
     prefix = _read(sock, _PREFIX.size, between_frames=True)
     magic, header_len, payload_len = _PREFIX.unpack(prefix)
     if magic != MAGIC:
         raise WireError(f"not a Miles trainer frame (magic {magic!r})")
-    if header_len > max_header or payload_len > MAX_PAYLOAD:
-        raise WireError(f"frame too large: header {header_len} bytes (limit {max_header}), payload {payload_len}")
+    if header_len > max_header or payload_len > max_payload:
+        raise WireError(f"frame too large: header {header_len} bytes (limit {max_header}), "
+                        f"payload {payload_len} (limit {max_payload})")
     try:
         header = json.loads(_read(sock, header_len))
-    except ValueError as exc:
-        raise WireError(f"frame header is not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested past the parser's depth
+        raise WireError(f"frame header is not JSON: {type(exc).__name__}") from None
     if not isinstance(header, dict):
         raise WireError("frame header is not a JSON object")
     payload = _read(sock, payload_len) if payload_len else bytearray()
