@@ -98,3 +98,39 @@ def _agreement(used: list[torch.Tensor], batch: TrainBatch) -> float:
     same = sum(int((got.sort(-1).values[mask] == recorded[:, column].long().sort(-1).values[mask]).all(-1).sum())
                for column, got in enumerate(used))
     return same / (int(mask.sum()) * len(used))
+
+
+def test_the_megatron_backend_gives_replay_its_token_positions(tiny_moe: Path, moe_map: MoeLayerMap) -> None:
+    """Through ``MegatronBackend`` (packed rows, the backend's own ForwardContext): every recorded
+    token is replayed, and replaying the routing of the model the backend loaded (the same weights)
+    agrees with the trainer's own choice everywhere."""
+    from miles_megatron.backend import MegatronBackend
+    from miles_megatron.testing import config_for
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32, attn_implementation="eager").eval()
+    lengths = (12, 9)
+    tokens = torch.randint(0, hf_model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    batch = recorded_batch(tokens, hf_model, moe_map)
+    table = batch.extra(ROUTED_EXPERTS).clone()
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, lengths[1]:] = 0
+    table[1, lengths[1] - 1:] = moe_map.num_experts  # a shorter row: its padding and last token unrecorded
+    table[1, : lengths[1] - 1] = torch.from_numpy(router_top_k(hf_model, tokens[1, : lengths[1]].tolist())[: lengths[1] - 1])
+    loss_mask = mask.float()
+    loss_mask[:, 0] = 0  # the first token is the prompt
+    batch = TrainBatch(tokens=tokens, attention_mask=mask, loss_mask=loss_mask, rollout_logprobs=torch.zeros(2, 12),
+                       rewards=torch.zeros(2), group_ids=torch.zeros(2, dtype=torch.long), rollout_ids=torch.arange(2),
+                       extras={ROUTED_EXPERTS.name: table})
+    saved = r3.STATE._settings
+    backend = MegatronBackend(config_for(tiny_moe, micro_batch_tokens=64))
+    try:
+        r3.STATE.settings = R3Section(enabled=True, replay=True)
+        r3.STATE.stats.flush()
+        backend.compute_logprobs(batch)
+        stats = r3.STATE.stats.flush()
+    finally:
+        r3.STATE.settings = saved
+        backend.close()
+    assert stats["r3/old_logprobs/replayed_tokens"] == sum(n - 1 for n in lengths)
+    assert stats["r3/old_logprobs/routing_agreement"] == pytest.approx(1.0)

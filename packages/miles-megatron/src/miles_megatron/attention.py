@@ -88,14 +88,15 @@ class TorchAttention(MegatronModule):
             raise ValueError("TorchAttention does not take an attention bias")
         cu = packed_seq_params.cu_seqlens_q_padded
         cu = packed_seq_params.cu_seqlens_q if cu is None else cu
-        lengths = (cu[1:] - cu[:-1]).tolist()
+        bounds = cu.tolist()  # one device sync per layer
+        lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
         cp = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
         dropout = self.dropout if self.training else 0.0
         # [t, heads, d] -> [heads, t, d]: one sequence is then a slice along dim 1
         q, k, v = (x.transpose(0, 1) for x in (query, key, value))
         if cp == 1:
             out = [_attend(q[:, s:e], k[:, s:e], v[:, s:e], self.scale, dropout)
-                   for s, e in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)]
+                   for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
         else:
             out = self._context_parallel(q, k, v, lengths, cp, dropout)
         return torch.cat(out, dim=1).transpose(0, 1).reshape(query.shape[0], -1)

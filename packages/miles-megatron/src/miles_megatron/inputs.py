@@ -54,6 +54,15 @@ class MicroInputs:
     token_index: torch.Tensor
     shape: tuple[int, int]
 
+    def token_positions(self, sequence_parallel: int = 1, rank: int = 0) -> torch.Tensor:
+        """``[N]`` flat index ``row * t + col`` into the micro-batch of each token the MoE routers
+        see, in their order, ``-1`` for padding (``ForwardContext.state["token_positions"]``).
+        Under sequence parallelism over ``sequence_parallel`` ranks, tensor-parallel rank ``rank``
+        routes the ``rank``-th equal slice of this rank's tokens."""
+        row, col = self.token_index.unbind(1)
+        flat = torch.where(row >= 0, row * self.shape[1] + col, torch.full_like(row, -1))
+        return flat.chunk(sequence_parallel)[rank] if sequence_parallel > 1 else flat
+
     def packed_seq_params(self, cp_group: Any = None) -> Any:
         from megatron.core.packed_seq_params import PackedSeqParams
 

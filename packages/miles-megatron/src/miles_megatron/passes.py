@@ -115,8 +115,11 @@ class PassRunner:
 
         model = get_attr_wrapped_model(chunk_module, "decoder", return_model_obj=True)
         inputs = micro.inputs
+        sp = ((ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank())
+              if self.parts.config.sequence_parallel else (1, 0))
         ctx = ForwardContext(phase=phase, model=model, batch=micro.batch, backend=self.backend_name, bridge=self.bridge,
-                             state={"inputs": inputs, "dummy": not micro.rows})
+                             state={"inputs": inputs, "dummy": not micro.rows,
+                                    "token_positions": lambda: inputs.token_positions(*sp)})
 
         def run() -> Any:
             with hidden_states_out(model):
