@@ -122,3 +122,39 @@ def test_a_run_whose_every_group_aborts_stops_with_the_reason() -> None:
 
     asyncio.run(scenario())
     assert len(messages) == 2  # it said what it was waiting on before giving up
+
+
+def test_aborts_after_a_queued_group_still_stop_the_run_and_one_success_resets_the_count() -> None:
+    """The check reads each report's window, not everything since the last batch: one group queued
+    early (too few for a batch) must not hide the aborts after it, and a window in which a group
+    finishes starts the count again."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from miles.errors import MilesError
+    from miles.loop.fully_async import _take
+
+    class Buffer:  # the part of GroupBuffer _take reads; each take() waits one window, then `events` happen
+        def __init__(self, windows: list[dict[str, int]]) -> None:
+            self.windows, self.counts, self.last_abort = windows, Counter(), "engine answered HTTP 401"
+
+        def __len__(self) -> int:
+            return self.counts["queued"]
+
+        async def take(self, wanted: int, version: int) -> list:
+            events = self.windows.pop(0) if self.windows else {"aborted_recycled": 1}
+            self.counts.update(events)
+            await asyncio.sleep(3600)
+
+    def taken(windows: list[dict[str, int]]) -> tuple[int, str]:
+        messages: list[str] = []
+        run = SimpleNamespace(config=SimpleNamespace(rollout=SimpleNamespace(prompts_per_step=2)), step=1, version=0,
+                              progress=SimpleNamespace(message=messages.append))
+        with pytest.raises(MilesError, match="every group that finished was aborted") as error:
+            asyncio.run(_take(run, Buffer(windows), SimpleNamespace(in_flight=4), report_every=0.05))
+        return len(messages), str(error.value)
+
+    reports, _ = taken([{"queued": 1}])  # queued, then aborts only
+    assert reports == 3  # the queued window, then two aborted ones
+    reports, _ = taken([{"aborted_recycled": 2}, {"queued": 1}, {"aborted_dropped": 1}])
+    assert reports == 4  # aborted, a success (count reset), then two aborted windows

@@ -28,6 +28,7 @@ from miles_contracts import Sample
 from miles.errors import MilesError
 from miles.filtering import apply_filters
 from miles.loop.buffer import Admit, Group, GroupBuffer
+from miles.loop.interrupts import stop_requested
 from miles.loop.producer import RolloutWorkers
 from miles.loop.rollout import StepRollout, rollout_metrics
 from miles.loop.run_dir import dump_samples
@@ -47,11 +48,11 @@ async def run_fully_async(run: Run) -> None:
     workers = RolloutWorkers(run.rollout, buffer, version=lambda: run.version)
     evaluation = BackgroundEvaluation(run)
     assert run.services is not None
-    await asyncio.to_thread(run.services.wait_ready, cfg.executor.startup_timeout)
+    await asyncio.to_thread(run.services.wait_ready, cfg.executor.startup_timeout, router=True)
     workers.start()
     last_take = time.perf_counter()
     try:
-        while run.step < cfg.run.steps:
+        while run.step < cfg.run.steps and not stop_requested():  # a swallowed cancellation still stops
             run.step += 1
             step, final = run.step, run.step == cfg.run.steps
             started = time.perf_counter()
@@ -61,7 +62,8 @@ async def run_fully_async(run: Run) -> None:
             batch.metrics = batch_metrics(groups, buffer, run.version, waited=now - started, interval=now - last_take)
             batch.metrics.update(workers.take_metrics())
             last_take = now
-            dump_samples(run.run_dir, step, batch.all_samples, tokens=cfg.run.dump_tokens)
+            # off the event loop: it drives every request and agent in flight (the batch is no longer touched)
+            await asyncio.to_thread(dump_samples, run.run_dir, step, batch.all_samples, tokens=cfg.run.dump_tokens)
             metrics = dict(batch.metrics)
             metrics.update(await run._train(batch))
             if final or step % cfg.weights.update_interval == 0:
@@ -89,21 +91,25 @@ async def _take(run: Run, buffer: GroupBuffer, workers: RolloutWorkers, report_e
     reports in a row every group that finished was aborted (engines that refuse every request: the
     run would otherwise wait forever on groups that never come)."""
     wanted = run.config.rollout.prompts_per_step
-    waited = 0
+    seen: dict[str, int] = {}  # the buffer's counts at the previous report
+    streak = 0  # reports in a row whose window saw only aborted groups finish
     while True:
         try:
             return await asyncio.wait_for(buffer.take(wanted, run.version), timeout=report_every)
         except TimeoutError:  # take() put back what it had: nothing is lost by asking again
             pending = dict(buffer.counts)
-            waited += 1
+            window = {k: n - seen.get(k, 0) for k, n in pending.items() if n > seen.get(k, 0)}
+            seen = pending
             run.progress.message(
                 f"step {run.step}: waiting for {wanted} groups: {len(buffer)} queued, {workers.in_flight} samples "
                 f"in flight, since the last batch {pending or 'nothing finished'}"
             )
-            only_aborted = any(k.startswith("aborted_") for k in pending) and not any(
-                k == "queued" or k.startswith("filtered_") for k in pending)
-            if only_aborted and waited >= aborted_windows:
-                raise MilesError(f"step {run.step}: for {waited * report_every:.0f} s every group that finished was "
+            if any(k == "queued" or k.startswith("filtered_") for k in window):
+                streak = 0  # a group finished
+            elif window or streak:  # only aborts (or nothing new after them: the producer gave up)
+                streak += 1
+            if streak >= aborted_windows:
+                raise MilesError(f"step {run.step}: for {streak * report_every:.0f} s every group that finished was "
                                  f"aborted ({pending}); the last one: {buffer.last_abort}. Unused groups are kept in "
                                  f"<run>/unconsumed/") from None
 
@@ -148,8 +154,8 @@ def batch_metrics(groups: list[Group], buffer: GroupBuffer, version: int, *, wai
 
 def token_lag_metrics(samples: Sequence[Sample], version: int) -> dict[str, float]:
     """How far behind ``version`` the batch's sampled tokens are (``token_versions``)."""
-    lags = [version - v for s in samples if s.trainable for v, m in zip(s.token_versions, s.loss_mask, strict=True)
-            if m and v >= 0]
+    lags = [version - v for s in samples if s.trainable and s.token_versions  # empty: the generator kept none
+            for v, m in zip(s.token_versions, s.loss_mask, strict=True) if m and v >= 0]
     if not lags:
         return {}
     return {"async/token_lag_mean": sum(lags) / len(lags), "async/token_lag_max": float(max(lags)),
