@@ -67,6 +67,19 @@ def test_only_the_tensor_rebuild_is_admitted_and_its_arguments_are_checked(monke
     assert seen[0][0] is torch.Tensor and seen[0][4] is torch.storage.TypedStorage and seen[0][7] == b"h" * 64
 
 
+def test_a_payload_cannot_rewrite_the_functions_it_is_allowed_to_call() -> None:
+    """GLOBAL torch.Size, then BUILD with slot state: on a plain function this sets __defaults__
+    (a change that outlives the request); the admitted callables refuse it."""
+    from miles_contracts.wire import cuda_ipc
+
+    payload = (b"\x80\x02ctorch\nSize\n" b"N}X\x0c\x00\x00\x00__defaults__K\x05K\x05\x86\x85s\x86b"
+               b"0].")  # (None, {"__defaults__": ((5, 5),)}) applied to it, popped, then an empty list
+    defaults = cuda_ipc._size.__defaults__
+    with pytest.raises(UnsafePayloadError, match="may not modify"):
+        load_named_tensors(payload)
+    assert cuda_ipc._size.__defaults__ == defaults
+
+
 def test_the_engine_refuses_a_crafted_tensor_update_and_keeps_serving(engine, tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     evil = _payload([("model.embed_tokens.weight", _Runs(os.system, f"touch {marker}"))])

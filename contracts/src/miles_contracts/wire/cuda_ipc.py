@@ -8,7 +8,8 @@ that format, so one trainer speaks to SGLang and to the embedded engine alike, b
 call any importable function, so the embedded engine reads it with :class:`_HandleUnpickler`:
 
 * ``find_class`` resolves only ``torch.multiprocessing.reductions.rebuild_cuda_tensor`` (to
-  :func:`_rebuild`, which checks each argument first), ``torch.Size`` (to a checked constructor),
+  :func:`_rebuild`, which checks each argument first), ``torch.Size`` (to a checked constructor;
+  both behind an immutable wrapper),
   torch dtypes, and the tensor / parameter / storage classes -- the last as inert markers that
   cannot be called, so a payload cannot construct a tensor of its choice either. Any other name
   (``os.system``, ``builtins.eval``, ``torch.load`` ...) raises :class:`UnsafePayloadError` before
@@ -88,11 +89,11 @@ class _HandleUnpickler(pickle.Unpickler):
         import torch
 
         if (module, name) == _REBUILD:
-            return _rebuild
+            return _REBUILD_CALL
         if (module, name) in _MARKERS:
             return _MARKERS[(module, name)]
         if module == "torch" and name == "Size":
-            return _size
+            return _SIZE_CALL
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise UnsafePayloadError(f"refusing {module}.{name} in a cuda_ipc payload: it may only rebuild CUDA tensors "
@@ -148,3 +149,23 @@ def _rebuild(tensor_cls: Any, size: Any, stride: Any, offset: Any, storage_cls: 
         tensor_cls.resolve(), size, stride, offset, storage_cls.resolve(), dtype, device, handle, storage_bytes,
         storage_offset, requires_grad, ref_counter_handle, ref_counter_offset, event_handle, event_sync_required,
     )
+
+
+class _Call:
+    """A checked function handed to the payload: callable, but immutable like :class:`_Marker` (a
+    pickle's BUILD opcode applied to a plain function could rewrite its ``__defaults__``)."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn: Any) -> None:
+        object.__setattr__(self, "_fn", fn)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise UnsafePayloadError("a cuda_ipc payload may not modify the functions it calls")
+
+    def __call__(self, *args: Any) -> Any:
+        return self._fn(*args)
+
+
+_REBUILD_CALL = _Call(_rebuild)
+_SIZE_CALL = _Call(_size)
