@@ -37,6 +37,20 @@ def test_a_body_over_the_limit_is_a_413_that_names_the_limit(engine, router, ses
     assert engine.client.post("/generate", json=GOOD).status_code == 200
 
 
+def test_a_streamed_body_and_a_get_body_are_bounded_too(engine) -> None:
+    """Without Content-Length the guard counts what arrives; a GET that carries a body (SGLang's
+    /weights_checker takes one) is bounded like a POST."""
+    json_type = {"content-type": "application/json"}
+    chunks = iter([b'{"text": "', b"a" * (MAX_BODY // 2), b"a" * (MAX_BODY // 2 + 10), b'"}'])
+    streamed = engine.client.post("/generate", content=chunks, headers=json_type)  # chunked: no length
+    assert streamed.status_code == 413 and f"the limit is {MAX_BODY} bytes" in streamed.text
+    got = engine.client.request("GET", "/weights_checker", content=b"{" + b" " * (MAX_BODY + 10) + b"}", headers=json_type)
+    assert got.status_code == 413, got.text
+    not_json = engine.client.request("GET", "/weights_checker", content=b"x=1", headers={"content-type": "text/plain"})
+    assert not_json.status_code == 415, not_json.text
+    assert engine.client.post("/generate", json=GOOD).status_code == 200
+
+
 def test_a_huge_text_is_tokenized_off_the_event_loop(engine) -> None:
     """While a near-limit text is tokenized, /health keeps answering (it waited 33 s once)."""
     text = "hello world " * (MAX_BODY // 13)

@@ -74,7 +74,7 @@ class RequestGuard:
         if refusal is not None:
             await self._refuse(send, *refusal)
             return
-        if scope["method"] not in _BODY_METHODS:
+        if not _carries_body(scope, headers):
             await self.app(scope, receive, send)
             return
         body = await self._read_body(receive)
@@ -94,7 +94,7 @@ class RequestGuard:
         if path not in self.public_paths and not self._authorized(path, headers.get("authorization")):
             return 401, (f"{path} needs the run's token: send 'Authorization: Bearer <token>' with the value of "
                          f"{TOKEN_ENV} (miles train sets it for every service it starts)")
-        if scope["method"] in _BODY_METHODS:
+        if _carries_body(scope, headers):  # GET too: some routes (SGLang's) read a GET body
             length = headers.get("content-length")
             if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
                 return 413, self._too_large()
@@ -163,3 +163,10 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+def _carries_body(scope: Scope, headers: dict[str, str]) -> bool:
+    """Whether the request may have a body to bound and check: a body method, or any request that
+    announces one."""
+    length = headers.get("content-length")
+    return scope["method"] in _BODY_METHODS or (length is not None and length != "0") or "transfer-encoding" in headers

@@ -8,7 +8,6 @@ being restarted, so requests in flight on the other engines are not lost.
 
 from __future__ import annotations
 
-import os
 from typing import ClassVar
 
 from miles_contracts.cluster import ENGINE, ROUTER, ServiceLaunch
@@ -32,12 +31,10 @@ class RouterService:
 
     def upstream_moved(self, url: str, role: str, old: str, new: str) -> None:
         import httpx
+        from miles_contracts.wire.auth import auth_headers
 
-        headers = {}
-        token = os.environ.get("MILES_AUTH_TOKEN")
-        if token:  # control routes take the run's token
-            headers["Authorization"] = f"Bearer {token}"
-        with httpx.Client(timeout=_TIMEOUT_S, headers=headers, trust_env=False) as client:
+        # control routes take the run's token
+        with httpx.Client(timeout=_TIMEOUT_S, headers=auth_headers(), trust_env=False) as client:
             removed = client.post(f"{url}/remove_worker", params={"url": old})
             if removed.status_code not in (200, 404):  # 404: already gone
                 removed.raise_for_status()
