@@ -45,7 +45,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if module == _METADATA_MODULE:
             found = getattr(importlib.import_module(module), name, None)
-            if isinstance(found, type):  # DCP's metadata dataclasses and enums
+            # DCP's own metadata dataclasses and enums, not what that module imports (Enum, Any, ...)
+            if isinstance(found, type) and found.__module__ == _METADATA_MODULE:
                 return found
         elif (module, name) in _ALLOWED:
             return getattr(importlib.import_module(module), name)
@@ -79,10 +80,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` that admits a non-tensor value only if ``weights_only`` can load it."""
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        data = value.read()
+        from torch.distributed.checkpoint._traverse import set_element
+
         try:
-            torch.load(io.BytesIO(data), weights_only=True)
+            loaded = torch.load(value, weights_only=True)
         except Exception as exc:
             raise UnsafeCheckpointError(f"refusing the checkpoint value {read_item.dest_index.fqn!r}: it is not plain "
                                         f"data or tensors ({type(exc).__name__}: {str(exc)[:200]})") from None
-        super().load_bytes(read_item, io.BytesIO(data))
+        # where DefaultLoadPlanner.load_bytes puts the value, without its second, unrestricted load
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
