@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import signal
 import subprocess
@@ -78,13 +79,18 @@ class LocalExecutor:
         self.log_dir = run_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.startup_timeout = startup_timeout
-        self._gpus = tuple(gpus) if gpus is not None else local_gpus()
+        self._given_gpus = tuple(gpus) if gpus is not None else None
         self._services: dict[str, Service] = {}
         self._lock = threading.Lock()
         self._watch: threading.Thread | None = None
         self._stop = threading.Event()
 
     # -------------------------------------------------------------- Executor protocol
+
+    @functools.cached_property
+    def _gpus(self) -> tuple[str, ...]:
+        """Asked of ``nvidia-smi`` on first use (placement), not by tools that only start servers."""
+        return self._given_gpus if self._given_gpus is not None else local_gpus()
 
     def nodes(self) -> list[Node]:
         return [Node(NODE, HOST, self._gpus)]

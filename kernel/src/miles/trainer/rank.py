@@ -113,10 +113,7 @@ class RankWorker:
 
     def _weight_transport(self) -> Any:
         if self._transport is None:
-            from miles.kernel import Kernel
-
-            kernel = Kernel.load(self.config.plugin_selection)
-            self._transport = kernel.weight_transports().get(self.config.weights.transport)(self.config)
+            self._transport = self.kernel.weight_transports().get(self.config.weights.transport)(self.config)
         return self._transport
 
 

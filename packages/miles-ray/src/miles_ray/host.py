@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from miles.executor.local import die_with_parent, terminate_group
+from miles.executor.local import die_with_parent, free_port, terminate_group
 
 _READ_LIMIT = 1 << 20
 
@@ -44,9 +44,7 @@ class ProcessHost:
                 "gpus": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
 
     def free_port(self) -> int:
-        with socket.socket() as probe:
-            probe.bind(("", 0))
-            return int(probe.getsockname()[1])
+        return free_port("")  # this node's: any interface, as the services it starts bind their address
 
     def spawn(self, name: str, log_name: str, argv: Sequence[str], env: Mapping[str, str]) -> int:
         """Start ``argv`` as process ``name``, its output in log ``log_name``; returns its pid."""
