@@ -75,8 +75,7 @@ class Group:
 
     def oldest_version(self) -> int:
         """The oldest weight version any engine call of the group ran with."""
-        versions = [v for s in self.samples for v in s.weight_versions]
-        return min(versions) if versions else self.launched_version
+        return min((v for s in self.samples if (v := s.oldest_weight_version) is not None), default=self.launched_version)
 
     def staleness(self, version: int) -> int:
         return max(0, version - self.oldest_version())
