@@ -4,6 +4,7 @@ the tiny random models of ``miles_models.testing`` as fixtures."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,71 @@ def tiny_moe() -> Path:
     from miles_models.testing import tiny_model
 
     return tiny_model("moe")
+
+
+class RewardGate:
+    """A ``remote`` reward endpoint on loopback (``reward.name=remote reward.remote_url=<url>``) that
+    holds one scoring request until the test lets it go: a run is then stopped at a known point
+    (after that step's generation, before its training and weight sync), e.g. to kill a process
+    there. Scores each answer's fraction of vowels (deterministic, different within a group)."""
+
+    def __init__(self, hold: int) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.hold, self.requests = hold, 0
+        self.reached, self.released = threading.Event(), threading.Event()
+        gate = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # http.server dispatches a POST to do_POST
+                import json
+
+                samples = json.loads(self.rfile.read(int(self.headers["content-length"])))["samples"]
+                with lock:
+                    gate.requests += 1
+                    held = gate.requests == gate.hold
+                if held:
+                    gate.reached.set()
+                    gate.released.wait(120)
+                rewards = [sum(c in "aeiou" for c in s["response"]) / max(len(s["response"]), 1) for s in samples]
+                body = json.dumps({"rewards": rewards}).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        lock = threading.Lock()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/score"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def wait_held(self, timeout: float) -> None:
+        if not self.reached.wait(timeout):
+            raise TimeoutError(f"no scoring request #{self.hold} within {timeout:.0f} s ({self.requests} came)")
+
+    def close(self) -> None:
+        self.released.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def reward_gate() -> Iterator[RewardGate]:
+    """A :class:`RewardGate` that holds the second scoring request (a step's first, after step 1's
+    single round: set ``.hold`` before the run starts for another)."""
+    gate = RewardGate(hold=2)
+    yield gate
+    gate.close()
+
+
+@pytest.fixture(scope="session")
+def vowel_reward() -> Iterator[str]:
+    """The URL of a ``remote`` reward that scores each answer's fraction of vowels, holding nothing."""
+    gate = RewardGate(hold=0)
+    yield gate.url
+    gate.close()

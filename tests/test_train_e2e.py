@@ -1,7 +1,8 @@
 """`miles train` end to end on CPU with a tiny random model: the real engine, router, FSDP backend
 and weight transport as the local executor starts them. A tiny model answers garbage, which the
-f1 reward scores 0; where a test needs the weights to move, a reward server on loopback scores the
-fraction of vowels in each answer (deterministic, different within a group)."""
+f1 reward scores 0; where a test needs the weights to move, or to hold a run at a known point, a
+reward server on loopback (conftest's ``RewardGate``) scores the fraction of vowels in each answer
+(deterministic, different within a group)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,7 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -26,33 +24,6 @@ def tiny_model() -> Path:
     from miles_models.testing import tiny_model
 
     return tiny_model("dense")
-
-
-class VowelReward(BaseHTTPRequestHandler):
-    """The `remote` reward's protocol: {"samples": [...]} in, {"rewards": [...]} out."""
-
-    def do_POST(self) -> None:  # http.server dispatches a POST to do_POST
-        samples = json.loads(self.rfile.read(int(self.headers["content-length"])))["samples"]
-        rewards = [sum(c in "aeiou" for c in s["response"]) / max(len(s["response"]), 1) for s in samples]
-        body = json.dumps({"rewards": rewards}).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@pytest.fixture(scope="module")
-def vowel_reward() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), VowelReward)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/score"
-    server.shutdown()
-    server.server_close()
 
 
 def _args(tiny_model: Path, out: Path, name: str, *extra: str) -> list[str]:
@@ -198,21 +169,30 @@ def test_ctrl_c_leaves_no_processes(tiny_model: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_engine_killed_mid_run_is_restarted_and_the_run_finishes(tiny_model: Path, tmp_path: Path) -> None:
+def test_engine_killed_mid_run_is_restarted_and_the_run_finishes(tiny_model: Path, tmp_path: Path, reward_gate) -> None:
+    """The engine is killed while step 2's scoring is held (after its generation, before its
+    weight sync): the sync finds it gone, waits for the supervisor's restart and pushes again."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = tmp_path / "crash"
     proc = subprocess.Popen([sys.executable, "-m", "miles.cli.main", "train",
-                             *_args(tiny_model, tmp_path, "crash", "run.steps=4", "rollout.max_new_tokens=48")],
+                             *_args(tiny_model, tmp_path, "crash", "run.steps=4", "rollout.max_new_tokens=48",
+                                    "reward.name=remote", f"reward.remote_url={reward_gate.url}")],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    _wait_for_first_step(run)
-    engine = next(r for r in json.loads((run / "services.json").read_text()) if r["name"] == "engine-0")
-    os.kill(engine["pid"], signal.SIGKILL)
-    output, _ = proc.communicate(timeout=600)
+    try:
+        reward_gate.wait_held(300)
+        engine = next(r for r in json.loads((run / "services.json").read_text()) if r["name"] == "engine-0")
+        os.kill(engine["pid"], signal.SIGKILL)
+        reward_gate.released.set()
+        output, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     assert proc.returncode == 0, output
     restarted = next(r for r in json.loads((run / "services.json").read_text()) if r["name"] == "engine-0")
-    assert restarted["restarts"] >= 1 and restarted["pid"] != engine["pid"]
+    assert restarted["restarts"] == 1 and restarted["pid"] != engine["pid"]
     metrics = _metrics(run)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["weights/engines_restarted"] for m in metrics] == [0.0, 1.0, 0.0, 0.0]
     # every sample of the run ended as an answer or an abort with a reason
     for step in (1, 2, 3, 4):
         for s in _samples(run, step):

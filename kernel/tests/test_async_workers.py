@@ -88,6 +88,19 @@ async def refused(sample: Sample, ctx: object) -> Sample:
     return sample.finish(Status.ABORTED, ExitReason.ENGINE_ERROR, "engine answered HTTP 401")
 
 
+class Refused:
+    @hookimpl
+    def miles_register_generators(self, register):
+        register("refused", refused)
+
+
+def _refusing_kernel() -> Kernel:
+    kernel = Kernel.load(PluginSelection(enable=("core", "data", "filters", "generators", "rewards")))
+    if "refused" not in {i.name for i in kernel.plugins()}:
+        kernel.register_plugin(Refused(), "refused")
+    return kernel
+
+
 def test_a_run_whose_every_group_aborts_stops_with_the_reason() -> None:
     """Engines that refuse every request must not leave the trainer waiting forever."""
     from types import SimpleNamespace
@@ -95,14 +108,7 @@ def test_a_run_whose_every_group_aborts_stops_with_the_reason() -> None:
     from miles.errors import MilesError
     from miles.loop.fully_async import _take
 
-    class Refused:
-        @hookimpl
-        def miles_register_generators(self, register):
-            register("refused", refused)
-
-    kernel = Kernel.load(PluginSelection(enable=("core", "data", "filters", "generators", "rewards")))
-    if "refused" not in {i.name for i in kernel.plugins()}:
-        kernel.register_plugin(Refused(), "refused")
+    kernel = _refusing_kernel()
     config = MilesConfig(run=RunSection(mode="fully_async"), algorithm=AlgorithmSection(correction="tis"),
                          rollout=RolloutSection(generator="refused", samples_per_prompt=2, prompts_per_step=2,
                                                 concurrency=4))
@@ -158,3 +164,18 @@ def test_aborts_after_a_queued_group_still_stop_the_run_and_one_success_resets_t
     assert reports == 3  # the queued window, then two aborted ones
     reports, _ = taken([{"aborted_recycled": 2}, {"queued": 1}, {"aborted_dropped": 1}])
     assert reports == 4  # aborted, a success (count reset), then two aborted windows
+
+
+def test_a_step_stops_drawing_prompts_after_a_round_in_which_every_sample_aborted() -> None:
+    """Synchronous collection: engines that abort everything (gone, or restarting) end the step's
+    over-sampling after one round, so it does not burn prompts nor teach the over-sampler that
+    nothing is ever kept; the runner collects the step again once the engines are back."""
+    kernel = _refusing_kernel()
+    config = MilesConfig(rollout=RolloutSection(generator="refused", samples_per_prompt=2, prompts_per_step=3,
+                                                filters=["no_aborted"]))
+    manager = RolloutManager(config, kernel, open_data_source(config.data, kernel), engine=None, tokenizer=None)
+    before = manager.over_sampler.state_dict()
+    rollout = asyncio.run(manager.collect(1))
+    assert len(rollout.all_samples) == 6 and rollout.groups == []  # one round of 3 groups, no more
+    assert rollout.metrics["filter/drop_all_aborted"] == 3.0
+    assert manager.over_sampler.state_dict() == before

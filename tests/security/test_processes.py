@@ -14,9 +14,11 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from miles.errors import MilesError
 from miles_contracts.wire.auth import auth_headers
 from security_support import free_port
 
@@ -118,20 +120,61 @@ def test_an_interrupted_run_never_exits_0() -> None:
     assert exit_code_of(lambda: "completed") == 0 and exit_code_of(lambda: "failed") == 1
 
 
-def test_a_step_in_which_every_sample_failed_stops_the_run() -> None:
+def _step(*statuses: Any) -> Any:
     from miles.loop.rollout import StepRollout
+    from miles_contracts import ExitReason, Sample
+
+    samples = [Sample(prompt="p").finish(s, ExitReason.ENGINE_ERROR, f"engine said {s.value}") for s in statuses]
+    return StepRollout([], samples, {"time/rollout": 1.0})
+
+
+def test_a_step_in_which_every_sample_failed_stops_the_run() -> None:
     from miles.loop.runner import failed_step_error
-    from miles_contracts import ExitReason, Sample, Status
+    from miles_contracts import Status
 
-    def step(*statuses: Status) -> StepRollout:
-        samples = [Sample(prompt="p").finish(s, ExitReason.ENGINE_ERROR, "engine returned HTTP 400: top_k")
-                   for s in statuses]
-        return StepRollout([], samples)
+    refused = failed_step_error(3, _step(Status.FAILED, Status.ABORTED), retried=False)
+    assert refused is not None and "step 3: all 2 samples" in str(refused) and "engine said failed" in str(refused)
+    aborted = _step(Status.ABORTED, Status.ABORTED)  # engines restarting: the step is collected again ...
+    assert failed_step_error(3, aborted, retried=False) is None
+    again = failed_step_error(3, aborted, retried=True)  # ... and a second attempt aborted too stops the run
+    assert again is not None and "second attempt" in str(again)
+    assert failed_step_error(4, _step(Status.FAILED, Status.COMPLETED), retried=True) is None
 
-    refused = failed_step_error(3, step(Status.FAILED, Status.ABORTED), previous_failed=False, last_step=False)
-    assert refused is not None and "step 3: all 2 samples" in str(refused) and "top_k" in str(refused)
-    aborted = step(Status.ABORTED, Status.ABORTED)  # engines restarting: one such step is skipped ...
-    assert failed_step_error(3, aborted, previous_failed=False, last_step=False) is None
-    assert failed_step_error(4, aborted, previous_failed=True, last_step=False) is not None  # ... not two
-    assert failed_step_error(4, aborted, previous_failed=False, last_step=True) is not None  # nor the last
-    assert failed_step_error(4, step(Status.FAILED, Status.COMPLETED), previous_failed=True, last_step=True) is None
+
+def test_a_step_whose_samples_were_all_aborted_is_collected_again_after_a_health_probe(tmp_path: Path) -> None:
+    """The runner's side of an engine lost mid-rollout (the end-to-end tests kill real engines, but
+    cannot choose the moment): the step waits for engines that answer a health probe, collects
+    again, and dumps both attempts; a second aborted attempt stops the run, its samples dumped too."""
+    from miles.config import load_config
+    from miles.loop.progress import Progress
+    from miles.loop.runner import Run
+    from miles_contracts import Status
+
+    class Services:
+        probes: list[bool] = []
+
+        def wait_ready(self, timeout: float, *, router: bool = False, probe: bool = False) -> float:
+            self.probes.append(probe)
+            return 0.0
+
+    class Rollout:
+        def __init__(self, *results: Any) -> None:
+            self.results = list(results)
+
+        async def collect(self, step: int, progress: Any = None) -> Any:
+            return self.results.pop(0)
+
+    run = Run.__new__(Run)
+    run.config, run.run_dir, run.services = load_config(None), tmp_path, Services()
+    run.progress = Progress(3)
+    run.rollout = Rollout(_step(Status.ABORTED, Status.ABORTED), _step(Status.COMPLETED, Status.ABORTED))
+    rollout = asyncio.run(run._rollout(2, None))
+    assert run.services.probes == [False, True]  # the second attempt asked every engine again
+    assert [s.status for s in rollout.all_samples] == [Status.ABORTED, Status.ABORTED, Status.COMPLETED, Status.ABORTED]
+    assert rollout.metrics["rollout/recollected"] == 1.0 and rollout.metrics["time/rollout"] >= 1.0
+
+    run.rollout = Rollout(_step(Status.ABORTED), _step(Status.ABORTED, Status.ABORTED))
+    with pytest.raises(MilesError, match="step 3: all 2 samples were aborted or failed in a second attempt"):
+        asyncio.run(run._rollout(3, None))
+    dumped = (tmp_path / "samples" / "step_000003.jsonl").read_text().splitlines()
+    assert len(dumped) == 3  # the first attempt's sample and the second's two

@@ -2,8 +2,8 @@
 
 The cluster (conftest) has a head with 2 stand-in GPUs (the custom resource ``miles_gpu``) and
 two more nodes with 1 each. Disaggregated, 2 trainer ranks and 1 engine take 3 of them: the ranks on
-the head (the first node), the engine on another node. Mid-run the engine's node is killed the way a
-machine dies; Ray places its bundle on the node left, the engine comes back there, the router
+the head (the first node), the engine on another node. Mid-run (step 2's scoring held by a reward
+server, conftest's ``RewardGate``) the engine's node is killed the way a machine dies; Ray places its bundle on the node left, the engine comes back there, the router
 follows it, and the run finishes. Afterwards no process of the run is left on any node.
 """
 
@@ -48,16 +48,19 @@ def _alive(pids: list[int]) -> list[int]:
     return alive
 
 
-def test_trainer_on_one_node_engine_on_another_and_a_lost_node_comes_back(ray_cluster, tiny_model, tmp_path) -> None:
+def test_trainer_on_one_node_engine_on_another_and_a_lost_node_comes_back(ray_cluster, tiny_model, tmp_path,
+                                                                          reward_gate) -> None:
     run = tmp_path / "nodes"
     proc = _train(ray_cluster, tiny_model, tmp_path, "nodes", "run.steps=3", "resources.trainer_ranks=2",
-                  "resources.colocate=false", "weights.transport=broadcast")
+                  "resources.colocate=false", "weights.transport=broadcast", "reward.name=remote",
+                  f"reward.remote_url={reward_gate.url}")
     try:
+        # step 2's scoring is held: its generation is done, its training and weight sync are not
         deadline = time.monotonic() + 400
-        while len(_metrics(run)) < 1:
+        while not reward_gate.reached.wait(0.5):
             assert proc.poll() is None, proc.communicate()[0][-5000:]
-            assert time.monotonic() < deadline, "no step was logged"
-            time.sleep(0.5)
+            assert time.monotonic() < deadline, f"step 2 was not scored ({reward_gate.requests} scoring requests)"
+        assert [m["step"] for m in _metrics(run)] == [1]
         before = {row["name"]: row for row in json.loads((run / "services.json").read_text())}
         # bundles in (node, GPU) order, the head first: both ranks on the head, the engine elsewhere
         assert before["trainer-0"]["node_name"] == before["trainer-1"]["node_name"] == "head"
@@ -67,8 +70,10 @@ def test_trainer_on_one_node_engine_on_another_and_a_lost_node_comes_back(ray_cl
         assert "miles engine:" in (run / "logs" / "engine-0.log").read_text()
         assert (run / "logs" / "trainer-1.log").is_file()
 
-        # the engine's node dies, with every process on it; the other worker has room for its bundle
+        # the engine's node dies, with every process on it; the other worker has room for its bundle.
+        # Step 2's weight sync finds the engine gone and pushes again once it is back elsewhere.
         ray_cluster.kill(lost, also=[before["engine-0"]["pid"], before["engine-0"]["host_pid"]])
+        reward_gate.released.set()
         output, _ = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
@@ -77,7 +82,7 @@ def test_trainer_on_one_node_engine_on_another_and_a_lost_node_comes_back(ray_cl
     metrics = _metrics(run)
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert [m["weights/version"] for m in metrics] == [1.0, 2.0, 3.0]
-    assert sum(m["weights/engines_restarted"] for m in metrics) == 1
+    assert [m["weights/engines_restarted"] for m in metrics] == [0.0, 1.0, 0.0]
     after = {row["name"]: row for row in json.loads((run / "services.json").read_text())}
     assert after["engine-0"]["restarts"] == 1 and after["engine-0"]["node_name"] not in (lost, "head")
     assert "run completed" in output

@@ -1,5 +1,6 @@
 """Collect one step's training groups: prompts -> generator -> reward -> filters, over-sampling
-until the step has ``rollout.prompts_per_step`` kept groups (or gives up after a few rounds).
+until the step has ``rollout.prompts_per_step`` kept groups (or gives up after a few rounds, or
+after a round in which every sample was aborted).
 
 Results keep the order the prompts were drawn in, whatever order the engine finishes them in
 (generators fill the samples in place), so a step's batch does not depend on timing. With
@@ -163,6 +164,11 @@ class RolloutManager:
             reward_metrics.update(report.metrics())
             everything += samples
             generated_groups += len(groups)
+            if all(s.status is Status.ABORTED for s in samples):
+                # nothing came back (the engines are gone or restarting): drawing more prompts would
+                # only abort them too, and teach the over-sampler a keep rate of 0
+                drops["all_aborted"] += len(groups)
+                break
             survivors, dropped = apply_filters(groups, r.filters, self.kernel)
             self.over_sampler.observe(drawn=len(groups), kept=len(survivors))
             kept += survivors

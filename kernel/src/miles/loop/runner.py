@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from miles_contracts import Status
+from miles_contracts import Sample, Status
 
 from miles.config import MilesConfig
 from miles.data.source import eval_prompts, open_data_source
@@ -71,7 +71,6 @@ class Run:
         self.services: Services | None = None
         self.trainer: TrainerGroup | None = None
         self.metrics_logger: Any = None
-        self._failed_step = -1  # the last step whose samples were all aborted
         self._fatal: BaseException | None = None
         self._main: tuple[Any, Any] = (None, None)  # the event loop and task to stop from another thread
 
@@ -162,7 +161,7 @@ class Run:
         while self.step < cfg.run.steps and not stop_requested():
             self.step += 1
             step = self.step
-            rollout = await (pending if pending is not None else self._collect(step))
+            rollout = await self._rollout(step, pending)
             pending = None
             metrics = dict(rollout.metrics)
             if unsynced:  # one_step_off: the previous update waited for this rollout to finish
@@ -184,22 +183,39 @@ class Run:
                 metrics["time/checkpoint"] = self._save()
             self._log(step, metrics)
 
-    async def _collect(self, step: int) -> StepRollout:
+    async def _collect(self, step: int, *, probe: bool = False) -> StepRollout:
         assert self.services is not None
-        await asyncio.to_thread(self.services.wait_ready, self.config.executor.startup_timeout, router=True)
+        await asyncio.to_thread(self.services.wait_ready, self.config.executor.startup_timeout, router=True,
+                                probe=probe)
         return await self.rollout.collect(step, progress=lambda d, t: self.progress.rollout(step, d, t))
+
+    async def _rollout(self, step: int, pending: asyncio.Task[StepRollout] | None) -> StepRollout:
+        """Step ``step``'s rollout (``pending``: the one already under way). A rollout in which every
+        sample was aborted (an engine or its node died under it) is collected again, once, after
+        every engine answers its health check again (the supervisor restarts the dead one); what the
+        aborted attempt generated stays in the step's dump. See :func:`failed_step_error`."""
+        rollout = await (pending if pending is not None else self._collect(step))
+        self._raise_if_nothing_to_train(step, rollout, retried=False)
+        if not all_aborted(rollout):
+            return rollout
+        self.progress.message(f"step {step}: all {len(rollout.all_samples)} samples were aborted (an engine died?); "
+                              f"collecting the step again once every engine is healthy")
+        start = time.perf_counter()
+        again = await self._collect(step, probe=True)
+        self._raise_if_nothing_to_train(step, again, retried=True, earlier=rollout.all_samples)
+        metrics = {**again.metrics, "rollout/recollected": 1.0,
+                   "time/rollout": rollout.metrics.get("time/rollout", 0.0) + time.perf_counter() - start}
+        return StepRollout(again.groups, rollout.all_samples + again.all_samples, metrics)
+
+    def _raise_if_nothing_to_train(self, step: int, rollout: StepRollout, *, retried: bool,
+                                   earlier: list[Sample] | None = None) -> None:
+        error = failed_step_error(step, rollout, retried=retried)
+        if error is not None:  # the samples still go to the step's dump, for the post-mortem
+            dump_samples(self.run_dir, step, (earlier or []) + rollout.all_samples, tokens=self.config.run.dump_tokens)
+            raise error
 
     async def _train(self, rollout: StepRollout) -> dict[str, float]:
         samples = rollout.train_samples
-        error = failed_step_error(self.step, rollout, previous_failed=self._failed_step == self.step - 1,
-                                  last_step=self.step == self.config.run.steps)
-        if error is not None:
-            raise error
-        if rollout.all_samples and not samples and all(s.status is Status.ABORTED for s in rollout.all_samples):
-            self._failed_step = self.step
-            self.progress.message(f"step {self.step}: every sample was aborted (engines restarting?); skipping the "
-                                  "update. A second such step in a row stops the run")
-            return {"train/skipped": 1.0, "train/all_aborted": 1.0}
         if not samples:
             self.progress.message(f"step {self.step}: no trainable samples (all groups filtered); skipping the update")
             return {"train/skipped": 1.0}
@@ -350,25 +366,31 @@ def place(config: MilesConfig, executor: Any, kernel: Kernel) -> Placement:
     return plan_placement(config.resources, executor.reserve(gpus_needed(config.resources)))
 
 
-def failed_step_error(step: int, rollout: StepRollout, *, previous_failed: bool, last_step: bool) -> MilesError | None:
-    """The error that ends the run when a step had nothing to learn from because every sample was
+def all_aborted(rollout: StepRollout) -> bool:
+    """Every sample of the rollout was aborted (engines died or restarted under it)."""
+    return bool(rollout.all_samples) and all(s.status is Status.ABORTED for s in rollout.all_samples)
+
+
+def failed_step_error(step: int, rollout: StepRollout, *, retried: bool) -> MilesError | None:
+    """The error that ends the run when a step has nothing to learn from because every sample was
     aborted or failed, or None to go on.
 
     One sample that FAILED (the engine refused the request: a setting it cannot serve) makes the
     failure deterministic: stop at once. All ABORTED (engines died or restarted) may be transient:
-    one such step is skipped with a warning, a second in a row (or the run's last step) stops the
-    run. Either way the run never reports success over steps that trained on nothing.
+    the step is collected again once engines are healthy (``retried`` is then true), and a second
+    attempt that is aborted too stops the run. The run never reports success over a step that
+    trained on nothing because its engines were gone.
     """
     samples = rollout.all_samples
     if not samples or any(s.status not in (Status.ABORTED, Status.FAILED) for s in samples):
         return None
-    deterministic = any(s.status is Status.FAILED for s in samples)
-    if not (deterministic or previous_failed or last_step):
+    if not retried and all_aborted(rollout):
         return None
     reasons = Counter(f"{s.status.value}: {s.exit_detail or s.exit_reason}"[:300] for s in samples)
     listed = "; ".join(f"{count}x {reason}" for reason, count in reasons.most_common(3))
-    return MilesError(f"step {step}: all {len(samples)} samples were aborted or failed, so there is nothing to "
-                      f"train on ({listed}); every sample is in the run folder's samples/")
+    again = " in a second attempt after the engines were healthy again" if retried else ""
+    return MilesError(f"step {step}: all {len(samples)} samples were aborted or failed{again}, so there is nothing "
+                      f"to train on ({listed}); every sample is in the run folder's samples/")
 
 
 def _jsonable_random_state() -> list[Any]:
