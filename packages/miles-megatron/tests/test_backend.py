@@ -142,3 +142,27 @@ def test_forward_wrappers_see_the_megatron_model_its_routers_and_token_map(tiny_
         kernel.unregister_plugin("test-router-recorder")
     assert {phase for phase, *_ in recorder.seen} == {"old_logprobs", "train"}
     assert all(model == "GPTModel" and layers == [1, 2] and ok for _, model, layers, ok in recorder.seen)
+
+
+def test_a_skipped_step_is_kept_by_a_checkpoint_and_the_schedule_resumes_where_it_was(tiny_dense, backend_factory,
+                                                                                    tmp_path) -> None:
+    """A gradient that is not finite skips the optimizer step but advances the learning-rate
+    schedule; a resumed backend must count it too, or its schedule runs one step behind."""
+    backend = backend_factory(tiny_dense, warmup_steps=4)
+    batch = make_test_batch(tiny_dense)
+    old = backend.compute_logprobs(batch)
+    good = replace(batch, advantages=torch.where(batch.loss_mask > 0, 1.0, 0.0), old_logprobs=old, rollout_logprobs=old)
+    assert backend.train_step(good)["skipped_steps"] == 0.0
+    poisoned = replace(good, advantages=torch.where(batch.loss_mask > 0, float("nan"), 0.0))
+    before = dict(backend.named_weights())
+    after_nan = backend.train_step(poisoned)
+    assert after_nan["skipped_steps"] == 1.0 and after_nan["optimizer_steps"] == 1.0
+    assert all(torch.equal(before[name], tensor) for name, tensor in backend.named_weights())  # no NaN applied
+    backend.save_checkpoint(tmp_path / "ckpt", {"note": "x"})
+    want = backend.train_step(good)
+
+    resumed = backend_factory(tiny_dense, warmup_steps=4)
+    assert resumed.load_checkpoint(tmp_path / "ckpt") == {"note": "x"}
+    got = resumed.train_step(good)
+    assert (got["optimizer_steps"], got["skipped_steps"]) == (want["optimizer_steps"], want["skipped_steps"]) == (2.0, 1.0)
+    assert got["lr"] == want["lr"] and got["loss"] == pytest.approx(want["loss"], abs=1e-6)

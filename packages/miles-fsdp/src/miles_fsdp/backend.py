@@ -280,10 +280,11 @@ class FSDPBackend:
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, path: Path, extra_state: Mapping[str, Any]) -> None:
-        save_checkpoint(Path(path), self.trained, self.optimizer_steps, extra_state, self.dist)
+        save_checkpoint(Path(path), self.trained, self.optimizer_steps, extra_state, self.dist,
+                        skipped_steps=self.skipped_steps)
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        self.optimizer_steps, extra = load_checkpoint(Path(path), self.trained, self.dist)
+        self.optimizer_steps, self.skipped_steps, extra = load_checkpoint(Path(path), self.trained, self.dist)
         return extra
 
     def close(self) -> None:

@@ -83,8 +83,11 @@ def _json_or_error(extra_state: Mapping[str, Any]) -> str:
         ) from None
 
 
-def save_checkpoint(path: Path, modules: list[TrainedModule], step: int, extra_state: Mapping[str, Any], dist_ctx: DistContext) -> None:
+def save_checkpoint(path: Path, modules: list[TrainedModule], step: int, extra_state: Mapping[str, Any], dist_ctx: DistContext,
+                    *, skipped_steps: int = 0) -> None:
     """Collective: every rank calls it with the same ``path`` (a folder, created if missing).
+    ``step`` counts the optimizer steps taken, ``skipped_steps`` those skipped (a gradient that
+    was not finite).
 
     Files of the caller already in ``path`` are left alone. ``trainer_state.json`` is removed
     first and written last, so a save that dies half-way is never loaded as complete.
@@ -114,6 +117,7 @@ def save_checkpoint(path: Path, modules: list[TrainedModule], step: int, extra_s
         trainer_state = {
             "format": FORMAT_VERSION,
             "step": step,
+            "skipped_steps": skipped_steps,
             "world_size": dist_ctx.world_size,
             "schedulers": {m.name: m.scheduler.state_dict() for m in modules},
             "modules": [m.name for m in modules],
@@ -125,8 +129,8 @@ def save_checkpoint(path: Path, modules: list[TrainedModule], step: int, extra_s
     barrier()
 
 
-def load_checkpoint(path: Path, modules: list[TrainedModule], dist_ctx: DistContext) -> tuple[int, dict[str, Any]]:
-    """Collective. Restores modules, optimisers, schedulers and RNG; returns ``(step, extra_state)``."""
+def load_checkpoint(path: Path, modules: list[TrainedModule], dist_ctx: DistContext) -> tuple[int, int, dict[str, Any]]:
+    """Collective. Restores modules, optimisers, schedulers and RNG; returns ``(step, skipped_steps, extra_state)``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -161,4 +165,4 @@ def load_checkpoint(path: Path, modules: list[TrainedModule], dist_ctx: DistCont
     if rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=True), dist_ctx.device)
     extra = json.loads((path / EXTRA_FILE).read_text())
-    return int(trainer_state["step"]), extra
+    return int(trainer_state["step"]), int(trainer_state.get("skipped_steps", 0)), extra

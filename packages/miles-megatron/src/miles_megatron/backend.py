@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import shutil
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
@@ -233,7 +234,11 @@ class MegatronBackend:
         lr = self.config.train.lr * self.schedule(self.optimizer_steps + self.skipped_steps)
         optimizer = self.actor.optimizer
         set_learning_rate(optimizer, lr)
-        success, grad_norm, _ = optimizer.step()
+        norm = self._nonfinite_grad_norm() if self.options.skip_nonfinite_grads else None
+        if norm is not None:
+            success, grad_norm = False, norm
+        else:
+            success, grad_norm, _ = optimizer.step()
         if success:
             self.optimizer_steps += 1
         else:
@@ -242,6 +247,18 @@ class MegatronBackend:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": lr}
+
+    def _nonfinite_grad_norm(self) -> float | None:
+        """The gradient norm if it is NaN/inf (on any rank: megatron reduces it over the model- and
+        data-parallel groups that hold the gradients), else None. megatron-core only skips a step
+        on an overflow its fp16 loss scaler finds; under bf16 and fp32 it would apply the NaN.
+        ``prepare_grads`` copies the gradients to where the optimizer reads them; the ``step()``
+        that follows a finite norm does it again (a copy, not an accumulation)."""
+        optimizer = self.actor.optimizer
+        if optimizer.prepare_grads():  # the fp16 scaler found an overflow; step() skips by itself
+            return None
+        norm = float(optimizer.get_grad_norm())
+        return None if math.isfinite(norm) else norm
 
     # ------------------------------------------------------------------ weights
 
@@ -282,11 +299,12 @@ class MegatronBackend:
     @_on_megatron
     def save_checkpoint(self, path: Path, extra_state: Mapping[str, Any]) -> None:
         checkpoint.save(Path(path), self.actor.chunks, self.actor.optimizer, self.optimizer_steps, self.layout,
-                        extra_state, self.ranks)
+                        extra_state, self.ranks, skipped_steps=self.skipped_steps)
 
     @_on_megatron
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        self.optimizer_steps, extra = checkpoint.load(Path(path), self.actor.chunks, self.actor.optimizer, self.ranks)
+        self.optimizer_steps, self.skipped_steps, extra = checkpoint.load(Path(path), self.actor.chunks,
+                                                                          self.actor.optimizer, self.ranks)
         return extra
 
     def close(self) -> None:

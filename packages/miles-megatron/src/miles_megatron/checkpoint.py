@@ -131,8 +131,35 @@ def _fork_result_queue() -> None:
         filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
 
 
-def save(path: Path, chunks: list[Any], optimizer: Any, step: int, layout: Any, extra_state: Mapping[str, Any], ranks: Ranks) -> None:
-    """Collective: every rank calls it with the same ``path``."""
+def _rng_state() -> dict[str, Any]:
+    """This rank's random state as tensors only (loads with ``weights_only``): the CPU generator,
+    and on a GPU the CUDA generator and megatron's model-parallel tracker (dropout inside TP
+    regions draws from the tracker's streams)."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        from megatron.core import tensor_parallel
+
+        state["cuda"] = torch.cuda.get_rng_state()
+        tracked = tensor_parallel.get_cuda_rng_tracker().get_states()
+        # a CUDA-graph-safe tracker keeps torch.Generator objects, which only pickle: not saved
+        state["tracker"] = {name: s for name, s in tracked.items() if isinstance(s, torch.Tensor)}
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        torch.cuda.set_rng_state(state["cuda"])
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        tracker.set_states({**tracker.get_states(), **state["tracker"]})
+
+
+def save(path: Path, chunks: list[Any], optimizer: Any, step: int, layout: Any, extra_state: Mapping[str, Any], ranks: Ranks,
+         *, skipped_steps: int = 0) -> None:
+    """Collective: every rank calls it with the same ``path``. ``step`` counts optimizer steps taken,
+    ``skipped_steps`` the ones skipped (a gradient that was not finite): the schedule advances on both."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -146,19 +173,20 @@ def save(path: Path, chunks: list[Any], optimizer: Any, step: int, layout: Any, 
     barrier()
     _fork_result_queue()
     dist_checkpointing.save(_sharded_state(chunks, optimizer, loading=False), str(path / "megatron"))
-    torch.save({"torch": torch.get_rng_state()}, path / "rng" / f"rank_{ranks.rank}.pt")
+    torch.save(_rng_state(), path / "rng" / f"rank_{ranks.rank}.pt")
     barrier()
     if ranks.is_main:
         (path / EXTRA_FILE).write_text(extra)
-        state = {"format": FORMAT_VERSION, "step": step, "layout": repr(layout), "world_size": ranks.world_size}
+        state = {"format": FORMAT_VERSION, "step": step, "skipped_steps": skipped_steps, "layout": repr(layout),
+                 "world_size": ranks.world_size}
         partial = path / (STATE_FILE + ".partial")
         partial.write_text(json.dumps(state, indent=2))
         partial.rename(path / STATE_FILE)
     barrier()
 
 
-def load(path: Path, chunks: list[Any], optimizer: Any, ranks: Ranks) -> tuple[int, dict[str, Any]]:
-    """Collective. Restores weights, optimizer and RNG; returns ``(step, extra_state)``."""
+def load(path: Path, chunks: list[Any], optimizer: Any, ranks: Ranks) -> tuple[int, int, dict[str, Any]]:
+    """Collective. Restores weights, optimizer and RNG; returns ``(step, skipped_steps, extra_state)``."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -176,5 +204,5 @@ def load(path: Path, chunks: list[Any], optimizer: Any, ranks: Ranks) -> tuple[i
     _unshare_adam_steps(optimizer)
     rng = path / "rng" / f"rank_{ranks.rank}.pt"
     if rng.is_file():
-        torch.set_rng_state(torch.load(rng, weights_only=True)["torch"])
-    return int(trainer["step"]), json.loads((path / EXTRA_FILE).read_text())
+        _set_rng_state(torch.load(rng, weights_only=True))
+    return int(trainer["step"]), int(trainer.get("skipped_steps", 0)), json.loads((path / EXTRA_FILE).read_text())

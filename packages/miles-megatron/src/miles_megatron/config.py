@@ -51,6 +51,10 @@ class MegatronSection(BaseModel):
         default=None, gt=0.0, description="divide logits by this before log-softmax; null = rollout.temperature",
     )
     log_entropy: bool = Field(default=True, description="report the policy entropy every step")
+    skip_nonfinite_grads: bool = Field(
+        default=True, description="skip an optimizer step whose gradient norm is NaN/inf (counted in metrics; the "
+                                  "learning-rate schedule still advances)",
+    )
     grad_reduce_in_fp32: bool = Field(default=True, description="accumulate and reduce gradients in fp32 under bf16")
     overlap_grad_reduce: bool = Field(default=False, description="overlap the data-parallel gradient reduction with backward")
     vocab_multiple: int = Field(
