@@ -149,6 +149,12 @@ def test_registry_names_are_checked_inside_lists(kernel: Kernel) -> None:
         load_config(None, ["rollout.filters=[no_aborted, zero_varience]"], kernel=kernel)
 
 
+def test_a_vanishing_temperature_is_refused_with_the_greedy_spelling(kernel: Kernel) -> None:
+    with pytest.raises(ConfigError, match="temperature 1e-300 is below 1e-6.*use 0 for greedy"):
+        load_config(None, ["rollout.temperature=1e-300"], kernel=kernel)
+    assert load_config(None, ["rollout.temperature=0"], kernel=kernel).rollout.temperature == 0.0
+
+
 def test_cross_section_conflicts_say_how_to_fix(kernel: Kernel) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(None, ["algorithm.kl_loss_coef=0.1", "algorithm.advantage=ppo"], kernel=kernel)

@@ -259,7 +259,18 @@ class ModelBridge(Protocol):
     name: str
     chat_family: str | None
 
-    def to_megatron(self, hf_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any]) -> dict[str, torch.Tensor]: ...
+    def to_megatron(
+        self, hf_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any], *, partial: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """HF checkpoint tensors -> megatron-core tensors.
+
+        ``partial=True`` (optional, as for ``to_hf``): ``hf_state`` may hold any subset, and exactly
+        the megatron tensors whose HF inputs are all in it are returned; a train backend then
+        streams a checkpoint in one decoder layer at a time instead of holding all of it on every
+        rank. Meta tensors should convert to meta tensors (names and shapes without the weights).
+        A backend falls back to one whole-model call for a bridge without the keyword.
+        """
+        ...
 
     def to_hf(
         self, mcore_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any], *, partial: bool = False,

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from miles_contracts import AlgorithmParams
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +104,7 @@ class RolloutSection(Section):
     )
     max_new_tokens: int = Field(default=32, ge=1)
     max_context_len: int = Field(default=1024, ge=2)
-    temperature: float = Field(default=1.0, ge=0.0)
+    temperature: float = Field(default=1.0, ge=0.0, description="0: greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = -1
     stop: list[str] = Field(default_factory=list)
@@ -132,6 +132,13 @@ class RolloutSection(Section):
         default=None, ge=1, description="fully_async: finished groups that may wait for the trainer (producers block "
         "when it is full); default 2 x prompts_per_step",
     )
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_or_a_real_temperature(cls, value: float) -> float:
+        if 0.0 < value < 1e-6:  # engines sample these greedily (SGLang's epsilon); the trainer would divide by it
+            raise ValueError(f"temperature {value} is below 1e-6, which engines treat as greedy; use 0 for greedy")
+        return value
 
 
 class RewardSection(Section):

@@ -62,3 +62,11 @@ def test_penalties_lower_repeated_tokens():
     assert tokens.item() == 0  # 2.0 / 1.9 = 1.05 still beats 1.0
     tokens, _ = sample(LOGITS[None].clone(), [row(temperature=0.0, repetition_penalty=2.0 + 1e-3)], [[]], [[0]], None)
     assert tokens.item() == 1  # 2.0 / 2.001 < 1.0
+
+
+def test_a_vanishing_temperature_is_greedy_not_an_overflow():
+    """SGLang's rule: below 1e-6 a request samples greedily (1e-300 would turn logits into inf)."""
+    for temperature in (1e-300, 1e-7):
+        tokens, logprobs = draw(3, temperature=temperature)
+        assert tokens.tolist() == [0, 0, 0]
+        assert torch.allclose(logprobs, torch.log_softmax(LOGITS, -1)[0].expand(3))

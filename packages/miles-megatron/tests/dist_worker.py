@@ -44,6 +44,7 @@ def _scenario(name: str, model_dir: Path, layout: dict, out: Path) -> dict:
     exact = {"distributed_optimizer": False, "moe_aux_loss_coef": 0.0}
     backend = MegatronBackend(config_for(model_dir, megatron={**layout, **exact}))
     batch = make_test_batch(model_dir)
+    result["layers_read"] = backend.layers_read
     result["logprobs"], result["entropy"] = backend.compute_logprobs_and_entropy(batch)
     trainable = _trainable(batch, result["logprobs"])
     result["gradients"] = hf_gradients(backend, trainable)

@@ -81,3 +81,12 @@ def test_layout_matches_one_process(layout, ranks, tiny_dense, tiny_moe, backend
 def test_checkpoint_saved_at_tp2_resumes_at_tp1(ranks) -> None:
     for r in ranks["tp2"]:
         assert r["tp1_next_loss"] == pytest.approx(r["tp2_next_loss"], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_each_pipeline_stage_reads_only_its_layers_of_the_checkpoint(ranks) -> None:
+    """The checkpoint streams in by layer: at PP=2 each stage reads the tensors outside the
+    decoder layers (embeddings, final norm) and its own layer of the tiny model's two; at TP=2
+    both ranks need every layer."""
+    assert [r["layers_read"] for r in ranks["pp2"]] == [[None, 0], [None, 1]]
+    assert [r["layers_read"] for r in ranks["tp2"]] == [[None, 0, 1]] * 2

@@ -110,6 +110,8 @@ def check_model_bridge(
         back = bridge.to_hf(mcore, hf_config)
         _expect_same(reference, back, "HF -> megatron -> HF")
         _expect_same(mcore, bridge.to_megatron(back, hf_config), "megatron -> HF -> megatron")
+    if _takes_partial(bridge.to_megatron):
+        _check_streaming(bridge, hf_state, hf_config, bridge.to_megatron(hf_state, hf_config))
     return BridgeReport(
         hf_tensors=len(hf_state),
         megatron_tensors=len(mcore),
@@ -121,6 +123,39 @@ def check_model_bridge(
 
 
 # ----------------------------------------------------------------------------- the checks
+
+
+def _takes_partial(method: Any) -> bool:
+    import inspect
+
+    try:
+        return "partial" in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _check_streaming(bridge: Any, hf_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any],
+                     whole: Mapping[str, torch.Tensor]) -> None:
+    """What the megatron backend relies on when ``to_megatron`` takes ``partial``: meta tensors
+    give the names and shapes, and the decoder layers converted one at a time (the rest
+    together) give exactly the tensors of one whole conversion."""
+    import torch
+
+    meta = bridge.to_megatron({k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in hf_state.items()},
+                              hf_config)
+    assert {k: tuple(v.shape) for k, v in meta.items()} == {k: tuple(v.shape) for k, v in whole.items()}, \
+        "to_megatron on meta tensors gives other names or shapes than on the weights"
+    groups: dict[str | None, dict[str, torch.Tensor]] = {}
+    for name, tensor in hf_state.items():
+        found = re.search(r"\.layers\.(\d+)\.", name)
+        groups.setdefault(found.group(1) if found else None, {})[name] = tensor
+    streamed: dict[str, torch.Tensor] = {}
+    for layer, group in groups.items():
+        part = bridge.to_megatron(group, hf_config, partial=True)
+        clash = streamed.keys() & part.keys()
+        assert not clash, f"to_megatron(partial=True) made {sorted(clash)[:4]} again from layer {layer}"
+        streamed.update(part)
+    _expect_same(whole, streamed, "to_megatron one decoder layer at a time (partial=True)")
 
 
 def _check_attributes(bridge: Any) -> None:

@@ -74,7 +74,7 @@ async def run_fully_async(run: Run) -> None:
                 evaluation.start(step)
             metrics.update(await evaluation.finish() if final else evaluation.collect())
             if run._checkpoint_due(step):
-                metrics["time/checkpoint"] = run._save()
+                metrics["time/checkpoint"] = await run._save()
             run._log(step, metrics)
     finally:
         await evaluation.cancel()

@@ -180,7 +180,7 @@ class Run:
                     await asyncio.wait([pending])
                 metrics.update(await self._evaluate(step))
             if self._checkpoint_due(step):
-                metrics["time/checkpoint"] = self._save()
+                metrics["time/checkpoint"] = await self._save()
             self._log(step, metrics)
 
     async def _collect(self, step: int, *, probe: bool = False) -> StepRollout:
@@ -274,12 +274,21 @@ class Run:
         run = self.config.run
         return bool(run.save_every and step % run.save_every == 0) or (step == run.steps and run.save_final)
 
-    def _save(self) -> float:
+    async def _save(self) -> float:
+        """Checkpoint step ``self.step``: the driver's state on the event loop (where prompts are
+        drawn), the trainer's save off it (a one_step_off or fully_async rollout goes on meanwhile)."""
+        return await asyncio.to_thread(self._write_checkpoint, self._checkpoint_state())
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        """The driver's part of a checkpoint, taken on the event loop (where data is drawn)."""
+        return {"data": self.rollout.data.state_dict(), "rollout": self.rollout.state_dict(),
+                "python_random": _jsonable_random_state()}
+
+    def _write_checkpoint(self, extra: dict[str, Any]) -> float:
+        """Save the trainer with ``extra`` as checkpoint ``self.step``; may run off the event loop."""
         start = time.perf_counter()
         path = checkpoint_dir(self.run_dir, self.step)
         path.mkdir(parents=True, exist_ok=True)
-        extra = {"data": self.rollout.data.state_dict(), "rollout": self.rollout.state_dict(),
-                 "python_random": _jsonable_random_state()}
         self.trainer.save_checkpoint(path, extra)
         write_state(path, {"step": self.step, "weight_version": self.version, "saved_at": time.time()})
         _, failed = prune_checkpoints(self.run_dir, self.config.run.keep_checkpoints)

@@ -2,9 +2,9 @@
 
 For a sampled request the log-prob is taken from the distribution actually sampled: logits after
 penalties and the ``min_new_tokens`` ban, divided by the temperature, restricted by top-k and
-top-p, renormalised. For a greedy request (``temperature == 0``) it is the log-softmax of the
-logits after penalties and bans (temperature 1, no truncation), which is what a teacher-forced
-forward of the same sequence gives.
+top-p, renormalised. For a greedy request (``temperature`` 0, or below :data:`GREEDY_BELOW`) it
+is the log-softmax of the logits after penalties and bans (temperature 1, no truncation), which
+is what a teacher-forced forward of the same sequence gives.
 
 Sampling inverts the CDF: one uniform number per request, searched in the cumulative
 probabilities, so the random-number cost is one draw per row (not one per vocabulary entry). A
@@ -26,6 +26,11 @@ if TYPE_CHECKING:
     import torch
 
 
+GREEDY_BELOW = 1e-6
+"""A temperature below this samples greedily, as SGLang does (its sampling epsilon): dividing
+logits by, say, 1e-300 would overflow them to inf and the softmax to NaN."""
+
+
 @dataclass(slots=True)
 class RowSampling:
     """Sampling state of one request (one row of the batch)."""
@@ -42,7 +47,7 @@ class RowSampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalised(self) -> bool:

@@ -28,6 +28,7 @@ from miles.trainer.device import pick_device
 from miles_megatron import checkpoint, parallel
 from miles_megatron.config import MegatronSection
 from miles_megatron.cpu_shim import cpu_megatron
+from miles_megatron.loading import weight_source
 from miles_megatron.model import (
     ModelParts,
     build_chunks,
@@ -38,7 +39,7 @@ from miles_megatron.model import (
 )
 from miles_megatron.passes import PassRunner, sum_over_ranks
 from miles_megatron.spec import use_transformer_engine
-from miles_megatron.weights import WeightGather, describe_shards, load_into
+from miles_megatron.weights import WeightGather, describe_shards
 
 if TYPE_CHECKING:
     from miles.config import MilesConfig
@@ -59,18 +60,6 @@ def _on_megatron(method: F) -> F:
             return method(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
-
-
-def read_hf_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir} holds no *.safetensors file; the megatron backend loads safetensors checkpoints")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(file))
-    return state
 
 
 class MegatronBackend:
@@ -109,7 +98,6 @@ class MegatronBackend:
         if hf_state is None:
             self.model_dir = Path(self.kernel.resolve_model(config.model.name))
             hf_config = json.loads((self.model_dir / "config.json").read_text())
-            hf_state = read_hf_checkpoint(self.model_dir)
         if hf_config is None:
             raise ValueError("hf_state needs its hf_config (the model's config.json as a mapping)")
         self.hf_config = dict(hf_config)
@@ -123,30 +111,31 @@ class MegatronBackend:
                                 transformer_engine=self.transformer_engine, recompute=recompute)
         vocab = int(megatron_config["gpt_model"]["vocab_size"])
         padded = padded_vocab_size(vocab, self.options, self.layout)
-        mcore = self.bridge.to_megatron(hf_state, self.hf_config)
-        self.bridge_names = list(mcore)
+        source = weight_source(self.bridge, self.hf_config, model_dir=self.model_dir, hf_state=hf_state)
+        self.bridge_names = source.names
 
-        def loaded_chunks(mcore: Mapping[str, torch.Tensor]) -> tuple[list[Any], list[Any]]:
+        def loaded_chunks() -> tuple[list[Any], list[Any]]:
             chunks = build_chunks(megatron_config, tc, self.layout, padded, transformer_engine=self.transformer_engine,
                                   device=self.device)
             shards = describe_shards(chunks, tc, self.bridge_names)
-            load_into(shards, mcore, padded)
+            source.load(shards, padded)
             return chunks, shards
 
-        chunks, shards = loaded_chunks(mcore)
+        chunks, shards = loaded_chunks()
         train = config.train
         wrapped, optimizer = wrap_and_optimize(chunks, tc, self.options, lr=train.lr, betas=tuple(train.betas),
                                                weight_decay=train.weight_decay, grad_clip=train.grad_clip)
         self.actor = ModelParts(chunks, wrapped, optimizer, tc, vocab, padded)
         self.ref: ModelParts | None = None
         if train.use_reference:
-            ref_chunks, _ = loaded_chunks(mcore)
+            ref_chunks, _ = loaded_chunks()
             for chunk in ref_chunks:
                 chunk.requires_grad_(False)
                 if self.dtype != torch.float32:
                     chunk.to(self.dtype)
             self.ref = ModelParts(ref_chunks, ref_chunks, None, tc, vocab, padded)
-        del mcore
+        source.release()
+        self.layers_read = source.layers_read  # streamed: the checkpoint layers this rank read (None: the rest)
         self.gather = WeightGather(shards, self.bridge_names, self.bridge, self.hf_config, vocab)
         from miles_algorithms.schedule import LRMultiplier
 

@@ -141,7 +141,9 @@ class PassRunner:
         return self.kernel.run_forward(ctx, run)
 
     def _run(self, phase: str, micros: list[Micro], *, forward_only: bool, with_entropy: bool,
-             loss_fn: LossFn | None) -> dict[str, float]:
+             loss_fn: LossFn | None, keep_outputs: bool = False) -> dict[str, float]:
+        """One pipeline schedule over ``micros``. Outputs are kept for :meth:`collect` in a
+        forward-only pass, and in a training pass with ``keep_outputs`` (the log-probs only)."""
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -161,7 +163,7 @@ class PassRunner:
                 loss, metrics = loss_fn(micro.batch, outputs)
                 for name, value in metrics.items():
                     shares[name] = shares.get(name, 0.0) + value
-                if loss_fn is not None and not forward_only:
+                if keep_outputs:
                     self._outputs[micro.index] = (outputs[0].detach(),)
                 return loss * scale, {}
 
@@ -217,7 +219,8 @@ class PassRunner:
             the pre-update log-probs ``[B, T]`` on every rank.
         """
         micros = self.micro_batches(batch)
-        shares = self._run(phase, micros, forward_only=False, with_entropy=with_entropy, loss_fn=loss_fn)
+        shares = self._run(phase, micros, forward_only=False, with_entropy=with_entropy, loss_fn=loss_fn,
+                           keep_outputs=keep_outputs)
         kept = self.collect(micros, tuple(batch.tokens.shape), 1)[0] if keep_outputs else None
         self._outputs.clear()
         return shares, kept

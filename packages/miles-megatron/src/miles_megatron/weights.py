@@ -131,10 +131,11 @@ def load_into(shards: list[Shard], mcore: Mapping[str, torch.Tensor], padded_voc
             shard.param.copy_(part)
 
 
-def converts_partially(bridge: Any) -> bool:
-    """Whether the bridge's ``to_hf`` takes ``partial=True`` (then weights stream layer by layer)."""
+def takes_partial(method: Any) -> bool:
+    """Whether a bridge's ``to_hf`` / ``to_megatron`` takes ``partial=True`` (then weights stream
+    out / in layer by layer)."""
     try:
-        return "partial" in inspect.signature(bridge.to_hf).parameters
+        return "partial" in inspect.signature(method).parameters
     except (TypeError, ValueError):
         return False
 
@@ -150,7 +151,7 @@ class WeightGather:
         self.shards = {(s.name, s.tp_rank): s for s in shards if s.representative}
         self.order = bridge_names
         self.bridge, self.hf_config, self.vocab_size = bridge, hf_config, vocab_size
-        self.partial = converts_partially(bridge)
+        self.partial = takes_partial(bridge.to_hf)
         # every parameter has the model's dtype (a rank without representative shards never receives)
         self.param_dtype = shards[0].param.dtype if shards else torch.float32
         self._plan: dict[str, list[tuple[int, int, tuple[int, ...], int | None, bool]]] | None = None

@@ -64,6 +64,9 @@ class _Process:
     restarts: int = 0
     log_offset: int = 0
     ended: int | None = None  # exit status once seen dead
+    # the log's copying and its offset (not the executor's lock: a copy from a lost node waits
+    # out its timeout, and launches and restarts of other processes must not wait with it)
+    log_lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     @property
     def log_name(self) -> str:
@@ -218,9 +221,9 @@ class RayExecutor:
         process = self._processes[name]
         with contextlib.suppress(Exception):
             self._call(process.hosts[0].terminate.remote(name), timeout=10)
-        with self._lock, contextlib.suppress(Exception):
-            self._copy_logs(process)
-        with self._lock:
+        with process.log_lock:
+            with contextlib.suppress(Exception):
+                self._copy_logs(process)
             process.restarts += 1
             process.log_offset = 0
             process.ended = None
@@ -346,7 +349,7 @@ class RayExecutor:
                     self._copy_logs(process)
 
     def _copy_logs(self, process: _Process) -> None:
-        with self._lock:
+        with process.log_lock:
             while True:
                 chunk = self._call(process.hosts[0].read_log.remote(process.log_name, process.log_offset), timeout=10)
                 if not chunk:

@@ -175,18 +175,23 @@ class WeightMap:
     def hf_names(self) -> list[str]:
         return [h for r in self.rules for h in r.hf]
 
-    def to_megatron(self, hf_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def to_megatron(self, hf_state: Mapping[str, torch.Tensor], *, partial: bool = False) -> dict[str, torch.Tensor]:
         """HF tensors -> megatron-core tensors. Raises :class:`BridgeError` listing every missing
-        or unexpected name."""
+        or unexpected name. With ``partial``, ``hf_state`` may hold any subset (a train backend
+        streams the checkpoint one decoder layer at a time) and exactly the megatron tensors whose
+        HF inputs are all there come back; unknown names are still an error. Meta tensors convert
+        to meta tensors (the names and shapes, without reading a weight)."""
         state = self._unpack(hf_state)
         wanted = set(self.hf_names())
-        missing = sorted(wanted - state.keys())
+        missing = [] if partial else sorted(wanted - state.keys())
         unexpected = sorted(state.keys() - wanted - self.aliases.keys())
         errors = self._alias_errors(state)
         if missing or unexpected or errors:
             raise BridgeError(_describe("HF", missing, unexpected, errors))
         out = {}
         for rule in self.rules:
+            if partial and not all(h in state for h in rule.hf):
+                continue
             out[rule.megatron] = _apply(rule, lambda r: r.transform.join([state[h] for h in r.hf]))
         return out
 
@@ -223,7 +228,9 @@ class WeightMap:
 
         errors = []
         for alias, target in self.aliases.items():
-            if alias in state and target in state and not torch.equal(state[alias], state[target]):
+            if alias not in state or target not in state or state[alias].is_meta or state[target].is_meta:
+                continue  # a meta tensor (names and shapes only) has no values to compare
+            if not torch.equal(state[alias], state[target]):
                 errors.append(
                     f"{alias} differs from {target}, but the config ties them (tie_word_embeddings: true); "
                     f"fix the config or the checkpoint"

@@ -157,8 +157,10 @@ class Qwen3Bridge:
         packed = [p.at(layer=i) for i in range(shape.num_layers) for p in packed_experts()] if moe else []
         return WeightMap(rules, aliases=tied_aliases(tied_embeddings=shape.tied_embeddings), packed=packed)
 
-    def to_megatron(self, hf_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        return self.weight_map(hf_config).to_megatron(hf_state)
+    def to_megatron(
+        self, hf_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any], *, partial: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        return self.weight_map(hf_config).to_megatron(hf_state, partial=partial)
 
     def to_hf(
         self, mcore_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any], *, partial: bool = False,

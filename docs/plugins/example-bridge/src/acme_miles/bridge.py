@@ -39,8 +39,10 @@ class MistralBridge:
             )
         return LlamaBridge(self.layout)
 
-    def to_megatron(self, hf_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        return self._llama(hf_config).to_megatron(hf_state, hf_config)
+    def to_megatron(
+        self, hf_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any], *, partial: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        return self._llama(hf_config).to_megatron(hf_state, hf_config, partial=partial)
 
     def to_hf(
         self, mcore_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any], *, partial: bool = False,
