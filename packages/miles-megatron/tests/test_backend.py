@@ -166,3 +166,20 @@ def test_a_skipped_step_is_kept_by_a_checkpoint_and_the_schedule_resumes_where_i
     got = resumed.train_step(good)
     assert (got["optimizer_steps"], got["skipped_steps"]) == (want["optimizer_steps"], want["skipped_steps"]) == (2.0, 1.0)
     assert got["lr"] == want["lr"] and got["loss"] == pytest.approx(want["loss"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_compiled_head_gives_the_eager_logprobs_and_step(tiny_dense, backend_factory) -> None:
+    """``megatron.compile``: the log-prob head's maths through torch.compile, same numbers."""
+    batch = make_test_batch(tiny_dense)
+    results = []
+    for compiled in (False, True):
+        backend = backend_factory(tiny_dense, megatron={"compile": compiled})
+        old = backend.compute_logprobs(batch)
+        step = replace(batch, advantages=torch.where(batch.loss_mask > 0, 1.0, 0.0), old_logprobs=old, rollout_logprobs=old)
+        results.append((old, backend.train_step(step)))
+        backend.close()
+    (eager, eager_metrics), (compiled, compiled_metrics) = results
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    for key in ("loss", "grad_norm", "entropy"):
+        assert compiled_metrics[key] == pytest.approx(eager_metrics[key], rel=1e-4, abs=1e-6), key

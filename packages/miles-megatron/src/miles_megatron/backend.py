@@ -146,7 +146,8 @@ class MegatronBackend:
     def _runner(self, parts: ModelParts) -> PassRunner:
         return PassRunner(kernel=self.kernel, parts=parts, layout=self.layout, bridge=self.bridge,
                           token_budget=self.config.train.micro_batch_tokens, chunk=self.options.logprob_chunk_size,
-                          temperature=self._temperature(), device=self.device, backend_name=NAME)
+                          temperature=self._temperature(), device=self.device, backend_name=NAME,
+                          compiled=self.options.compile)
 
     def _temperature(self) -> float:
         if self.options.logprob_temperature is not None:

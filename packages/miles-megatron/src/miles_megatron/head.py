@@ -17,6 +17,9 @@ Vocabulary padding (rows added so ``V`` divides by ``tp``) is cut off and never 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -32,6 +35,56 @@ def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op: dist.
     return tensor
 
 
+# The per-chunk maths, as plain functions between the collectives. Eagerly each element-wise step
+# is a pass over a ``chunk x V_local`` fp32 buffer; compiled (``megatron.compile``) the cast,
+# softmax statistics and gradient fuse into a few kernels around the matrix multiplies.
+
+
+def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[C, V_local]`` fp32 logits over the temperature, and their row maxima."""
+    logits = torch.nn.functional.linear(hidden, weight).float() / temperature
+    return logits, logits.amax(dim=-1)
+
+
+def chunk_sums(logits: torch.Tensor, top: torch.Tensor, local: torch.Tensor, mine: torch.Tensor,
+               with_entropy: bool) -> torch.Tensor:
+    """This rank's share of ``sum exp(s - max)``, the target's logit (where this rank holds it) and
+    ``sum exp(s - max) (s - max)``, stacked ``[2 or 3, C]`` for one all-reduce."""
+    shifted = logits - top[:, None]
+    exp = shifted.exp()
+    parts = [exp.sum(-1), logits.gather(1, local[:, None]).squeeze(1) * mine]
+    if with_entropy:
+        parts.append((exp * shifted).sum(-1))
+    return torch.stack(parts)
+
+
+def chunk_logit_grad(hidden: torch.Tensor, weight: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor | None,
+                     grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None, local: torch.Tensor,
+                     mine: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The gradient w.r.t. this rank's logits (before the temperature), in the weight's dtype:
+    ``g (onehot(y) - p) - g_H p (log p + H)``, divided by the temperature."""
+    logp = torch.nn.functional.linear(hidden, weight).float() / temperature - lse[:, None]
+    probs = logp.exp()
+    g = grad_logprobs[:, None].float()
+    if grad_entropy is not None and entropy is not None:
+        grad_s = -(probs * ((logp + entropy[:, None]) * grad_entropy[:, None].float() + g))
+    else:
+        grad_s = probs * -g
+    grad_s = grad_s.scatter_add(1, local[:, None], g * mine[:, None])
+    return (grad_s / temperature).to(weight.dtype)
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    # chunk sizes differ only in the last chunk: dynamic shapes avoid one recompile per size
+    return torch.compile(fn, dynamic=True)
+
+
+def _kernels(compiled: bool) -> tuple[Callable, Callable, Callable]:
+    functions = (chunk_logits, chunk_sums, chunk_logit_grad)
+    return tuple(_compiled(f) for f in functions) if compiled else functions  # type: ignore[return-value]
+
+
 class VocabParallelLogprobs(torch.autograd.Function):
     """``(hidden [K, H], weight [V_local, H], targets [K]) -> (logprobs [K], entropy [K] or empty)``.
 
@@ -39,7 +92,9 @@ class VocabParallelLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, vocab_start: int, group, temperature: float, chunk: int, with_entropy: bool):
+    def forward(ctx, hidden, weight, targets, vocab_start: int, group, temperature: float, chunk: int, with_entropy: bool,
+                compiled: bool = False):
+        logits_of, sums_of, _ = _kernels(compiled)
         k = hidden.shape[0]
         logprobs = torch.empty(k, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(logprobs)
@@ -48,21 +103,17 @@ class VocabParallelLogprobs(torch.autograd.Function):
         mine = (local >= 0) & (local < weight.shape[0])
         local = local.clamp(0, max(weight.shape[0] - 1, 0))
         for part in _chunks(k, chunk):
-            logits = torch.nn.functional.linear(hidden[part], weight).float().div_(temperature)  # [C, V_local]
-            top = _all_reduce(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
-            shifted = logits - top[:, None]
-            exp = shifted.exp()
-            sums = [exp.sum(-1), logits.gather(1, local[part, None]).squeeze(1) * mine[part]]
-            if with_entropy:
-                sums.append((exp * shifted).sum(-1))
-            sums = _all_reduce(torch.stack(sums), group, dist.ReduceOp.SUM)
+            logits, top = logits_of(hidden[part], weight, temperature)  # [C, V_local], [C]
+            top = _all_reduce(top, group, dist.ReduceOp.MAX)
+            sums = _all_reduce(sums_of(logits, top, local[part], mine[part], with_entropy), group, dist.ReduceOp.SUM)
+            del logits
             lse[part] = top + sums[0].log()
             logprobs[part] = sums[1] - lse[part]
             if with_entropy:  # H = log Z - E[s - max] with Z = sum exp(s - max)
                 entropy[part] = sums[0].log() - sums[2] / sums[0]
         ctx.save_for_backward(hidden, weight, local, mine, lse, entropy)
         ctx.set_materialize_grads(False)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.temperature, ctx.chunk, ctx.compiled = temperature, chunk, compiled
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
@@ -70,28 +121,23 @@ class VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, local, mine, lse, entropy = ctx.saved_tensors
+        logit_grad = _kernels(ctx.compiled)[2]
         use_entropy = grad_entropy is not None and entropy.numel() > 0
         if grad_logprobs is None:
             grad_logprobs = torch.zeros_like(lse)
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
         for part in _chunks(hidden.shape[0], ctx.chunk):
-            logp = torch.nn.functional.linear(hidden[part], weight).float().div_(ctx.temperature).sub_(lse[part, None])
-            probs = logp.exp()
-            g = grad_logprobs[part, None].float()
-            if use_entropy:
-                grad_s = probs.mul_(logp.add_(entropy[part, None]).mul_(grad_entropy[part, None].float()).add_(g)).neg_()
-            else:
-                grad_s = probs.mul_(-g)
-            grad_s.scatter_add_(1, local[part, None], (g * mine[part, None]).to(grad_s.dtype))
-            grad_s = grad_s.div_(ctx.temperature).to(weight.dtype)
+            grad_s = logit_grad(hidden[part], weight, lse[part], entropy[part] if use_entropy else None,
+                                grad_logprobs[part], grad_entropy[part] if use_entropy else None, local[part],
+                                mine[part], ctx.temperature)
             if grad_hidden is not None:
                 grad_hidden[part] = grad_s @ weight
             if grad_weight is not None:
                 grad_weight += (grad_s.t() @ hidden[part]).float()
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 class ReduceForward(torch.autograd.Function):
@@ -109,7 +155,7 @@ class ReduceForward(torch.autograd.Function):
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, hidden_index: torch.Tensor, *,
                    vocab_start: int, vocab_size: int, sequence_parallel: bool, temperature: float, chunk: int,
-                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_entropy: bool, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[K]`` (fp32) of ``targets`` predicted at ``hidden_index`` of ``hidden [s, 1, H]``.
 
     :param hidden: the decoder's output on this rank (a sequence-parallel slice when
@@ -131,5 +177,6 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, hidden_index)  # [K, H]
     real = max(0, min(weight.shape[0], vocab_size - vocab_start))
     logprobs, entropy = VocabParallelLogprobs.apply(
-        hidden, weight[:real], targets, vocab_start, group, float(temperature), int(chunk), bool(with_entropy))
+        hidden, weight[:real], targets, vocab_start, group, float(temperature), int(chunk), bool(with_entropy),
+        bool(compiled))
     return logprobs, (entropy if with_entropy else None)

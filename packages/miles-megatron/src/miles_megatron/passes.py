@@ -81,6 +81,7 @@ class PassRunner:
     temperature: float
     device: torch.device
     backend_name: str = "megatron"
+    compiled: bool = False  # the head's per-chunk maths through torch.compile
     _outputs: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ planning
@@ -132,7 +133,7 @@ class PassRunner:
                 hidden.to(weight.dtype), weight, inputs.target_ids, inputs.hidden_index,
                 vocab_start=ps.get_tensor_model_parallel_rank() * weight.shape[0], vocab_size=self.parts.vocab_size,
                 sequence_parallel=self.parts.config.sequence_parallel, temperature=self.temperature,
-                chunk=self.chunk, with_entropy=with_entropy,
+                chunk=self.chunk, with_entropy=with_entropy, compiled=self.compiled,
             )
             outs = (logprobs,) if entropy is None else (logprobs, entropy)
             cp_group = ps.get_context_parallel_group()
