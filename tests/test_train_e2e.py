@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -116,6 +117,23 @@ def test_a_deterministic_run_is_reproduced_by_a_rerun_and_by_a_resume(tiny_model
     assert all(m["train/grad_norm"] > 0 for m in expected) and len(expected[0]) > 30
     tokens = lambda run: [[s["tokens"] for s in _samples(tmp_path / run, step)] for step in (1, 2, 3)]  # noqa: E731
     assert tokens("resumed") == tokens("straight")
+
+
+@pytest.mark.slow
+def test_one_step_off_resumes_with_the_prompts_the_interrupted_step_had(tiny_model: Path, tmp_path: Path) -> None:
+    """In one_step_off the next step's rollout draws its prompts while this step trains; a
+    checkpoint keeps the data position from before that draw, so a resume generates the same
+    prompts for that step (it used to skip them and draw the following ones)."""
+    run = tmp_path / "overlap"
+    first = _train(*_args(tiny_model, tmp_path, "overlap", "run.mode=one_step_off", "run.steps=3", "run.save_every=1",
+                          "run.keep_checkpoints=3"))
+    assert first.returncode == 0, first.stderr
+    prompts = [s["prompt"] for s in _samples(run, 3)]
+    shutil.rmtree(run / "checkpoints" / "step_000003")  # as if it had crashed before step 3's checkpoint
+    resumed = _train("--resume", str(run))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed from" in resumed.stderr and "(step 2, weight version" in resumed.stderr
+    assert [s["prompt"] for s in _samples(run, 3)] == prompts
 
 
 def _pids_alive(pids: list[int]) -> list[int]:

@@ -167,7 +167,10 @@ class Run:
             if unsynced:  # one_step_off: the previous update waited for this rollout to finish
                 metrics.update(self._sync_weights())
                 unsynced = False
+            saved_state = None
             if overlap and step < cfg.run.steps:
+                if self._checkpoint_due(step):  # before the next rollout draws its prompts: a resume draws them again
+                    saved_state = self._checkpoint_state()
                 pending = asyncio.create_task(self._collect(step + 1))
             dump_samples(self.run_dir, step, rollout.all_samples, tokens=cfg.run.dump_tokens)
             metrics.update(await self._train(rollout))
@@ -180,7 +183,7 @@ class Run:
                     await asyncio.wait([pending])
                 metrics.update(await self._evaluate(step))
             if self._checkpoint_due(step):
-                metrics["time/checkpoint"] = await self._save()
+                metrics["time/checkpoint"] = await self._save(saved_state)
             self._log(step, metrics)
 
     async def _collect(self, step: int, *, probe: bool = False) -> StepRollout:
@@ -274,10 +277,12 @@ class Run:
         run = self.config.run
         return bool(run.save_every and step % run.save_every == 0) or (step == run.steps and run.save_final)
 
-    async def _save(self) -> float:
-        """Checkpoint step ``self.step``: the driver's state on the event loop (where prompts are
-        drawn), the trainer's save off it (a one_step_off or fully_async rollout goes on meanwhile)."""
-        return await asyncio.to_thread(self._write_checkpoint, self._checkpoint_state())
+    async def _save(self, state: dict[str, Any] | None = None) -> float:
+        """Checkpoint step ``self.step``: the driver's state (``state``, else taken now, on the event
+        loop where prompts are drawn), the trainer's save off the loop (a one_step_off or
+        fully_async rollout goes on meanwhile)."""
+        state = state if state is not None else self._checkpoint_state()
+        return await asyncio.to_thread(self._write_checkpoint, state)
 
     def _checkpoint_state(self) -> dict[str, Any]:
         """The driver's part of a checkpoint, taken on the event loop (where data is drawn)."""
