@@ -170,7 +170,10 @@ def test_ctrl_c_leaves_no_processes(tiny_model: Path, tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "miles.cli.main", "train",
                              *_args(tiny_model, tmp_path, "interrupted", "run.steps=50")],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            # a suite started in the background (`cmd &` without job control) passes
+                            # SIGINT on ignored, and an ignored Ctrl-C is what such a user asked for
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     manifest = tmp_path / "interrupted" / "services.json"
     _wait_for(manifest)
     pids = [row["pid"] for row in json.loads(manifest.read_text())]

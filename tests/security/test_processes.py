@@ -115,8 +115,13 @@ def test_an_interrupted_run_never_exits_0() -> None:
 
     threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
     assert exit_code_of(lambda: asyncio.run(run_until_stopped())) == 128 + signal.SIGTERM
-    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
-    assert exit_code_of(lambda: asyncio.run(asyncio.sleep(60))) == 128 + signal.SIGINT
+    # Ctrl-C as an interactive Python gets it (a suite started in the background has it ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        assert exit_code_of(lambda: asyncio.run(asyncio.sleep(60))) == 128 + signal.SIGINT
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert exit_code_of(lambda: "completed") == 0 and exit_code_of(lambda: "failed") == 1
 
 
