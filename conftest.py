@@ -56,11 +56,11 @@ class RewardGate:
     (after that step's generation, before its training and weight sync), e.g. to kill a process
     there. Scores each answer's fraction of vowels (deterministic, different within a group)."""
 
-    def __init__(self, hold: int) -> None:
+    def __init__(self, hold: int, *, and_after: bool = False) -> None:
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-        self.hold, self.requests = hold, 0
+        self.hold, self.and_after, self.requests = hold, and_after, 0  # and_after: hold every later one too
         self.reached, self.released = threading.Event(), threading.Event()
         gate = self
 
@@ -71,7 +71,7 @@ class RewardGate:
                 samples = json.loads(self.rfile.read(int(self.headers["content-length"])))["samples"]
                 with lock:
                     gate.requests += 1
-                    held = gate.requests == gate.hold
+                    held = gate.requests == gate.hold or (gate.and_after and gate.requests > gate.hold > 0)
                 if held:
                     gate.reached.set()
                     gate.released.wait(120)

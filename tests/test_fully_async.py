@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -189,3 +190,46 @@ def test_fully_async_run_trains_from_the_buffer_and_evaluates_in_the_background(
             # sampled tokens carry the version that sampled them, the tool results between turns -1
             assert all((v >= 0) == bool(m) for v, m in zip(row["token_versions"], row["loss_mask"], strict=True))
             assert max(row["token_versions"]) <= step - 1  # sampled by weights pushed before this step
+
+
+@pytest.mark.slow
+def test_an_engine_that_dies_while_the_trainer_waits_for_a_batch_gets_weights_and_the_run_goes_on(
+        tiny_model: Path, tmp_path: Path, reward_gate) -> None:
+    """After step 1's update (version 1) every scoring request is held, so no group reaches the
+    buffer; the engine is killed and restarted with the base model, which the router holds back
+    (behind the fleet's version 1). The held groups, released, are too stale (max_staleness 0) and
+    go back to be generated again: only the restarted engine could, and no update would ever
+    reach it without a batch. The trainer, idle while it waits, gives it the current weights."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    run = tmp_path / "lost"
+    args = [
+        f"model.name={tiny_model}", f"run.output_dir={tmp_path}", "run.name=lost", "run.mode=fully_async",
+        "run.steps=2", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_staleness=0",
+        "rollout.max_new_tokens=8", "algorithm.correction=tis", "reward.name=remote",
+        f"reward.remote_url={reward_gate.url}", "data.options={digits: 1}", "executor.startup_timeout=120",
+    ]
+    reward_gate.hold, reward_gate.and_after = 3, True  # step 1's batch is the first two groups scored
+    proc = subprocess.Popen([sys.executable, "-m", "miles.cli.main", "train", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics_file, manifest = run / "metrics.jsonl", run / "services.json"
+    try:
+        reward_gate.wait_held(300)
+        deadline = time.monotonic() + 300
+        while not (metrics_file.exists() and metrics_file.read_text().strip()):  # version 1 is out
+            assert proc.poll() is None and time.monotonic() < deadline, "step 1 was not logged"
+            time.sleep(0.2)
+        engine = next(r for r in json.loads(manifest.read_text()) if r["name"] == "engine-0")
+        os.kill(engine["pid"], signal.SIGKILL)
+        while next(r for r in json.loads(manifest.read_text()) if r["name"] == "engine-0")["restarts"] < 1:
+            assert proc.poll() is None and time.monotonic() < deadline, "the engine was not restarted"
+            time.sleep(0.2)
+        reward_gate.released.set()
+        output, _ = proc.communicate(timeout=300)  # before the fix it waited forever
+    finally:
+        reward_gate.released.set()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-5000:]
+    assert "gave 1 restarted engine(s) the weights of version 1" in output
+    metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and metrics[1]["async/stale_recycled"] >= 1

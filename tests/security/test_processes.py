@@ -147,19 +147,25 @@ def test_a_step_in_which_every_sample_failed_stops_the_run() -> None:
 
 
 def test_a_step_whose_samples_were_all_aborted_is_collected_again_after_a_health_probe(tmp_path: Path) -> None:
-    """The runner's side of an engine lost mid-rollout (the end-to-end tests kill real engines, but
-    cannot choose the moment): the step waits for engines that answer a health probe, collects
-    again, and dumps both attempts; a second aborted attempt stops the run, its samples dumped too."""
+    """The runner's side of an engine lost mid-rollout (the end-to-end tests kill real engines at
+    a point they choose, this one walks every branch): the step waits for engines that answer a
+    health probe, gives a restarted engine the trainer's weights (or first pushes a one_step_off
+    update that was waiting), collects again and dumps both attempts; a second aborted attempt
+    stops the run, its samples dumped too."""
     from miles.config import load_config
     from miles.loop.progress import Progress
     from miles.loop.runner import Run
     from miles_contracts import Status
 
+    events: list[str] = []
+
     class Services:
-        probes: list[bool] = []
+        stale_engines: set[str] = set()
 
         def wait_ready(self, timeout: float, *, router: bool = False, probe: bool = False) -> float:
-            self.probes.append(probe)
+            events.append("wait router" if router else f"wait engines{' (probe)' if probe else ''}")
+            if probe:  # the supervisor restarted the dead engine meanwhile
+                self.stale_engines.add("engine-0")
             return 0.0
 
     class Rollout:
@@ -167,19 +173,32 @@ def test_a_step_whose_samples_were_all_aborted_is_collected_again_after_a_health
             self.results = list(results)
 
         async def collect(self, step: int, progress: Any = None) -> Any:
+            events.append("collect")
             return self.results.pop(0)
 
+    def sync_weights(*, bump: bool = True) -> dict[str, float]:
+        events.append("sync" if bump else "resync")
+        restarted = len(run.services.stale_engines)
+        run.services.stale_engines.clear()
+        return {"time/sync": 0.5, "weights/engines_restarted": float(restarted), "weights/version": 2.0}
+
     run = Run.__new__(Run)
-    run.config, run.run_dir, run.services = load_config(None), tmp_path, Services()
-    run.progress = Progress(3)
+    run.config, run.run_dir, run.services, run._unsynced = load_config(None), tmp_path, Services(), False
+    run.progress, run._sync_weights = Progress(3), sync_weights
     run.rollout = Rollout(_step(Status.ABORTED, Status.ABORTED), _step(Status.COMPLETED, Status.ABORTED))
     rollout = asyncio.run(run._rollout(2, None))
-    assert run.services.probes == [False, True]  # the second attempt asked every engine again
+    assert events == ["wait engines", "wait router", "collect",  # the first attempt
+                      "wait engines (probe)", "resync", "wait router", "collect"]  # the restarted engine synced first
     assert [s.status for s in rollout.all_samples] == [Status.ABORTED, Status.ABORTED, Status.COMPLETED, Status.ABORTED]
     assert rollout.metrics["rollout/recollected"] == 1.0 and rollout.metrics["time/rollout"] >= 1.0
+    assert rollout.metrics["weights/resynced_engines"] == 1.0
 
+    # one_step_off: the update that waited for this rollout is pushed before generating again
+    events.clear()
+    run._unsynced = True
     run.rollout = Rollout(_step(Status.ABORTED), _step(Status.ABORTED, Status.ABORTED))
     with pytest.raises(MilesError, match="step 3: all 2 samples were aborted or failed in a second attempt"):
         asyncio.run(run._rollout(3, None))
+    assert events[3:5] == ["sync", "wait engines (probe)"] and not run._unsynced
     dumped = (tmp_path / "samples" / "step_000003.jsonl").read_text().splitlines()
     assert len(dumped) == 3  # the first attempt's sample and the second's two

@@ -18,6 +18,7 @@ design and the buffer's contract: ``docs/design/async.md``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -56,7 +57,13 @@ async def run_fully_async(run: Run) -> None:
             run.step += 1
             step, final = run.step, run.step == cfg.run.steps
             started = time.perf_counter()
-            groups = await _take(run, buffer, workers)
+            stop = asyncio.Event()
+            watcher = asyncio.create_task(_resync_restarted_engines(run, stop), name="miles-resync")
+            try:
+                groups = await _take(run, buffer, workers)
+            finally:
+                stop.set()
+                await watcher
             now = time.perf_counter()
             batch = StepRollout([g.samples for g in groups], [s for g in groups for s in g.samples])
             batch.metrics = batch_metrics(groups, buffer, run.version, waited=now - started, interval=now - last_take)
@@ -82,6 +89,21 @@ async def run_fully_async(run: Run) -> None:
         if leftovers:  # finished but never trained on: kept with the run's samples
             dump_samples(run.run_dir, run.step, [s for g in leftovers for s in g.samples], kind="unconsumed",
                          tokens=cfg.run.dump_tokens)
+
+
+async def _resync_restarted_engines(run: Run, stop: asyncio.Event, every: float = 2.0) -> None:
+    """While the trainer waits for a batch (it is idle): an engine the supervisor restarted has
+    the base model's weights and the router holds it back until a weight update reaches it. With
+    one engine nothing is generated meanwhile, so no batch, and no update would ever come: give
+    it the current weights now."""
+    assert run.services is not None
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every)
+        if not stop.is_set() and run.services.stale_engines:
+            done = await asyncio.to_thread(run._sync_weights, bump=False)
+            run.progress.message(f"gave {done['weights/engines_restarted']:.0f} restarted engine(s) the weights of "
+                                 f"version {run.version}")
 
 
 async def _take(run: Run, buffer: GroupBuffer, workers: RolloutWorkers, report_every: float = 60.0,

@@ -72,6 +72,7 @@ class Run:
         self.trainer: TrainerGroup | None = None
         self.metrics_logger: Any = None
         self._fatal: BaseException | None = None
+        self._unsynced = False  # one_step_off: the trainer's last update waits to be pushed
         self._main: tuple[Any, Any] = (None, None)  # the event loop and task to stop from another thread
 
     # ------------------------------------------------------------------ lifecycle
@@ -157,25 +158,25 @@ class Run:
             return
         overlap = cfg.run.mode == "one_step_off"
         pending: asyncio.Task[StepRollout] | None = None
-        unsynced = False
         while self.step < cfg.run.steps and not stop_requested():
             self.step += 1
             step = self.step
             rollout = await self._rollout(step, pending)
             pending = None
             metrics = dict(rollout.metrics)
-            if unsynced:  # one_step_off: the previous update waited for this rollout to finish
+            if self._unsynced:  # one_step_off: the previous update waited for this rollout to finish
                 metrics.update(self._sync_weights())
-                unsynced = False
+                self._unsynced = False
             saved_state = None
             if overlap and step < cfg.run.steps:
                 if self._checkpoint_due(step):  # before the next rollout draws its prompts: a resume draws them again
                     saved_state = self._checkpoint_state()
-                pending = asyncio.create_task(self._collect(step + 1))
+                # the trainer will be training meanwhile: this rollout cannot push weights to a restarted engine
+                pending = asyncio.create_task(self._collect(step + 1, resync=False))
             dump_samples(self.run_dir, step, rollout.all_samples, tokens=cfg.run.dump_tokens)
             metrics.update(await self._train(rollout))
             if overlap and pending is not None:
-                unsynced = True
+                self._unsynced = True
             else:
                 metrics.update(self._sync_weights())
             if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.run.steps):
@@ -186,17 +187,34 @@ class Run:
                 metrics["time/checkpoint"] = await self._save(saved_state)
             self._log(step, metrics)
 
-    async def _collect(self, step: int, *, probe: bool = False) -> StepRollout:
+    async def _collect(self, step: int, *, probe: bool = False, resync: bool = True) -> StepRollout:
+        """One rollout of step ``step``, once the engines (and the router) serve.
+
+        An engine the supervisor restarted has the base model's weights, and the router holds it
+        back until a weight sync brings it to the fleet's version: with one engine nothing would
+        serve until the step's end. With ``resync`` (the trainer is idle, its weights are
+        ``self.version``'s) such an engine gets the current weights first. Without it (a
+        one_step_off rollout running beside training) the router is not waited for: the rollout's
+        requests are refused, and :meth:`_rollout` syncs and collects the step again."""
         assert self.services is not None
-        await asyncio.to_thread(self.services.wait_ready, self.config.executor.startup_timeout, router=True,
-                                probe=probe)
-        return await self.rollout.collect(step, progress=lambda d, t: self.progress.rollout(step, d, t))
+        timeout = self.config.executor.startup_timeout
+        await asyncio.to_thread(self.services.wait_ready, timeout, probe=probe)
+        resynced: dict[str, float] = {}
+        if resync and self.services.stale_engines:
+            done = self._sync_weights(bump=False)
+            resynced = {"weights/resynced_engines": done["weights/engines_restarted"], "time/resync": done["time/sync"]}
+        if resync or not self.services.stale_engines:
+            await asyncio.to_thread(self.services.wait_ready, timeout, router=True)
+        rollout = await self.rollout.collect(step, progress=lambda d, t: self.progress.rollout(step, d, t))
+        rollout.metrics.update(resynced)
+        return rollout
 
     async def _rollout(self, step: int, pending: asyncio.Task[StepRollout] | None) -> StepRollout:
         """Step ``step``'s rollout (``pending``: the one already under way). A rollout in which every
         sample was aborted (an engine or its node died under it) is collected again, once, after
-        every engine answers its health check again (the supervisor restarts the dead one); what the
-        aborted attempt generated stays in the step's dump. See :func:`failed_step_error`."""
+        every engine answers its health check again (the supervisor restarts the dead one) and has
+        the trainer's weights (a one_step_off sync that waited for this rollout happens first);
+        what the aborted attempt generated stays in the step's dump. See :func:`failed_step_error`."""
         rollout = await (pending if pending is not None else self._collect(step))
         self._raise_if_nothing_to_train(step, rollout, retried=False)
         if not all_aborted(rollout):
@@ -204,9 +222,13 @@ class Run:
         self.progress.message(f"step {step}: all {len(rollout.all_samples)} samples were aborted (an engine died?); "
                               f"collecting the step again once every engine is healthy")
         start = time.perf_counter()
+        synced: dict[str, float] = {}
+        if self._unsynced:  # the trainer is idle now: the deferred update, before generating again
+            synced = self._sync_weights()
+            self._unsynced = False
         again = await self._collect(step, probe=True)
         self._raise_if_nothing_to_train(step, again, retried=True, earlier=rollout.all_samples)
-        metrics = {**again.metrics, "rollout/recollected": 1.0,
+        metrics = {**synced, **again.metrics, "rollout/recollected": 1.0,
                    "time/rollout": rollout.metrics.get("time/rollout", 0.0) + time.perf_counter() - start}
         return StepRollout(again.groups, rollout.all_samples + again.all_samples, metrics)
 
