@@ -179,3 +179,40 @@ def test_a_step_stops_drawing_prompts_after_a_round_in_which_every_sample_aborte
     assert len(rollout.all_samples) == 6 and rollout.groups == []  # one round of 3 groups, no more
     assert rollout.metrics["filter/drop_all_aborted"] == 3.0
     assert manager.over_sampler.state_dict() == before
+
+
+def test_the_last_steps_evaluation_supersedes_one_still_running_and_a_failed_one_still_fails_the_run() -> None:
+    """Background evaluations in fully_async: at the last step an earlier one still running would
+    report the same keys as the final one and be overwritten: it is dropped and counted instead,
+    and the last step waits for the final weights' evaluation. One that failed still fails the run."""
+    from types import SimpleNamespace
+
+    from miles.loop.fully_async import BackgroundEvaluation
+
+    async def evaluate(step: int) -> dict[str, float]:
+        await asyncio.sleep(0.3 if step < 3 else 0.01)
+        if step == 1:
+            raise RuntimeError("the eval data is broken")
+        return {"eval/accuracy": float(step)}
+
+    run = SimpleNamespace(config=SimpleNamespace(eval=SimpleNamespace(every=2), run=SimpleNamespace(steps=3)),
+                          _evaluate=evaluate)
+
+    async def last_step() -> dict:
+        evaluation = BackgroundEvaluation(run)
+        evaluation.start(2)  # still running when the last step comes
+        await evaluation.supersede()
+        assert evaluation.due(3)
+        evaluation.start(3)
+        return await evaluation.finish()
+
+    assert asyncio.run(last_step()) == {"eval/accuracy": 3.0, "eval/step": 3.0, "eval/skipped": 1.0}
+
+    async def failed_before() -> None:
+        evaluation = BackgroundEvaluation(run)
+        evaluation.start(1)
+        await asyncio.sleep(0.5)
+        await evaluation.supersede()
+
+    with pytest.raises(RuntimeError, match="the eval data is broken"):
+        asyncio.run(failed_before())

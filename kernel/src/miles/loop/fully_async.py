@@ -75,8 +75,8 @@ async def run_fully_async(run: Run) -> None:
             metrics.update(await run._train(batch))
             if final or step % cfg.weights.update_interval == 0:
                 metrics.update(await asyncio.to_thread(run._sync_weights))
-            if final:  # an evaluation still running finishes first; the final one is never skipped
-                metrics.update(await evaluation.finish())
+            if final:  # the final evaluation is never skipped; an earlier one would only be overwritten
+                await evaluation.supersede()
             if evaluation.due(step):
                 evaluation.start(step)
             metrics.update(await evaluation.finish() if final else evaluation.collect())
@@ -187,7 +187,8 @@ def token_lag_metrics(samples: Sequence[Sample], version: int) -> dict[str, floa
 class BackgroundEvaluation:
     """Evaluations on the training engines without stopping training: one at a time (a due one
     that finds the previous still running is skipped and counted), its metrics logged with the
-    step during which it finished. The last step waits for its evaluation."""
+    step during which it finished. The last step evaluates the final weights and waits for that;
+    one still unlogged then is dropped for it (:meth:`supersede`)."""
 
     def __init__(self, run: Run) -> None:
         self.run = run
@@ -217,6 +218,19 @@ class BackgroundEvaluation:
         if self.task is not None:
             await asyncio.wait([self.task])
         return self.collect()
+
+    async def supersede(self) -> None:
+        """Drop an evaluation not logged yet (still running, or finished since the last step) for
+        the final one, counted in ``eval/skipped``: both report the same keys in the last step's
+        record, so the earlier one's numbers would be overwritten anyway (its samples, if it
+        finished, are in ``samples/``)."""
+        if self.task is None:
+            return
+        if self.task.done() and not self.task.cancelled() and self.task.exception() is not None:
+            self.collect()  # raises: an evaluation that failed fails the run
+        await self.cancel()
+        self.task = None
+        self.skipped += 1
 
     async def cancel(self) -> None:
         if self.task is not None and not self.task.done():
