@@ -216,3 +216,22 @@ def test_the_last_steps_evaluation_supersedes_one_still_running_and_a_failed_one
 
     with pytest.raises(RuntimeError, match="the eval data is broken"):
         asyncio.run(failed_before())
+
+
+def test_evaluation_numbers_its_samples_apart_from_training() -> None:
+    """An evaluation between two steps must not shift the indices (the run.deterministic sampling
+    seeds, the long-tail workload's episodes) of the training samples after it; the counters
+    survive a checkpoint."""
+    kernel = _refusing_kernel()
+    config = MilesConfig(rollout=RolloutSection(generator="refused", samples_per_prompt=2, prompts_per_step=1))
+    manager = RolloutManager(config, kernel, open_data_source(config.data, kernel), engine=None, tokenizer=None)
+    first = manager.make_groups(manager.data.next_prompts(1), 2)
+    evaluated = manager.make_groups(manager.data.next_prompts(2), 3, evaluation=True)
+    second = manager.make_groups(manager.data.next_prompts(1), 2)
+    assert [(s.group_index, s.index) for g in first + second for s in g] == [(0, 0), (0, 1), (1, 2), (1, 3)]
+    assert [(s.group_index, s.index) for g in evaluated for s in g] == [(0, 0), (0, 1), (0, 2), (1, 3), (1, 4), (1, 5)]
+    state = manager.state_dict()
+    again = RolloutManager(config, kernel, open_data_source(config.data, kernel), engine=None, tokenizer=None)
+    again.load_state_dict(state)
+    assert [s.index for g in again.make_groups(again.data.next_prompts(1), 2, evaluation=True) for s in g] == [6, 7]
+    assert [s.index for g in again.make_groups(again.data.next_prompts(1), 2) for s in g] == [4, 5]

@@ -66,15 +66,19 @@ class RolloutManager:
         self.captures = kernel.engine_captures(config)
         self._next_group = 0
         self._next_index = 0
+        # evaluation numbers its samples apart: an evaluation between two steps must not shift the
+        # indices (the run.deterministic sampling seeds) of the training samples after it
+        self._next_eval = [0, 0]  # group, index
 
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
-        return {"next_group": self._next_group, "next_index": self._next_index,
+        return {"next_group": self._next_group, "next_index": self._next_index, "next_eval": list(self._next_eval),
                 "over_sampler": self.over_sampler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._next_group, self._next_index = state["next_group"], state["next_index"]
+        self._next_eval = list(state.get("next_eval", [0, 0]))  # absent in checkpoints of before
         self.over_sampler.load_state_dict(state["over_sampler"])
 
     # ------------------------------------------------------------------ training rollouts
@@ -101,17 +105,24 @@ class RolloutManager:
             captures=() if evaluation else tuple(self.captures), partial_rollout=partial,
         )
 
-    def make_groups(self, prompts: Sequence[Sample], n: int) -> list[list[Sample]]:
+    def make_groups(self, prompts: Sequence[Sample], n: int, *, evaluation: bool = False) -> list[list[Sample]]:
+        """``n`` copies of each prompt, numbered (``group_index``, ``index``) by the training
+        counters, or with ``evaluation`` by the evaluation's own."""
+        group_no, index = self._next_eval if evaluation else [self._next_group, self._next_index]
         groups = []
         for prompt in prompts:
             group = []
             for _ in range(n):
                 s = copy.deepcopy(prompt)
-                s.group_index, s.index = self._next_group, self._next_index
-                self._next_index += 1
+                s.group_index, s.index = group_no, index
+                index += 1
                 group.append(s)
-            self._next_group += 1
+            group_no += 1
             groups.append(group)
+        if evaluation:
+            self._next_eval = [group_no, index]
+        else:
+            self._next_group, self._next_index = group_no, index
         return groups
 
     async def generate_one(self, sample: Sample, ctx: GenerateContext) -> None:
@@ -187,7 +198,7 @@ class RolloutManager:
         from miles.evaluation import evaluation_metrics
 
         k = self.config.eval.samples_per_prompt
-        groups = self.make_groups(prompts, k)
+        groups = self.make_groups(prompts, k, evaluation=True)
         samples = [s for g in groups for s in g]
         await self.generate(samples, self.context(evaluation=True))
         await score_samples(samples, self.kernel, self.config.reward)
