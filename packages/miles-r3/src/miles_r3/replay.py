@@ -136,14 +136,17 @@ class ReplayTable:
         self._layers_seen += 1
 
     def counts(self) -> PhaseCounts:
-        """The counters (one device sync)."""
-        tokens = int(self.recorded.sum())
-        unrecorded = int(self.unrecorded)
+        """The counters: one device-to-host copy of all five (not a sync per counter)."""
+        device = self.recorded.device
+        values = torch.stack([self.recorded.sum(), torch.as_tensor(self.unrecorded, device=device).long(),
+                              self._same_pairs, self._shared, self._all_same.sum()]).tolist()
+        tokens, unrecorded, same_pairs, shared, same_tokens = (int(v) for v in values)
         if not self._layers_seen:
             return PhaseCounts(unrecorded_tokens=unrecorded)
         return PhaseCounts(
-            pairs=tokens * self._layers_seen, same_pairs=int(self._same_pairs), shared_experts=int(self._shared),
-            rollout_experts=tokens * self._layers_seen * int(self.forced.shape[2]), tokens=tokens, same_tokens=int(self._all_same.sum()), unrecorded_tokens=unrecorded,
+            pairs=tokens * self._layers_seen, same_pairs=same_pairs, shared_experts=shared,
+            rollout_experts=tokens * self._layers_seen * int(self.forced.shape[2]), tokens=tokens,
+            same_tokens=same_tokens, unrecorded_tokens=unrecorded,
         )
 
 
