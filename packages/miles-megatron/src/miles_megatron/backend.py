@@ -224,7 +224,10 @@ class MegatronBackend:
         lr = self.config.train.lr * self.schedule(self.optimizer_steps + self.skipped_steps)
         optimizer = self.actor.optimizer
         set_learning_rate(optimizer, lr)
-        norm = self._nonfinite_grad_norm() if self.options.skip_nonfinite_grads else None
+        # fp16 has megatron-core's loss scaler, which skips an overflowing step itself (and must
+        # see each step's gradients once: it adjusts the scale every time it looks)
+        check = self.options.skip_nonfinite_grads and self.dtype != torch.float16
+        norm = self._nonfinite_grad_norm() if check else None
         if norm is not None:
             success, grad_norm = False, norm
         else:
@@ -245,8 +248,7 @@ class MegatronBackend:
         ``prepare_grads`` copies the gradients to where the optimizer reads them; the ``step()``
         that follows a finite norm does it again (a copy, not an accumulation)."""
         optimizer = self.actor.optimizer
-        if optimizer.prepare_grads():  # the fp16 scaler found an overflow; step() skips by itself
-            return None
+        optimizer.prepare_grads()
         norm = float(optimizer.get_grad_norm())
         return None if math.isfinite(norm) else norm
 
