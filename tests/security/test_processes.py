@@ -183,7 +183,7 @@ def test_a_step_whose_samples_were_all_aborted_is_collected_again_after_a_health
         return {"time/sync": 0.5, "weights/engines_restarted": float(restarted), "weights/version": 2.0}
 
     run = Run.__new__(Run)
-    run.config, run.run_dir, run.services, run._unsynced = load_config(None), tmp_path, Services(), False
+    run.config, run.run_dir, run.services, run._unsynced, run.version = load_config(None), tmp_path, Services(), False, 2
     run.progress, run._sync_weights = Progress(3), sync_weights
     run.rollout = Rollout(_step(Status.ABORTED, Status.ABORTED), _step(Status.COMPLETED, Status.ABORTED))
     rollout = asyncio.run(run._rollout(2, None))

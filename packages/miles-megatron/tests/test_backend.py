@@ -171,13 +171,18 @@ def test_a_skipped_step_is_kept_by_a_checkpoint_and_the_schedule_resumes_where_i
 @pytest.mark.slow
 def test_compiled_head_gives_the_eager_logprobs_and_step(tiny_dense, backend_factory) -> None:
     """``megatron.compile``: the log-prob head's maths through torch.compile, same numbers."""
+    from miles_megatron.head import _compiled
+
     batch = make_test_batch(tiny_dense)
     results = []
     for compiled in (False, True):
+        _compiled.cache_clear()
         backend = backend_factory(tiny_dense, megatron={"compile": compiled})
         old = backend.compute_logprobs(batch)
         step = replace(batch, advantages=torch.where(batch.loss_mask > 0, 1.0, 0.0), old_logprobs=old, rollout_logprobs=old)
         results.append((old, backend.train_step(step)))
+        # the option reached the head: its three per-chunk functions went through torch.compile
+        assert _compiled.cache_info().currsize == (3 if compiled else 0)
         backend.close()
     (eager, eager_metrics), (compiled, compiled_metrics) = results
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from miles_contracts.bridges import decoder_layer, takes_partial
+
 if TYPE_CHECKING:
     import torch
 
@@ -110,7 +112,7 @@ def check_model_bridge(
         back = bridge.to_hf(mcore, hf_config)
         _expect_same(reference, back, "HF -> megatron -> HF")
         _expect_same(mcore, bridge.to_megatron(back, hf_config), "megatron -> HF -> megatron")
-    if _takes_partial(bridge.to_megatron):
+    if takes_partial(bridge.to_megatron):
         _check_streaming(bridge, hf_state, hf_config, bridge.to_megatron(hf_state, hf_config))
     return BridgeReport(
         hf_tensors=len(hf_state),
@@ -125,15 +127,6 @@ def check_model_bridge(
 # ----------------------------------------------------------------------------- the checks
 
 
-def _takes_partial(method: Any) -> bool:
-    import inspect
-
-    try:
-        return "partial" in inspect.signature(method).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def _check_streaming(bridge: Any, hf_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any],
                      whole: Mapping[str, torch.Tensor]) -> None:
     """What the megatron backend relies on when ``to_megatron`` takes ``partial``: meta tensors
@@ -145,10 +138,9 @@ def _check_streaming(bridge: Any, hf_state: Mapping[str, torch.Tensor], hf_confi
                               hf_config)
     assert {k: tuple(v.shape) for k, v in meta.items()} == {k: tuple(v.shape) for k, v in whole.items()}, \
         "to_megatron on meta tensors gives other names or shapes than on the weights"
-    groups: dict[str | None, dict[str, torch.Tensor]] = {}
+    groups: dict[int | None, dict[str, torch.Tensor]] = {}
     for name, tensor in hf_state.items():
-        found = re.search(r"\.layers\.(\d+)\.", name)
-        groups.setdefault(found.group(1) if found else None, {})[name] = tensor
+        groups.setdefault(decoder_layer(name), {})[name] = tensor
     streamed: dict[str, torch.Tensor] = {}
     for layer, group in groups.items():
         part = bridge.to_megatron(group, hf_config, partial=True)

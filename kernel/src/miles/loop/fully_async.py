@@ -101,9 +101,7 @@ async def _resync_restarted_engines(run: Run, stop: asyncio.Event, every: float 
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), every)
         if not stop.is_set() and run.services.stale_engines:
-            done = await asyncio.to_thread(run._sync_weights, bump=False)
-            run.progress.message(f"gave {done['weights/engines_restarted']:.0f} restarted engine(s) the weights of "
-                                 f"version {run.version}")
+            await asyncio.to_thread(run._resync_restarted_engines)
 
 
 async def _take(run: Run, buffer: GroupBuffer, workers: RolloutWorkers, report_every: float = 60.0,

@@ -199,15 +199,23 @@ class Run:
         assert self.services is not None
         timeout = self.config.executor.startup_timeout
         await asyncio.to_thread(self.services.wait_ready, timeout, probe=probe)
-        resynced: dict[str, float] = {}
-        if resync and self.services.stale_engines:
-            done = self._sync_weights(bump=False)
-            resynced = {"weights/resynced_engines": done["weights/engines_restarted"], "time/resync": done["time/sync"]}
-        if resync or not self.services.stale_engines:
+        resynced = self._resync_restarted_engines() if resync else {}
+        if not self.services.stale_engines:
             await asyncio.to_thread(self.services.wait_ready, timeout, router=True)
         rollout = await self.rollout.collect(step, progress=lambda d, t: self.progress.rollout(step, d, t))
         rollout.metrics.update(resynced)
         return rollout
+
+    def _resync_restarted_engines(self) -> dict[str, float]:
+        """Push the current weights (version ``self.version``, which the trainer must hold: call it
+        while the trainer is idle) if an engine restarted since the last push; its metrics."""
+        assert self.services is not None
+        if not self.services.stale_engines:
+            return {}
+        done = self._sync_weights(bump=False)
+        self.progress.message(f"gave {done['weights/engines_restarted']:.0f} restarted engine(s) the weights of "
+                              f"version {self.version}")
+        return {"weights/resynced_engines": done["weights/engines_restarted"], "time/resync": done["time/sync"]}
 
     async def _rollout(self, step: int, pending: asyncio.Task[StepRollout] | None) -> StepRollout:
         """Step ``step``'s rollout (``pending``: the one already under way). A rollout in which every

@@ -16,16 +16,14 @@ weights handed over in memory (benchmarks).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from miles_contracts.bridges import decoder_layer, takes_partial
 
-from miles_megatron.weights import Shard, load_into, takes_partial
-
-_LAYER = re.compile(r"\.layers\.(\d+)\.")
+from miles_megatron.weights import Shard, load_into
 
 # safetensors' dtype codes (the header's "dtype") and torch's
 _DTYPES = {
@@ -78,11 +76,11 @@ class Checkpoint:
         layers: dict[int, list[str]] = {}
         rest = []
         for name in self.meta:
-            found = _LAYER.search(name)
-            if found is None:
+            layer = decoder_layer(name)
+            if layer is None:
                 rest.append(name)
             else:
-                layers.setdefault(int(found.group(1)), []).append(name)
+                layers.setdefault(layer, []).append(name)
         return [(None, rest), *((i, layers[i]) for i in sorted(layers))]
 
 

@@ -15,7 +15,6 @@ pushes). Memory on rank 0 stays around one decoder layer when the bridge convert
 
 from __future__ import annotations
 
-import inspect
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from miles_contracts.bridges import takes_partial
 
 from miles_megatron.spec import local_name
 
@@ -129,15 +129,6 @@ def load_into(shards: list[Shard], mcore: Mapping[str, torch.Tensor], padded_voc
                 raise ValueError(f"{shard.name}: this rank's slice is {tuple(part.shape)} but the parameter is "
                                  f"{tuple(shard.param.shape)}; the bridge's megatron_config and tensors disagree")
             shard.param.copy_(part)
-
-
-def takes_partial(method: Any) -> bool:
-    """Whether a bridge's ``to_hf`` / ``to_megatron`` takes ``partial=True`` (then weights stream
-    out / in layer by layer)."""
-    try:
-        return "partial" in inspect.signature(method).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 class WeightGather:
