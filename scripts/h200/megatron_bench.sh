@@ -28,6 +28,8 @@ for variant in "$@"; do
     *) echo "unknown variant $variant"; exit 2 ;;
   esac
   start=$SECONDS
+  # PROFILE=1: one more step per length under torch.profiler, op tables into $OUT/profiles.tgz at the end
+  [ -n "${PROFILE:-}" ] && cmd+=(--profile "/tmp/profiles/$variant")
   timeout 420 "${cmd[@]}" --output "$OUT/megatron-$variant.json" >"$OUT/megatron-$variant.log" 2>&1
   echo "$variant: exit $? in $((SECONDS - start)) s"
   [ -s "$OUT/megatron-$variant.json" ] || { tail -25 "$OUT/megatron-$variant.log"; continue; }
@@ -36,6 +38,8 @@ import json, sys
 d = json.load(open(sys.argv[1]))
 for r in d["results"]:
     m = r["miles"]
-    print(f"  {d['backend']} L={r['seq_len']}: mfu {m['mfu']:.3f} ({m['tokens_per_s']:.0f} tok/s, {m['peak_memory_gb']:.1f} GB/GPU)")
+    busy = f", kernels {m['kernel_share']:.0%} of a profiled step" if m.get("kernel_share") else ""
+    print(f"  {d['backend']} L={r['seq_len']}: mfu {m['mfu']:.3f} ({m['tokens_per_s']:.0f} tok/s, {m['peak_memory_gb']:.1f} GB/GPU{busy})")
 PY
 done
+[ -d /tmp/profiles ] && tar czf "$OUT/profiles.tgz" -C /tmp profiles && echo "profiles: $OUT/profiles.tgz"

@@ -70,6 +70,7 @@ def test_compiled_head_matches_eager() -> None:
     """``megatron.compile`` runs the same per-chunk maths through torch.compile (inductor's CPU backend here)."""
     from miles_megatron.head import _compiled, chunk_logit_grad, chunk_logits, chunk_sums
 
+    _compiled.cache_clear()
     gen = torch.Generator().manual_seed(3)
     hidden, weight = torch.randn(29, 16, generator=gen), torch.randn(97, 16, generator=gen)
     targets = torch.randint(0, 97, (29,), generator=gen)

@@ -18,9 +18,11 @@ sequence per forward like the fsdp run.
 from __future__ import annotations
 
 import gc
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -107,6 +109,39 @@ def _time_steps(step: Callable[[], None], device: torch.device, warmup: int, ste
     return (time.perf_counter() - start) / steps
 
 
+def _profile(step: Callable[[], None], device: torch.device, out: Path) -> dict[str, Any]:
+    """One more step under torch.profiler: its op tables go to ``out`` (text); returns the step's
+    wall time and how much of it the device spent in kernels (the rest is launch overhead and syncs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    # kernel rows only (an op's own row repeats its kernels' time)
+    kernels_s = (sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
+                 if device.type == "cuda" else None)
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"one step under the profiler: {wall:.3f} s wall, kernels {kernels_s} s\n\n"
+                   f"by {sort}:\n{events.table(sort_by=sort, row_limit=40)}\n\n"
+                   f"by cpu_time_total:\n{events.table(sort_by='cpu_time_total', row_limit=25)}\n")
+    return {"profiled_step_s": wall, "kernel_s": kernels_s, "kernel_share": kernels_s / wall if kernels_s else None,
+            "profile": str(out)}
+
+
+def _time_and_profile(step: Callable[[], None], device: torch.device, warmup: int, steps: int,
+                      profile_to: Path | None) -> dict[str, Any]:
+    result: dict[str, Any] = {"step_s": _time_steps(step, device, warmup, steps)}
+    if profile_to is not None:
+        result.update(_profile(step, device, profile_to))
+    return result
+
+
 def _memory_gb(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
 
@@ -129,7 +164,7 @@ def measure_cpu_peak_tflops(size: int = 1024, repeats: int = 5) -> float:
 
 
 def run_miles(preset: str, batch, *, device: str, options: dict[str, Any], gradient_checkpointing: bool,
-              micro_batch_tokens: int, warmup: int, steps: int) -> dict[str, Any]:
+              micro_batch_tokens: int, warmup: int, steps: int, profile_to: Path | None = None) -> dict[str, Any]:
     from miles.config import MilesConfig
     from miles.sections import ModelSection, RunSection, TrainSection
 
@@ -138,7 +173,7 @@ def run_miles(preset: str, batch, *, device: str, options: dict[str, Any], gradi
 
     config = MilesConfig(
         model=ModelSection(device=device),
-        run=RunSection(steps=warmup + steps),
+        run=RunSection(steps=warmup + steps + 1),
         train=TrainSection(lr=1e-6, micro_batch_tokens=micro_batch_tokens, gradient_checkpointing=gradient_checkpointing),
         extra={"fsdp": FSDPSection(**options)},
     )
@@ -147,15 +182,16 @@ def run_miles(preset: str, batch, *, device: str, options: dict[str, Any], gradi
     backend = FSDPBackend(config, actor=build_model(preset, device=pick_device(device)))
     dev = backend.dist.device
     try:
-        seconds = _time_steps(lambda: backend.train_step(batch), dev, warmup, steps)
-        return {"step_s": seconds, "peak_memory_gb": _memory_gb(dev), "compiled": backend.compiled}
+        timed = _time_and_profile(lambda: backend.train_step(batch), dev, warmup, steps, profile_to)
+        return {**timed, "peak_memory_gb": _memory_gb(dev), "compiled": backend.compiled}
     finally:
         backend.close()
         _free(dev)
 
 
 def run_registered(backend_name: str, preset: str, batch, *, device: str, options: dict[str, Any], section: str | None,
-                   gradient_checkpointing: bool, micro_batch_tokens: int, warmup: int, steps: int, work_dir: Any) -> dict[str, Any]:
+                   gradient_checkpointing: bool, micro_batch_tokens: int, warmup: int, steps: int, work_dir: Any,
+                   profile_to: Path | None = None) -> dict[str, Any]:
     """The step of any registered train backend (e.g. ``megatron``) on the preset's random model,
     saved once as a checkpoint folder the backend loads like any model."""
     import os
@@ -173,7 +209,7 @@ def run_registered(backend_name: str, preset: str, batch, *, device: str, option
     kernel = Kernel.load()
     extra = {section: kernel.config_sections().get(section)(**options)} if section else {}
     config = MilesConfig(
-        model=ModelSection(name=str(folder), device=device), run=RunSection(steps=warmup + steps),
+        model=ModelSection(name=str(folder), device=device), run=RunSection(steps=warmup + steps + 1),
         train=TrainSection(backend=backend_name, lr=1e-6, micro_batch_tokens=micro_batch_tokens,
                            gradient_checkpointing=gradient_checkpointing),
         extra=extra,
@@ -181,8 +217,8 @@ def run_registered(backend_name: str, preset: str, batch, *, device: str, option
     backend = kernel.train_backends().get(backend_name)(config)
     dev = getattr(backend, "device", None) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        seconds = _time_steps(lambda: backend.train_step(batch), dev, warmup, steps)
-        return {"step_s": seconds, "peak_memory_gb": _memory_gb(dev), "backend": backend_name,
+        timed = _time_and_profile(lambda: backend.train_step(batch), dev, warmup, steps, profile_to)
+        return {**timed, "peak_memory_gb": _memory_gb(dev), "backend": backend_name,
                 "transformer_engine": getattr(backend, "transformer_engine", None)}
     finally:
         backend.close()
@@ -223,6 +259,7 @@ def run_benchmark(
     *, preset: str, seq_lens: list[int], tokens_per_step: int, warmup: int, steps: int, device: str,
     gradient_checkpointing: bool, options: dict[str, Any], baseline: bool, peak_tflops: float | None,
     micro_batch_tokens: int | None = None, backend: str = "fsdp", section: str | None = None, work_dir: Any = None,
+    profile_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Every sequence length: the backend's step and (optionally) the baseline; returns the JSON report.
 
@@ -261,13 +298,16 @@ def run_benchmark(
         flops = rows * counter.sequence(length)
         entry: dict[str, Any] = {"seq_len": length, "rows": rows, "tokens_per_step": rows * length}
         budget = max(length, micro_batch_tokens or length)
+        # under torchrun only rank 0 writes the profile
+        profile_to = (profile_dir / f"profile-{backend}-L{length}.txt"
+                      if profile_dir is not None and os.environ.get("RANK", "0") == "0" else None)
         if backend == "fsdp":
             miles = run_miles(preset, batch, device=device, options=options, gradient_checkpointing=gradient_checkpointing,
-                              micro_batch_tokens=budget, warmup=warmup, steps=steps)
+                              micro_batch_tokens=budget, warmup=warmup, steps=steps, profile_to=profile_to)
         else:
             miles = run_registered(backend, preset, batch, device=device, options=options, section=section,
                                    gradient_checkpointing=gradient_checkpointing, micro_batch_tokens=budget,
-                                   warmup=warmup, steps=steps, work_dir=work_dir)
+                                   warmup=warmup, steps=steps, work_dir=work_dir, profile_to=profile_to)
         entry["miles"] = _rates(miles, rows * length, flops, peak_tflops)
         if baseline:
             plain = run_baseline(preset, batch, device=dev, gradient_checkpointing=gradient_checkpointing,

@@ -36,6 +36,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an option of the backend's config section, e.g. --option tensor_parallel=2 (repeatable)")
     p.add_argument("--work-dir", type=Path, default=None, help="where a non-fsdp backend's random checkpoint is written")
     p.add_argument("--output", type=Path, default=None, help="also write the JSON here")
+    p.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                   help="after the timed steps, one more under torch.profiler per length: op tables to DIR")
 
 
 def _fsdp_options(args: argparse.Namespace) -> dict:
@@ -100,7 +102,7 @@ def _run(args: argparse.Namespace) -> int:
         steps=args.steps, device=args.device, gradient_checkpointing=args.gradient_checkpointing,
         options=_fsdp_options(args) if fsdp else _section_options(args), baseline=not args.no_baseline,
         peak_tflops=args.peak_tflops, micro_batch_tokens=args.micro_batch_tokens, backend=args.backend,
-        section=None if fsdp else args.backend, work_dir=args.work_dir,
+        section=None if fsdp else args.backend, work_dir=args.work_dir, profile_dir=args.profile,
     )
     import os
 

@@ -22,6 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
+from miles_megatron import rope
+
 
 class _GatherChunks(torch.autograd.Function):
     """All-gather along dim 0 over ``group``; backward sums the gradients and keeps this rank's part."""
@@ -79,6 +81,8 @@ class TorchAttention(MegatronModule):
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.cp_group = getattr(pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
+        # set by miles_megatron.rope.defer: rotary embedding applied here from the inputs' positions
+        self.apply_rope: Any = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
@@ -86,9 +90,14 @@ class TorchAttention(MegatronModule):
             raise ValueError("TorchAttention takes packed (THD) sequences; build inputs with miles_megatron.inputs")
         if attention_bias is not None:
             raise ValueError("TorchAttention does not take an attention bias")
-        cu = packed_seq_params.cu_seqlens_q_padded
-        cu = packed_seq_params.cu_seqlens_q if cu is None else cu
-        bounds = cu.tolist()  # one device sync per layer
+        bounds = getattr(packed_seq_params, "bounds", None)
+        if bounds is None:
+            cu = packed_seq_params.cu_seqlens_q_padded
+            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+            bounds = cu.tolist()  # a device sync per layer: MicroInputs gives them from the host
+        if self.apply_rope is not None:
+            cos, sin = rope.tables(packed_seq_params, query.dtype)
+            query, key = self.apply_rope(query, cos, sin), self.apply_rope(key, cos, sin)
         lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
         cp = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
         dropout = self.dropout if self.training else 0.0

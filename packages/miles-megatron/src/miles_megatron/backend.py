@@ -116,7 +116,7 @@ class MegatronBackend:
 
         def loaded_chunks() -> tuple[list[Any], list[Any]]:
             chunks = build_chunks(megatron_config, tc, self.layout, padded, transformer_engine=self.transformer_engine,
-                                  device=self.device)
+                                  device=self.device, compiled=self.options.compile)
             shards = describe_shards(chunks, tc, self.bridge_names)
             source.load(shards, padded)
             return chunks, shards

@@ -18,8 +18,9 @@ never loses a target.
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ class MicroInputs:
     :ivar input_ids / position_ids: ``[1, n]`` this rank's tokens (its context-parallel share).
     :ivar cu_seqlens: ``[rows + 1]`` int32 starts of the (padded) rows in the *whole* packed
         sequence, as megatron-core's THD layout wants them on every context-parallel rank.
+    :ivar bounds: the same starts on the host (attention slices by them without a device sync).
     :ivar max_seqlen: longest padded row.
     :ivar hidden_index: ``[K]`` positions (into this rank's ``n``) whose hidden state predicts a
         wanted token; ``target_ids``: ``[K]`` those tokens.
@@ -46,6 +48,7 @@ class MicroInputs:
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     cu_seqlens: torch.Tensor
+    bounds: list[int]
     max_seqlen: int
     hidden_index: torch.Tensor
     target_ids: torch.Tensor
@@ -63,15 +66,33 @@ class MicroInputs:
         flat = torch.where(row >= 0, row * self.shape[1] + col, torch.full_like(row, -1))
         return flat.chunk(sequence_parallel)[rank] if sequence_parallel > 1 else flat
 
-    def packed_seq_params(self, cp_group: Any = None) -> Any:
-        from megatron.core.packed_seq_params import PackedSeqParams
-
-        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
-                               max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen, cp_group=cp_group)
+    def packed_seq_params(self, cp_group: Any = None, rope_angles: torch.Tensor | None = None) -> Any:
+        """megatron-core's THD parameters, plus the host ``bounds`` and, when the model's rotary
+        embedding is applied in core attention (:mod:`miles_megatron.rope`), each token's angles."""
+        return _packed_params_class()(
+            qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens, max_seqlen_q=self.max_seqlen,
+            max_seqlen_kv=self.max_seqlen, cp_group=cp_group, bounds=self.bounds, rope_angles=rope_angles,
+        )
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """``[K]`` values of wanted tokens -> ``[b, t]`` (zero elsewhere); keeps autograd."""
         return values.new_zeros(self.shape).index_put((self.rows, self.cols), values)
+
+
+@functools.cache
+def _packed_params_class() -> type:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    @dataclass
+    class PackedRows(PackedSeqParams):
+        """``PackedSeqParams`` with what TorchAttention reads besides: ``bounds`` (host ``cu_seqlens``),
+        ``rope_angles [n, rotary_dim]`` and the ``cos``/``sin`` tables made from them, by dtype."""
+
+        bounds: list[int] | None = None
+        rope_angles: torch.Tensor | None = None
+        rope_tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    return PackedRows
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -125,7 +146,8 @@ def build(tokens: torch.Tensor, loss_mask: torch.Tensor, lengths: list[int], *, 
         starts.append(s + padded[row])
     if tail:
         positions[n - tail :] = torch.arange(tail)
-    cu = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
+    bounds = [0, *torch.tensor(padded).cumsum(0).tolist()]
+    cu = torch.tensor(bounds, dtype=torch.int32)
 
     local = context_parallel_index(padded, cp, cp_rank)
     local_wanted = wanted[local]
@@ -137,7 +159,7 @@ def build(tokens: torch.Tensor, loss_mask: torch.Tensor, lengths: list[int], *, 
         return x.to(device, non_blocking=True)
 
     return MicroInputs(
-        input_ids=dev(ids[local][None]), position_ids=dev(positions[local][None]), cu_seqlens=dev(cu),
+        input_ids=dev(ids[local][None]), position_ids=dev(positions[local][None]), cu_seqlens=dev(cu), bounds=bounds,
         max_seqlen=max(padded), hidden_index=dev(hidden_index), target_ids=dev(targets[source]),
         rows=dev(rows), cols=dev(cols), token_index=dev(token_index[local]), shape=(b, t),
     )

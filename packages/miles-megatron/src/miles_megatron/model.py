@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from miles_megatron import rope
 from miles_megatron.config import MegatronSection
 from miles_megatron.parallel import Layout
 from miles_megatron.spec import block_spec
@@ -30,6 +31,9 @@ _NO_FUSED_KERNELS: dict[str, Any] = {
 }
 # and on the CPU the jit-fused bias/activation/dropout paths too
 _CPU_ONLY: dict[str, Any] = {"bias_activation_fusion": False, "bias_dropout_fusion": False, "use_cpu_initialization": True}
+# on a GPU, megatron-core's own fused SwiGLU/GeGLU and bias-dropout-add (torch.compile'd functions,
+# no Transformer Engine needed); megatron-core fuses the activation of gated MLPs only
+_GATED_FUSABLE = ("silu", "gelu")
 
 _RECOMPUTE: dict[str, dict[str, Any]] = {
     "none": {},
@@ -77,6 +81,10 @@ def transformer_config(megatron_config: Mapping[str, Any], options: MegatronSect
         settings.update(_NO_FUSED_KERNELS)
     if device.type == "cpu":
         settings.update(_CPU_ONLY)
+    elif device.type == "cuda":
+        activation = getattr(settings.get("activation_func"), "__name__", "gelu")  # megatron-core's default: gelu
+        settings.setdefault("bias_activation_fusion", bool(settings.get("gated_linear_unit")) and activation in _GATED_FUSABLE)
+        settings.setdefault("bias_dropout_fusion", True)
     settings.update(_RECOMPUTE[recompute])
     low = dtype != torch.float32
     settings.update(
@@ -98,8 +106,11 @@ def padded_vocab_size(vocab: int, options: MegatronSection, layout: Layout) -> i
 
 
 def build_chunks(megatron_config: Mapping[str, Any], config: Any, layout: Layout, padded_vocab: int, *,
-                 transformer_engine: bool, device: torch.device) -> list[Any]:
-    """This rank's ``GPTModel`` chunks (one per virtual stage), on ``device``, weights uninitialised."""
+                 transformer_engine: bool, device: torch.device, compiled: bool = False) -> list[Any]:
+    """This rank's ``GPTModel`` chunks (one per virtual stage), on ``device``, weights uninitialised.
+
+    With the local layers, rotary embeddings move into core attention (:mod:`miles_megatron.rope`),
+    through ``torch.compile`` when ``compiled``."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -114,6 +125,8 @@ def build_chunks(megatron_config: Mapping[str, Any], config: Any, layout: Layout
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             vp_stage=vp_stage, **gpt_kwargs,
         )
+        if not transformer_engine:
+            rope.defer(model, compiled=compiled)
         chunks.append(model.to(device))
     return chunks
 

@@ -33,6 +33,7 @@ from miles_algorithms.planning import plan_micro_batches, row_lengths
 from miles_contracts import ForwardContext, TrainBatch
 
 from miles_megatron import inputs as packing
+from miles_megatron import rope
 from miles_megatron.head import ReduceForward, token_logprobs
 from miles_megatron.parallel import Layout, all_reduce
 
@@ -123,9 +124,10 @@ class PassRunner:
                                     "token_positions": lambda: inputs.token_positions(*sp)})
 
         def run() -> Any:
+            params = inputs.packed_seq_params(ps.get_context_parallel_group(),
+                                              rope.angles(model, inputs.position_ids, inputs.max_seqlen))
             with hidden_states_out(model):
-                hidden = model(inputs.input_ids, inputs.position_ids, None,
-                               packed_seq_params=inputs.packed_seq_params(ps.get_context_parallel_group()))
+                hidden = model(inputs.input_ids, inputs.position_ids, None, packed_seq_params=params)
             if not model.post_process:
                 return hidden  # sent to the next pipeline stage
             weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else model.output_layer.weight
