@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # `miles bench train --backend megatron` on the H200s (docs/benchmarks/train.md), after setup.sh
 # (the .whl folder must keep the megatron_core wheel: 2.6 MB, pure Python but one small helper).
-#   one GPU  (nvidia-h200):    bash scripts/h200/megatron_bench.sh fsdp single single-compile
+#   one GPU  (nvidia-h200):    bash scripts/h200/megatron_bench.sh fsdp single single-eager
 #   two GPUs (nvidia-h200-x2): bash scripts/h200/megatron_bench.sh tp2 cp2
 # fsdp:   the fsdp backend at its best settings (compile, cudnn), measured in the same call as the
 #         baseline of `single`; single: megatron, one GPU, 4K and 16K rows (4K rows four to a
-#         micro-batch, as fsdp's run); single-compile: the same with megatron.compile (the log-prob
-#         head's maths through torch.compile); tp2 / cp2: megatron on two GPUs, 32K-token rows, TP=2 with
+#         micro-batch, as fsdp's run), with megatron.compile (the CUDA default: head, rotary embedding
+#         and norms through torch.compile); single-eager: the same without it; tp2 / cp2: megatron on
+#         two GPUs, 32K-token rows, TP=2 with
 #         sequence parallelism or CP=2. Megatron runs megatron-core's local layers with PyTorch
 #         SDPA unless Transformer Engine imports (the JSON says which: "transformer_engine").
 set -u
@@ -19,7 +20,7 @@ for variant in "$@"; do
   case $variant in
     fsdp) cmd=(miles bench train "${common[@]}" --micro-batch-tokens 16384 --sdpa-backends cudnn,flash --compile) ;;
     single) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384) ;;
-    single-compile) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option compile=true) ;;
+    single-eager) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option compile=false) ;;
     single-recompute) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option recompute=selective) ;;
     tp2) cmd=(torchrun --nproc_per_node=2 --master_port=29561 -m miles.cli.main bench train "${common[@]}" --backend megatron
               --seq-lens 32768 --tokens-per-step 65536 --micro-batch-tokens 32768 --option tensor_parallel=2) ;;

@@ -108,7 +108,8 @@ class TorchAttention(MegatronModule):
                    for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
         else:
             out = self._context_parallel(q, k, v, lengths, cp, dropout)
-        return torch.cat(out, dim=1).transpose(0, 1).reshape(query.shape[0], -1)
+        # back to [t, heads, d] in one copy (each piece is a [heads, len, d] view of a [len, heads, d] output)
+        return torch.cat([o.transpose(0, 1) for o in out], dim=0).reshape(query.shape[0], -1)
 
     def _context_parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
                           cp: int, dropout: float) -> list[torch.Tensor]:

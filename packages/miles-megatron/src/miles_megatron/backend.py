@@ -106,6 +106,7 @@ class MegatronBackend:
         name = config.model.dtype if config.model.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = getattr(torch, name)
         self.transformer_engine = use_transformer_engine(self.options.transformer_impl, self.device)
+        self.compiled = self.options.compile if self.options.compile is not None else self.device.type == "cuda"
         recompute = self.options.recompute or ("full" if config.train.gradient_checkpointing else "none")
         tc = transformer_config(megatron_config, self.options, self.layout, dtype=self.dtype, device=self.device,
                                 transformer_engine=self.transformer_engine, recompute=recompute)
@@ -116,7 +117,7 @@ class MegatronBackend:
 
         def loaded_chunks() -> tuple[list[Any], list[Any]]:
             chunks = build_chunks(megatron_config, tc, self.layout, padded, transformer_engine=self.transformer_engine,
-                                  device=self.device, compiled=self.options.compile)
+                                  device=self.device, compiled=self.compiled)
             shards = describe_shards(chunks, tc, self.bridge_names)
             source.load(shards, padded)
             return chunks, shards
@@ -147,7 +148,7 @@ class MegatronBackend:
         return PassRunner(kernel=self.kernel, parts=parts, layout=self.layout, bridge=self.bridge,
                           token_budget=self.config.train.micro_batch_tokens, chunk=self.options.logprob_chunk_size,
                           temperature=self._temperature(), device=self.device, backend_name=NAME,
-                          compiled=self.options.compile)
+                          compiled=self.compiled)
 
     def _temperature(self) -> float:
         if self.options.logprob_temperature is not None:
