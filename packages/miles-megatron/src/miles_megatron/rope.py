@@ -64,7 +64,8 @@ def angles(model: Any, position_ids: torch.Tensor, max_seqlen: int) -> torch.Ten
         return None
     # [max_seqlen, 1, 1, rotary_dim]: every position of the longest row, frequency scaling included
     table = model.rotary_pos_emb(max_seqlen, packed_seq=True)
-    return table.view(table.shape[0], -1).index_select(0, position_ids.reshape(-1).to(table.device))
+    # megatron-core keeps the table on the current CUDA device even for a CPU model on a GPU host
+    return table.view(table.shape[0], -1).to(position_ids.device).index_select(0, position_ids.reshape(-1))
 
 
 def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
