@@ -5,8 +5,8 @@
 #   two GPUs (nvidia-h200-x2): bash scripts/h200/megatron_bench.sh tp2 cp2
 # fsdp:   the fsdp backend at its best settings (compile, cudnn), measured in the same call as the
 #         baseline of `single`; single: megatron, one GPU, 4K and 16K rows (4K rows four to a
-#         micro-batch, as fsdp's run), with megatron.compile (the CUDA default: head, rotary embedding
-#         and norms through torch.compile); single-eager: the same without it; tp2 / cp2: megatron on
+#         micro-batch, as fsdp's run), with megatron.compile (the CUDA default: head and rotary
+#         embedding through torch.compile); single-eager: the same without it; tp2 / cp2: megatron on
 #         two GPUs, 32K-token rows, TP=2 with
 #         sequence parallelism or CP=2. Megatron runs megatron-core's local layers with PyTorch
 #         SDPA unless Transformer Engine imports (the JSON says which: "transformer_engine").

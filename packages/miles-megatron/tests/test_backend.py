@@ -181,10 +181,8 @@ def test_compiled_head_gives_the_eager_logprobs_and_step(tiny_dense, backend_fac
         old = backend.compute_logprobs(batch)
         step = replace(batch, advantages=torch.where(batch.loss_mask > 0, 1.0, 0.0), old_logprobs=old, rollout_logprobs=old)
         results.append((old, backend.train_step(step)))
-        # the option reached the head (three per-chunk functions), the layers' rotary embedding and norms
+        # the option reached the head (three per-chunk functions) and the layers' rotary embedding
         assert _compiled.cache_info().currsize == (4 if compiled else 0)
-        norms = [m for m in backend.actor.chunks[0].modules() if isinstance(m, torch.nn.RMSNorm)]
-        assert norms and all((m._compiled_call_impl is not None) == compiled for m in norms)
         backend.close()
     (eager, eager_metrics), (compiled, compiled_metrics) = results
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)

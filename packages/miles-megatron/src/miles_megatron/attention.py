@@ -104,8 +104,10 @@ class TorchAttention(MegatronModule):
         # [t, heads, d] -> [heads, t, d]: one sequence is then a slice along dim 1
         q, k, v = (x.transpose(0, 1) for x in (query, key, value))
         if cp == 1:
-            out = [_attend(q[:, s:e], k[:, s:e], v[:, s:e], self.scale, dropout)
-                   for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+            # split, not slices: a slice's backward is a zero-filled full-size gradient per sequence
+            # (then summed), a split's is one concatenation
+            pieces = zip(*(x.split(lengths, dim=1) for x in (q, k, v)), strict=True)
+            out = [_attend(qs, ks, vs, self.scale, dropout) for qs, ks, vs in pieces]
         else:
             out = self._context_parallel(q, k, v, lengths, cp, dropout)
         # back to [t, heads, d] in one copy (each piece is a [heads, len, d] view of a [len, heads, d] output)

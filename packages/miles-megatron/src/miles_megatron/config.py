@@ -54,8 +54,7 @@ class MegatronSection(BaseModel):
     compile: bool | None = Field(
         default=None,
         description="torch.compile the log-prob head's per-chunk maths and, with the local layers, the rotary "
-                    "embedding and the norms; null = on for CUDA (1.2x the eager step on the H200, "
-                    "docs/benchmarks/train.md)",
+                    "embedding; null = on for CUDA (1.2-1.6x the eager step on the H200, docs/benchmarks/train.md)",
     )
     skip_nonfinite_grads: bool = Field(
         default=True, description="skip an optimizer step whose gradient norm is NaN/inf (counted in metrics; the "

@@ -19,7 +19,7 @@ import torch
 from miles_megatron import rope
 from miles_megatron.config import MegatronSection
 from miles_megatron.parallel import Layout
-from miles_megatron.spec import block_spec, compile_norms
+from miles_megatron.spec import block_spec
 
 # CUDA kernels megatron-core fuses by default; without Transformer Engine/Apex they must be off
 _NO_FUSED_KERNELS: dict[str, Any] = {
@@ -109,8 +109,8 @@ def build_chunks(megatron_config: Mapping[str, Any], config: Any, layout: Layout
                  transformer_engine: bool, device: torch.device, compiled: bool = False) -> list[Any]:
     """This rank's ``GPTModel`` chunks (one per virtual stage), on ``device``, weights uninitialised.
 
-    With the local layers, rotary embeddings move into core attention (:mod:`miles_megatron.rope`);
-    ``compiled``: they and the norms run through ``torch.compile``."""
+    With the local layers, rotary embeddings move into core attention (:mod:`miles_megatron.rope`),
+    through ``torch.compile`` when ``compiled``."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -127,8 +127,6 @@ def build_chunks(megatron_config: Mapping[str, Any], config: Any, layout: Layout
         )
         if not transformer_engine:
             rope.defer(model, compiled=compiled)
-            if compiled:
-                compile_norms(model)
         chunks.append(model.to(device))
     return chunks
 

@@ -82,16 +82,6 @@ class HeadNorm:
         return _norm_class(config)(hidden_size, eps=eps)
 
 
-def compile_norms(model: torch.nn.Module) -> int:
-    """``torch.compile`` every PyTorch norm of ``model`` in place (parameter names unchanged): the
-    eager fused RMSNorm kernels and their backward are ~10% of a megatron step's kernel time on the
-    H200, which inductor folds into fewer passes. Returns how many it compiled."""
-    norms = [m for m in model.modules() if isinstance(m, (torch.nn.RMSNorm, torch.nn.LayerNorm))]
-    for norm in norms:
-        norm.compile(dynamic=True)  # token counts differ between micro-batches
-    return len(norms)
-
-
 def block_spec(megatron_config: Mapping[str, Any], config: Any, *, transformer_engine: bool, vp_stage: int | None) -> Any:
     """``TransformerBlockSubmodules`` for this rank's layers (pipeline stage, virtual chunk)."""
     from megatron.core.models.gpt import gpt_layer_specs
