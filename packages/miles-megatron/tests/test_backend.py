@@ -188,3 +188,26 @@ def test_compiled_head_gives_the_eager_logprobs_and_step(tiny_dense, backend_fac
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
     for key in ("loss", "grad_norm", "entropy"):
         assert compiled_metrics[key] == pytest.approx(eager_metrics[key], rel=1e-4, abs=1e-6), key
+
+
+def test_cuda_turns_on_megatron_core_s_swiglu_and_bias_dropout_add_fusions(tiny_dense) -> None:
+    """On a GPU (the config only is built here): megatron-core's fused SwiGLU and bias-dropout-add;
+    not its fused GeGLU (a tanh approximation), and neither on the CPU."""
+    import torch.nn.functional as F
+    from miles_megatron.config import MegatronSection
+    from miles_megatron.model import transformer_config
+    from miles_megatron.parallel import Layout
+
+    hf = json.loads((tiny_dense / "config.json").read_text())
+    base = Kernel.load().model_bridge(hf).megatron_config(hf)
+    layout = Layout(tp=1, pp=1, cp=1, ep=1, vpp=None, dp=1)
+
+    def fusions(device: str, activation) -> tuple[bool, bool]:
+        megatron = {**base, "transformer_config": {**base["transformer_config"], "activation_func": activation}}
+        tc = transformer_config(megatron, MegatronSection(), layout, dtype=torch.bfloat16, device=torch.device(device),
+                                transformer_engine=False, recompute="none")
+        return tc.bias_activation_fusion, tc.bias_dropout_fusion
+
+    assert fusions("cuda", F.silu) == (True, True)
+    assert fusions("cuda", F.gelu) == (False, True)
+    assert fusions("cpu", F.silu) == (False, False)
