@@ -211,3 +211,13 @@ def test_cuda_turns_on_megatron_core_s_swiglu_and_bias_dropout_add_fusions(tiny_
     assert fusions("cuda", F.silu) == (True, True)
     assert fusions("cuda", F.gelu) == (False, True)
     assert fusions("cpu", F.silu) == (False, False)
+
+
+def test_a_cpu_model_on_a_host_with_a_gpu_is_a_clear_error(tiny_dense, backend_factory, monkeypatch) -> None:
+    from miles_megatron import cpu_shim
+
+    monkeypatch.setattr(cpu_shim, "needed", lambda: False)  # what it says on a host with CUDA
+    with pytest.raises(ValueError, match="only on a host without a usable GPU"):
+        backend_factory(tiny_dense)
+    monkeypatch.undo()
+    assert backend_factory(tiny_dense).actor is not None  # nothing was left half set up

@@ -78,7 +78,14 @@ def setup(options: MegatronSection, device: torch.device, seed: int) -> tuple[La
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    if device.type == "cpu" and cpu_shim.needed():
+    if device.type == "cpu" and not cpu_shim.needed():
+        # megatron-core puts its gradient buffers (and with them the parameters) and bookkeeping
+        # tensors on the current CUDA device whatever the model's device; the CPU shim that stops
+        # it only runs where no GPU is present (it replaces torch.cuda functions process-wide)
+        raise ValueError("the megatron backend runs on the CPU only on a host without a usable GPU: megatron-core "
+                         "places its buffers on the current CUDA device. Use model.device: cuda (or auto), or hide "
+                         "the GPUs (CUDA_VISIBLE_DEVICES='')")
+    if device.type == "cpu":
         cpu_shim.install()
     if not dist.is_initialized():
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
