@@ -6,7 +6,8 @@
 # fsdp:   the fsdp backend at its best settings (compile, cudnn), measured in the same call as the
 #         baseline of `single`; single: megatron, one GPU, 4K and 16K rows (4K rows four to a
 #         micro-batch, as fsdp's run), with megatron.compile (the CUDA default: head and rotary
-#         embedding through torch.compile); single-eager: the same without it; tp2 / cp2: megatron on
+#         embedding through torch.compile); single-eager: the same without it; single-varlen:
+#         one torch.nn.attention.varlen call per layer instead of SDPA per sequence; tp2 / cp2: megatron on
 #         two GPUs, 32K-token rows, TP=2 with
 #         sequence parallelism or CP=2. Megatron runs megatron-core's local layers with PyTorch
 #         SDPA unless Transformer Engine imports (the JSON says which: "transformer_engine").
@@ -21,6 +22,7 @@ for variant in "$@"; do
     fsdp) cmd=(miles bench train "${common[@]}" --micro-batch-tokens 16384 --sdpa-backends cudnn,flash --compile) ;;
     single) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384) ;;
     single-eager) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option compile=false) ;;
+    single-varlen) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option attention_kernel=varlen) ;;
     single-recompute) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option recompute=selective) ;;
     tp2) cmd=(torchrun --nproc_per_node=2 --master_port=29561 -m miles.cli.main bench train "${common[@]}" --backend megatron
               --seq-lens 32768 --tokens-per-step 65536 --micro-batch-tokens 32768 --option tensor_parallel=2) ;;

@@ -69,6 +69,46 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dro
     return out.squeeze(0)
 
 
+def varlen_problem() -> str | None:
+    """Why one-call packed attention (``torch.nn.attention.varlen``, CUDA only) cannot run here, or ``None``."""
+    import inspect
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen (it arrived in 2.10)"
+    if not torch.cuda.is_available():
+        return "torch.nn.attention.varlen runs flash attention kernels on CUDA only"
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" not in params and "is_causal" not in params:
+        return f"torch {torch.__version__}'s varlen_attn takes neither window_size nor is_causal"
+    return None
+
+
+def _varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
+                   scale: float) -> torch.Tensor:
+    """Causal attention of every packed sequence in one kernel call: ``q [t, h, d]``, ``k, v [t, g, d]``,
+    ``cu [rows + 1]`` int32 starts. The keywords follow the installed torch: the API changed in
+    2.10 -> 2.11 -> 2.12 (``is_causal`` became ``window_size``; ``scale`` and ``enable_gqa`` were added)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kwargs: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    heads, groups = q.shape[1], k.shape[1]
+    if heads != groups:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:  # each key/value head serves heads // groups query heads, next to each other
+            k, v = k.repeat_interleave(heads // groups, dim=1), v.repeat_interleave(heads // groups, dim=1)
+    if "scale" in params:
+        kwargs["scale"] = scale
+    else:  # the kernel's own scale is 1/sqrt(d)
+        q = q * (scale * math.sqrt(q.shape[-1]))
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+
+
 class TorchAttention(MegatronModule):
     """Drop-in for megatron-core's ``core_attention`` (same constructor and forward signature)."""
 
@@ -83,6 +123,8 @@ class TorchAttention(MegatronModule):
         self.cp_group = getattr(pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
         # set by miles_megatron.rope.defer: rotary embedding applied here from the inputs' positions
         self.apply_rope: Any = None
+        # megatron.attention_kernel: varlen (one kernel call per layer for all sequences)
+        self.varlen = False
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
@@ -101,6 +143,11 @@ class TorchAttention(MegatronModule):
         lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
         cp = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
         dropout = self.dropout if self.training else 0.0
+        if self.varlen and cp == 1 and dropout == 0.0:
+            cu = packed_seq_params.cu_seqlens_q_padded
+            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+            out = _varlen_causal(query, key, value, cu, max(lengths), self.scale)
+            return out.reshape(query.shape[0], -1)
         # [t, heads, d] -> [heads, t, d]: one sequence is then a slice along dim 1
         q, k, v = (x.transpose(0, 1) for x in (query, key, value))
         if cp == 1:

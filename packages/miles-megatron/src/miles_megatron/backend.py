@@ -107,6 +107,15 @@ class MegatronBackend:
         self.dtype = getattr(torch, name)
         self.transformer_engine = use_transformer_engine(self.options.transformer_impl, self.device)
         self.compiled = self.options.compile if self.options.compile is not None else self.device.type == "cuda"
+        varlen = self.options.attention_kernel == "varlen"
+        if varlen:
+            from miles_megatron.attention import varlen_problem
+
+            if self.transformer_engine:
+                raise ValueError("megatron.attention_kernel applies to the local layers; Transformer Engine brings its own")
+            problem = varlen_problem() if self.device.type == "cuda" else "it needs model.device: cuda"
+            if problem:
+                raise ValueError(f"megatron.attention_kernel: varlen cannot run: {problem}; use attention_kernel: sdpa")
         recompute = self.options.recompute or ("full" if config.train.gradient_checkpointing else "none")
         tc = transformer_config(megatron_config, self.options, self.layout, dtype=self.dtype, device=self.device,
                                 transformer_engine=self.transformer_engine, recompute=recompute)
@@ -117,7 +126,7 @@ class MegatronBackend:
 
         def loaded_chunks() -> tuple[list[Any], list[Any]]:
             chunks = build_chunks(megatron_config, tc, self.layout, padded, transformer_engine=self.transformer_engine,
-                                  device=self.device, compiled=self.compiled)
+                                  device=self.device, compiled=self.compiled, varlen=varlen)
             shards = describe_shards(chunks, tc, self.bridge_names)
             source.load(shards, padded)
             return chunks, shards

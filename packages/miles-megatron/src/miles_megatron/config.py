@@ -56,6 +56,12 @@ class MegatronSection(BaseModel):
         description="torch.compile the log-prob head's per-chunk maths and, with the local layers, the rotary "
                     "embedding; null = on for CUDA (1.2-1.6x the eager step on the H200, docs/benchmarks/train.md)",
     )
+    attention_kernel: Literal["sdpa", "varlen"] = Field(
+        default="sdpa",
+        description="local layers' attention: sdpa = PyTorch SDPA per packed sequence; varlen = one "
+                    "torch.nn.attention.varlen call per layer for all sequences (CUDA, torch >= 2.10; not "
+                    "yet measured: docs/design/megatron.md); context parallelism and dropout use sdpa",
+    )
     skip_nonfinite_grads: bool = Field(
         default=True, description="skip an optimizer step whose gradient norm is NaN/inf (counted in metrics; the "
                                   "learning-rate schedule still advances)",

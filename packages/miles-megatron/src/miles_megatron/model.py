@@ -106,11 +106,12 @@ def padded_vocab_size(vocab: int, options: MegatronSection, layout: Layout) -> i
 
 
 def build_chunks(megatron_config: Mapping[str, Any], config: Any, layout: Layout, padded_vocab: int, *,
-                 transformer_engine: bool, device: torch.device, compiled: bool = False) -> list[Any]:
+                 transformer_engine: bool, device: torch.device, compiled: bool = False,
+                 varlen: bool = False) -> list[Any]:
     """This rank's ``GPTModel`` chunks (one per virtual stage), on ``device``, weights uninitialised.
 
     With the local layers, rotary embeddings move into core attention (:mod:`miles_megatron.rope`),
-    through ``torch.compile`` when ``compiled``."""
+    through ``torch.compile`` when ``compiled``; ``varlen``: core attention is one varlen call."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -127,6 +128,8 @@ def build_chunks(megatron_config: Mapping[str, Any], config: Any, layout: Layout
         )
         if not transformer_engine:
             rope.defer(model, compiled=compiled)
+            for layer in model.decoder.layers:
+                layer.self_attention.core_attention.varlen = varlen
         chunks.append(model.to(device))
     return chunks
 
