@@ -1,10 +1,10 @@
 """Rotary embeddings of the local layers, applied inside core attention from each token's position.
 
-megatron-core applies rotary embeddings to packed (THD) sequences one sequence at a time: per
-layer, for queries and for keys, it reads the sequence lengths back from the GPU (a device sync),
-splits the tokens by sequence and computes ``cos``/``sin`` of the angles again for each piece.
-On the H200 that is ~10 small kernels per sequence and two syncs per layer, of the same order as
-the layer's matrix multiplications at 4K-token rows (``docs/design/megatron.md``).
+megatron-core's unfused rotary embedding of packed (THD) sequences does, per layer and for
+queries and keys apart: read the sequence lengths back from the GPU (a device sync that stalls
+the launch queue), slice each sequence's angles out of the table and concatenate them, and take
+``cos``/``sin`` of the result again (``docs/design/megatron.md``, measured in
+``docs/benchmarks/train.md``).
 
 Every packed token already carries its position (``position_ids``: its index within its own row,
 context-parallel chunks included), so one gather gives each token its angles: computed once per
@@ -64,7 +64,7 @@ def angles(model: Any, position_ids: torch.Tensor, max_seqlen: int) -> torch.Ten
         return None
     # [max_seqlen, 1, 1, rotary_dim]: every position of the longest row, frequency scaling included
     table = model.rotary_pos_emb(max_seqlen, packed_seq=True)
-    # megatron-core keeps the table on the current CUDA device even for a CPU model on a GPU host
+    # the table is where megatron-core made it (its current CUDA device on a GPU host)
     return table.view(table.shape[0], -1).to(position_ids.device).index_select(0, position_ids.reshape(-1))
 
 
