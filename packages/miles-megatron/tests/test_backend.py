@@ -171,18 +171,18 @@ def test_a_skipped_step_is_kept_by_a_checkpoint_and_the_schedule_resumes_where_i
 @pytest.mark.slow
 def test_compiled_head_gives_the_eager_logprobs_and_step(tiny_dense, backend_factory) -> None:
     """``megatron.compile``: the log-prob head's maths and the rotary embedding through torch.compile, same numbers."""
-    from miles_megatron.head import _compiled
+    from miles_megatron.head import compile_kernel
 
     batch = make_test_batch(tiny_dense)
     results = []
     for compiled in (False, True):
-        _compiled.cache_clear()
+        compile_kernel.cache_clear()
         backend = backend_factory(tiny_dense, megatron={"compile": compiled})
         old = backend.compute_logprobs(batch)
         step = replace(batch, advantages=torch.where(batch.loss_mask > 0, 1.0, 0.0), old_logprobs=old, rollout_logprobs=old)
         results.append((old, backend.train_step(step)))
         # the option reached the head (three per-chunk functions) and the layers' rotary embedding
-        assert _compiled.cache_info().currsize == (4 if compiled else 0)
+        assert compile_kernel.cache_info().currsize == (4 if compiled else 0)
         backend.close()
     (eager, eager_metrics), (compiled, compiled_metrics) = results
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)

@@ -68,9 +68,9 @@ def test_targets_outside_this_ranks_rows_contribute_no_logit() -> None:
                     reason="torch.compile's CPU backend needs a C++ compiler")
 def test_compiled_head_matches_eager() -> None:
     """``megatron.compile`` runs the same per-chunk maths through torch.compile (inductor's CPU backend here)."""
-    from miles_megatron.head import _compiled, chunk_logit_grad, chunk_logits, chunk_sums
+    from miles_megatron.head import chunk_logit_grad, chunk_logits, chunk_sums, compile_kernel
 
-    _compiled.cache_clear()
+    compile_kernel.cache_clear()
     gen = torch.Generator().manual_seed(3)
     hidden, weight = torch.randn(29, 16, generator=gen), torch.randn(97, 16, generator=gen)
     targets = torch.randint(0, 97, (29,), generator=gen)
@@ -78,5 +78,5 @@ def test_compiled_head_matches_eager() -> None:
     compiled = _run(hidden, weight, targets, temperature=0.8, compiled=True)
     for want, got in zip(eager, compiled, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert all(_compiled(f) is not f for f in (chunk_logits, chunk_sums, chunk_logit_grad))
-    assert _compiled.cache_info().currsize == 3
+    assert all(compile_kernel(f) is not f for f in (chunk_logits, chunk_sums, chunk_logit_grad))
+    assert compile_kernel.cache_info().currsize == 3

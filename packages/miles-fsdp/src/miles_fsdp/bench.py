@@ -194,7 +194,6 @@ def run_registered(backend_name: str, preset: str, batch, *, device: str, option
                    profile_to: Path | None = None) -> dict[str, Any]:
     """The step of any registered train backend (e.g. ``megatron``) on the preset's random model,
     saved once as a checkpoint folder the backend loads like any model."""
-    import os
     import tempfile
     from pathlib import Path
 

@@ -14,6 +14,7 @@ end with a causal mask aligned to the bottom right: query ``i`` of chunk ``c`` s
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -69,18 +70,26 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dro
     return out.squeeze(0)
 
 
-def varlen_problem() -> str | None:
-    """Why one-call packed attention (``torch.nn.attention.varlen``, CUDA only) cannot run here, or ``None``."""
+@functools.cache
+def _varlen_keywords() -> frozenset[str] | None:
+    """The parameters of the installed ``varlen_attn`` (read once), None without the module."""
     import inspect
 
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
+        return None
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def varlen_problem() -> str | None:
+    """Why one-call packed attention (``torch.nn.attention.varlen``, CUDA only) cannot run here, or ``None``."""
+    keywords = _varlen_keywords()
+    if keywords is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen (it arrived in 2.10)"
     if not torch.cuda.is_available():
         return "torch.nn.attention.varlen runs flash attention kernels on CUDA only"
-    params = inspect.signature(varlen_attn).parameters
-    if "window_size" not in params and "is_causal" not in params:
+    if "window_size" not in keywords and "is_causal" not in keywords:
         return f"torch {torch.__version__}'s varlen_attn takes neither window_size nor is_causal"
     return None
 
@@ -90,19 +99,17 @@ def _varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.
     """Causal attention of every packed sequence in one kernel call: ``q [t, h, d]``, ``k, v [t, g, d]``,
     ``cu [rows + 1]`` int32 starts. The keywords follow the installed torch: the API changed in
     2.10 -> 2.11 -> 2.12 (``is_causal`` became ``window_size``; ``scale`` and ``enable_gqa`` were added)."""
-    import inspect
-
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters
-    kwargs: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    keywords = _varlen_keywords() or frozenset()
+    kwargs: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in keywords else {"is_causal": True}
     heads, groups = q.shape[1], k.shape[1]
     if heads != groups:
-        if "enable_gqa" in params:
+        if "enable_gqa" in keywords:
             kwargs["enable_gqa"] = True
         else:  # each key/value head serves heads // groups query heads, next to each other
             k, v = k.repeat_interleave(heads // groups, dim=1), v.repeat_interleave(heads // groups, dim=1)
-    if "scale" in params:
+    if "scale" in keywords:
         kwargs["scale"] = scale
     else:  # the kernel's own scale is 1/sqrt(d)
         q = q * (scale * math.sqrt(q.shape[-1]))

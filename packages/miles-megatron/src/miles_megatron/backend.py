@@ -124,28 +124,32 @@ class MegatronBackend:
         source = weight_source(self.bridge, self.hf_config, model_dir=self.model_dir, hf_state=hf_state)
         self.bridge_names = source.names
 
-        def loaded_chunks() -> tuple[list[Any], list[Any]]:
-            chunks = build_chunks(megatron_config, tc, self.layout, padded, transformer_engine=self.transformer_engine,
-                                  device=self.device, compiled=self.compiled, varlen=varlen)
-            shards = describe_shards(chunks, tc, self.bridge_names)
-            source.load(shards, padded)
-            return chunks, shards
+        def new_chunks() -> list[Any]:
+            return build_chunks(megatron_config, tc, self.layout, padded, transformer_engine=self.transformer_engine,
+                                device=self.device, compiled=self.compiled, varlen=varlen)
 
-        chunks, shards = loaded_chunks()
+        chunks = new_chunks()
+        shards = describe_shards(chunks, tc, self.bridge_names)
+        source.load(shards, padded)
+        source.release()
+        self.layers_read = source.layers_read  # streamed: the checkpoint layers this rank read (None: the rest)
         train = config.train
+        ref_chunks = None
+        if train.use_reference:
+            # the reference starts as the actor: copied from it, not read from the checkpoint again
+            ref_chunks = new_chunks()
+            for ref, actor in zip(ref_chunks, chunks, strict=True):
+                ref.load_state_dict(actor.state_dict())
         wrapped, optimizer = wrap_and_optimize(chunks, tc, self.options, lr=train.lr, betas=tuple(train.betas),
                                                weight_decay=train.weight_decay, grad_clip=train.grad_clip)
         self.actor = ModelParts(chunks, wrapped, optimizer, tc, vocab, padded)
         self.ref: ModelParts | None = None
-        if train.use_reference:
-            ref_chunks, _ = loaded_chunks()
+        if ref_chunks is not None:
             for chunk in ref_chunks:
                 chunk.requires_grad_(False)
                 if self.dtype != torch.float32:
                     chunk.to(self.dtype)
             self.ref = ModelParts(ref_chunks, ref_chunks, None, tc, vocab, padded)
-        source.release()
-        self.layers_read = source.layers_read  # streamed: the checkpoint layers this rank read (None: the rest)
         self.gather = WeightGather(shards, self.bridge_names, self.bridge, self.hf_config, vocab)
         from miles_algorithms.schedule import LRMultiplier
 

@@ -75,14 +75,15 @@ def chunk_logit_grad(hidden: torch.Tensor, weight: torch.Tensor, lse: torch.Tens
 
 
 @functools.cache
-def _compiled(fn: Callable) -> Callable:
-    # chunk sizes differ only in the last chunk: dynamic shapes avoid one recompile per size
+def compile_kernel(fn: Callable) -> Callable:
+    """``fn`` through ``torch.compile``, once per function (the head's and :mod:`miles_megatron.rope`'s)."""
+    # sizes differ between chunks and micro-batches: dynamic shapes avoid one recompile per size
     return torch.compile(fn, dynamic=True)
 
 
 def _kernels(compiled: bool) -> tuple[Callable, Callable, Callable]:
     functions = (chunk_logits, chunk_sums, chunk_logit_grad)
-    return tuple(_compiled(f) for f in functions) if compiled else functions  # type: ignore[return-value]
+    return tuple(compile_kernel(f) for f in functions) if compiled else functions  # type: ignore[return-value]
 
 
 class VocabParallelLogprobs(torch.autograd.Function):

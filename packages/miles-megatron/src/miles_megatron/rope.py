@@ -37,7 +37,7 @@ def defer(model: Any, *, compiled: bool = False) -> bool:
     from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
 
     from miles_megatron.attention import TorchAttention
-    from miles_megatron.head import _compiled
+    from miles_megatron.head import compile_kernel
 
     config = model.config
     if model.position_embedding_type != "rope" or config.multi_latent_attention or config.rotary_interleaved:
@@ -49,7 +49,7 @@ def defer(model: Any, *, compiled: bool = False) -> bool:
         return False
     model.position_embedding_type = DEFERRED
     for core in cores:
-        core.apply_rope = _compiled(apply) if compiled else apply
+        core.apply_rope = compile_kernel(apply) if compiled else apply
     return True
 
 
