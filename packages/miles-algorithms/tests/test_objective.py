@@ -18,6 +18,7 @@ from miles_algorithms.objective import (
     kl_divergence,
     mismatch_metrics,
     prepare_batch,
+    train_in_mini_batches,
 )
 from miles_algorithms.reductions import REDUCTIONS
 from miles_contracts import AlgorithmParams, TrainBatch
@@ -330,3 +331,56 @@ def test_malformed_packed_batch_is_rejected(make_batch):
     batch = replace(batch, extras={"cu_seqlens": torch.tensor([0, 3, 9])})
     with pytest.raises(ValueError, match="must start at 0, increase strictly and end at most at N=4"):
         prepare_batch(batch)
+
+
+def test_mini_batches_keep_rollouts_whole_and_average_the_update_metrics():
+    batch = random_batch(torch.Generator().manual_seed(3))  # rollout 1 fills rows 1 and 2
+    seen: list[TrainBatch] = []
+
+    def update(mini: TrainBatch, keep: bool) -> tuple[dict[str, float], torch.Tensor | None]:
+        assert not keep  # the batch has old log-probs: no forward pass is asked to keep its own
+        seen.append(mini)
+        return {"rows": float(mini.size), "first": float(len(seen) == 1)}, None
+
+    def no_forward(_: TrainBatch) -> torch.Tensor:
+        raise AssertionError("old log-probs are in the batch: no extra forward pass")
+
+    totals = train_in_mini_batches(batch, 3, update, no_forward)
+    assert len(seen) == 3
+    assert sorted(int(i) for mini in seen for i in mini.rollout_ids.tolist()) == sorted(batch.rollout_ids.tolist())
+    assert any(mini.rollout_ids.tolist() == [1, 1] for mini in seen)  # the split rollout stays together
+    assert totals["rows"] == pytest.approx(6 / 3) and totals["first"] == pytest.approx(1 / 3)
+    # the mismatch metrics compare the batch's own old and rollout log-probs
+    assert totals["train_rollout_kl"] == pytest.approx(mismatch_metrics(batch.old_logprobs, batch)["train_rollout_kl"])
+
+
+def test_mini_batches_get_old_logprobs_first_or_keep_the_single_update_forward():
+    batch = replace(random_batch(torch.Generator().manual_seed(4)), old_logprobs=None)
+    forwards: list[int] = []
+    kept_flags: list[bool] = []
+
+    def logprobs(whole: TrainBatch) -> torch.Tensor:
+        forwards.append(whole.size)
+        return whole.rollout_logprobs + 0.5
+
+    def update(mini: TrainBatch, keep: bool) -> tuple[dict[str, float], torch.Tensor | None]:
+        assert mini.old_logprobs is not None or keep
+        kept_flags.append(keep)
+        return {}, (mini.rollout_logprobs + 0.25) if keep else None
+
+    # two updates: one forward over the whole batch gives the proximal policy before the first
+    two = train_in_mini_batches(batch, 2, update, logprobs)
+    assert forwards == [6] and kept_flags == [False, False]
+    assert two == mismatch_metrics(batch.rollout_logprobs + 0.5, batch)
+    # one update: no extra pass; the update's own forward pass is kept for the mismatch metrics
+    forwards.clear()
+    kept_flags.clear()
+    one = train_in_mini_batches(batch, 1, update, logprobs)
+    assert forwards == [] and kept_flags == [True]
+    assert one == pytest.approx(mismatch_metrics(batch.rollout_logprobs + 0.25, batch))
+
+
+def test_more_updates_than_rollouts_is_a_clear_error():
+    batch = random_batch(torch.Generator().manual_seed(5))  # 5 rollouts in 6 rows
+    with pytest.raises(ValueError, match=r"updates_per_step \(6\) exceeds the rollouts in the batch \(5\)"):
+        train_in_mini_batches(batch, 6, lambda mini, keep: ({}, None), lambda whole: whole.rollout_logprobs)

@@ -30,8 +30,12 @@ from miles_algorithms.layout import Layout
 from miles_algorithms.losses import TokenMetrics, value_loss
 from miles_algorithms.masking import masked, trainable, whiten
 from miles_algorithms.metrics import advantage_metrics, mismatch_metrics
+from miles_algorithms.planning import row_lengths, split_rows_evenly
 from miles_algorithms.reductions import loss_statistics, reduce, statistics_of
 
+# one optimizer update on a mini-batch: (its metrics summed over ranks, and when asked for, the
+# log-probs its forward pass computed before the update, whole over ranks; else None)
+Update = Callable[[TrainBatch, bool], tuple[dict[str, float], torch.Tensor | None]]
 PolicyLoss = Callable[[torch.Tensor, TrainBatch, AlgorithmParams], tuple[torch.Tensor, TokenMetrics]]
 Correction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AlgorithmParams], tuple[torch.Tensor, TokenMetrics]]
 
@@ -44,6 +48,7 @@ __all__ = [
     "kl_divergence",
     "mismatch_metrics",
     "prepare_batch",
+    "train_in_mini_batches",
 ]
 
 
@@ -57,6 +62,42 @@ def prepare_batch(batch: TrainBatch) -> TrainBatch:
     rows = layout.batch_rows(batch)
     stats = loss_statistics(trainable(rows.loss_mask), rows.rollout_ids)
     return layout.restore(batch, rows, (), stats)
+
+
+def train_in_mini_batches(
+    batch: TrainBatch, updates: int, update: Update, logprobs: Callable[[TrainBatch], torch.Tensor],
+) -> dict[str, float]:
+    """A train step's ``updates`` optimizer updates, one per mini-batch of ``batch``.
+
+    Rows of one rollout stay in one mini-batch, and the mini-batches get similar token counts.
+    With more than one update and no ``old_logprobs`` in the batch, ``logprobs(batch)`` supplies
+    them first: after the first update the current policy is no longer the proximal one, and
+    every later mini-batch would see ratio 1 and never clip. With a single update, its own
+    forward pass gives the pre-update log-probs for the train/inference mismatch metrics.
+
+    Returns the update metrics averaged over mini-batches, plus the mismatch metrics.
+    """
+    rollouts = len(set(batch.rollout_ids.tolist()))
+    if updates > rollouts:
+        raise ValueError(
+            f"train.updates_per_step ({updates}) exceeds the rollouts in the batch ({rollouts}); "
+            f"lower updates_per_step or train on more rollouts per step"
+        )
+    minis = split_rows_evenly(row_lengths(batch.attention_mask), updates, keys=batch.rollout_ids.tolist())
+    if batch.old_logprobs is None and len(minis) > 1:
+        batch = replace(batch, old_logprobs=logprobs(batch))
+    totals: dict[str, float] = {}
+    mismatch: dict[str, float] = {}
+    for index, rows in enumerate(minis):
+        mini = prepare_batch(batch.select(rows))
+        metrics, kept = update(mini, index == 0 and batch.old_logprobs is None)
+        if kept is not None:
+            mismatch = mismatch_metrics(kept.to(mini.tokens.device), mini)
+        for name, value in metrics.items():
+            totals[name] = totals.get(name, 0.0) + value / len(minis)
+    if batch.old_logprobs is not None:
+        mismatch = mismatch_metrics(batch.old_logprobs, batch)
+    return totals | mismatch
 
 
 def compute_advantages(batch: TrainBatch, params: AlgorithmParams, estimator: AdvantageEstimator) -> TrainBatch:

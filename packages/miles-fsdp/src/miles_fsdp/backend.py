@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Iterator, Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -34,7 +33,6 @@ from miles_fsdp.models import (
     resolve_precision,
 )
 from miles_fsdp.optim import LRMultiplier, build_optimizer, build_scheduler
-from miles_fsdp.packing import row_lengths, split_rows_evenly
 from miles_fsdp.passes import PassRunner, attention_pair_cost, sdpa_preference, sum_over_ranks
 from miles_fsdp.weights import export_hf, gather_named_weights
 
@@ -195,47 +193,23 @@ class FSDPBackend:
         def critic_loss(micro: TrainBatch, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, dict[str, float]]:
             return objective.critic_loss(outputs[0], micro, params)
 
-        minis = self._mini_batches(batch)
-        if batch.old_logprobs is None and len(minis) > 1:
-            # after the first update the current policy is no longer the proximal one: without
-            # these, every later mini-batch would see ratio 1 and never clip
-            batch = replace(batch, old_logprobs=self.compute_logprobs(batch))
-        totals: dict[str, float] = {}
-        mismatch: dict[str, float] = {}
-        for index, rows in enumerate(minis):
-            mini = objective.prepare_batch(batch.select(rows))
-            first_without_old = index == 0 and batch.old_logprobs is None
+        def update(mini: TrainBatch, keep: bool) -> tuple[dict[str, float], torch.Tensor | None]:
             shares, kept = self.runner.accumulate(
-                "train", self.actor, mini, actor_loss, with_entropy=with_entropy, keep_outputs=first_without_old,
+                "train", self.actor, mini, actor_loss, with_entropy=with_entropy, keep_outputs=keep,
             )
-            step_metrics = sum_over_ranks(shares, self.dist)
-            step_metrics |= self._apply(self.trained[0])
-            if kept is not None:  # the trainer's pre-update log-probs of this mini-batch
-                mismatch = objective.mismatch_metrics(all_reduce_sum(kept).to(mini.tokens.device), mini)
+            metrics = sum_over_ranks(shares, self.dist) | self._apply(self.trained[0])
+            kept = all_reduce_sum(kept) if kept is not None else None
             if self.critic is not None:
                 critic_shares, _ = self.runner.accumulate("critic_train", self.critic, mini, critic_loss)
                 critic_metrics = sum_over_ranks(critic_shares, self.dist) | self._apply(self.trained[1])
-                step_metrics |= {f"critic/{k}": v for k, v in critic_metrics.items()}
-            for name, value in step_metrics.items():
-                totals[name] = totals.get(name, 0.0) + value / len(minis)
-        if batch.old_logprobs is not None:
-            mismatch = objective.mismatch_metrics(batch.old_logprobs, batch)
-        totals.update(mismatch)
+                metrics |= {f"critic/{k}": v for k, v in critic_metrics.items()}
+            return metrics, kept
+
+        totals = objective.train_in_mini_batches(batch, self.config.train.updates_per_step, update, self.compute_logprobs)
         totals["optimizer_steps"] = float(self.optimizer_steps)
         totals["skipped_steps"] = float(self.skipped_steps)
         totals["train_tokens"] = float(batch.num_tokens)
         return totals
-
-    def _mini_batches(self, batch: TrainBatch) -> list[list[int]]:
-        updates = self.config.train.updates_per_step
-        rollouts = len(set(batch.rollout_ids.tolist()))
-        if updates > rollouts:
-            raise ValueError(
-                f"train.updates_per_step ({updates}) exceeds the rollouts in the batch ({rollouts}); "
-                f"lower updates_per_step or train on more rollouts per step"
-            )
-        lengths = row_lengths(batch.attention_mask)
-        return split_rows_evenly(lengths, updates, keys=batch.rollout_ids.tolist())
 
     def _apply(self, trained: TrainedModule) -> dict[str, float]:
         """Clip, step (unless the gradient is not finite), advance the schedule, clear gradients."""

@@ -18,7 +18,6 @@ import json
 import math
 import shutil
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -195,7 +194,6 @@ class MegatronBackend:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """``train.updates_per_step`` optimizer steps on ``batch`` (which carries advantages)."""
         from miles_algorithms import objective
-        from miles_algorithms.planning import row_lengths, split_rows_evenly
 
         if batch.advantages is None:
             raise ValueError("train_step needs batch.advantages: run the advantage estimator (compute_advantages) first")
@@ -206,28 +204,13 @@ class MegatronBackend:
         actor_loss = objective.micro_batch_actor_loss(params, policy_loss=policy_loss, correction=correction,
                                                       with_entropy=with_entropy)
 
-        updates = self.config.train.updates_per_step
-        rollouts = len(set(batch.rollout_ids.tolist()))
-        if updates > rollouts:
-            raise ValueError(f"train.updates_per_step ({updates}) exceeds the rollouts in the batch ({rollouts})")
-        minis = split_rows_evenly(row_lengths(batch.attention_mask), updates, keys=batch.rollout_ids.tolist())
-        if batch.old_logprobs is None and len(minis) > 1:
-            batch = replace(batch, old_logprobs=self.compute_logprobs(batch))
         runner = self._runner(self.actor)
-        totals: dict[str, float] = {}
-        mismatch: dict[str, float] = {}
-        for index, rows in enumerate(minis):
-            mini = objective.prepare_batch(batch.select(rows))
-            keep = index == 0 and batch.old_logprobs is None
+
+        def update(mini: TrainBatch, keep: bool) -> tuple[dict[str, float], torch.Tensor | None]:
             shares, kept = runner.accumulate("train", mini, actor_loss, with_entropy=with_entropy, keep_outputs=keep)
-            step_metrics = sum_over_ranks(shares) | self._apply()
-            if kept is not None:  # the trainer's pre-update log-probs of this mini-batch
-                mismatch = objective.mismatch_metrics(kept.to(mini.tokens.device), mini)
-            for name, value in step_metrics.items():
-                totals[name] = totals.get(name, 0.0) + value / len(minis)
-        if batch.old_logprobs is not None:
-            mismatch = objective.mismatch_metrics(batch.old_logprobs, batch)
-        totals.update(mismatch)
+            return sum_over_ranks(shares) | self._apply(), kept
+
+        totals = objective.train_in_mini_batches(batch, self.config.train.updates_per_step, update, self.compute_logprobs)
         totals["optimizer_steps"] = float(self.optimizer_steps)
         totals["skipped_steps"] = float(self.skipped_steps)
         totals["train_tokens"] = float(batch.num_tokens)
