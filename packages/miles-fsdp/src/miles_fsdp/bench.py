@@ -249,8 +249,10 @@ def run_baseline(preset: str, batch, *, device: torch.device, gradient_checkpoin
     return {"step_s": seconds, "peak_memory_gb": _memory_gb(device)}
 
 
-def _rates(result: dict[str, Any], tokens: int, flops: float, peak_tflops: float) -> dict[str, Any]:
-    achieved = flops / result["step_s"] / 1e12
+def _rates(result: dict[str, Any], tokens: int, flops: float, peak_tflops: float, devices: int = 1) -> dict[str, Any]:
+    """Throughput of a step that ``devices`` GPUs (ranks) share: tokens/s of the whole step, TFLOP/s
+    and MFU per device (``peak_tflops`` is one device's)."""
+    achieved = flops / result["step_s"] / 1e12 / devices
     return {**result, "tokens_per_s": tokens / result["step_s"], "tflops": achieved, "mfu": achieved / peak_tflops}
 
 
@@ -272,6 +274,8 @@ def run_benchmark(
     vocab = probe.config.vocab_size
     total_params = sum(p.numel() for p in probe.parameters())
     del probe
+    # under torchrun every rank works on the same step (TP/CP/PP split it, data parallelism shares it)
+    devices = int(os.environ.get("WORLD_SIZE", "1"))
     if peak_tflops is None:
         peak_tflops = H200_BF16_DENSE_TFLOPS if dev.type == "cuda" else measure_cpu_peak_tflops()
     report: dict[str, Any] = {
@@ -282,8 +286,10 @@ def run_benchmark(
         "model": {"preset": preset, "parameters": total_params, "matmul_parameters": counter.matmul_params,
                   "layers": counter.layers, "attention_width": counter.attention_width},
         "peak_tflops": peak_tflops,
+        "devices": devices,
         "peak_source": "H100/H200 SXM dense bf16 datasheet" if dev.type == "cuda" else "fp32 matmul measured in this run",
-        "flops_formula": "6 * matmul_parameters * L + 6 * layers * attention_width * L^2 per sequence of L tokens",
+        "flops_formula": "6 * matmul_parameters * L + 6 * layers * attention_width * L^2 per sequence of L tokens; "
+                         "tflops and mfu per device (the step's FLOPs / devices)",
         "gradient_checkpointing": gradient_checkpointing,
         "micro_batch_tokens": micro_batch_tokens or "seq_len (one row per micro-batch)",
         "backend": backend,
@@ -307,11 +313,12 @@ def run_benchmark(
             miles = run_registered(backend, preset, batch, device=device, options=options, section=section,
                                    gradient_checkpointing=gradient_checkpointing, micro_batch_tokens=budget,
                                    warmup=warmup, steps=steps, work_dir=work_dir, profile_to=profile_to)
-        entry["miles"] = _rates(miles, rows * length, flops, peak_tflops)
+        entry["miles"] = _rates(miles, rows * length, flops, peak_tflops, devices)
         if baseline:
             plain = run_baseline(preset, batch, device=dev, gradient_checkpointing=gradient_checkpointing,
                                  warmup=warmup, steps=steps)
             _free(dev)  # the baseline's model and optimizer died with its frame
+            # the baseline is one process per GPU with the whole step (no sharing)
             entry["baseline"] = _rates(plain, rows * length, flops, peak_tflops)
             entry["speedup_vs_baseline"] = entry["baseline"]["step_s"] / entry["miles"]["step_s"]
         report["results"].append(entry)
