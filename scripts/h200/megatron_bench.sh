@@ -5,8 +5,9 @@
 #   two GPUs (nvidia-h200-x2): bash scripts/h200/megatron_bench.sh tp2 cp2
 # fsdp:   the fsdp backend at its best settings (compile, cudnn), measured in the same call as the
 #         baseline of `single`; single: megatron, one GPU, 4K and 16K rows (4K rows four to a
-#         micro-batch, as fsdp's run), with megatron.compile (the CUDA default: head and rotary
-#         embedding through torch.compile); single-eager: the same without it; single-varlen:
+#         micro-batch, as fsdp's run), with megatron.compile (the CUDA default: the head and every
+#         transformer layer through torch.compile); single-nolayers: layers eager (head and rotary
+#         embedding compiled); single-eager: nothing compiled; single-varlen:
 #         one torch.nn.attention.varlen call per layer instead of SDPA per sequence; tp2 / cp2: megatron on
 #         two GPUs, 32K-token rows, TP=2 with
 #         sequence parallelism or CP=2. Megatron runs megatron-core's local layers with PyTorch
@@ -22,6 +23,7 @@ for variant in "$@"; do
   case $variant in
     fsdp) cmd=(miles bench train "${common[@]}" --micro-batch-tokens 16384 --sdpa-backends cudnn,flash --compile) ;;
     single) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384) ;;
+    single-nolayers) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option compile_layers=false) ;;
     single-eager) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option compile=false) ;;
     single-varlen) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option attention_kernel=varlen) ;;
     single-recompute) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option recompute=selective) ;;
@@ -46,4 +48,4 @@ for r in d["results"]:
     print(f"  {d['backend']} L={r['seq_len']}: mfu {m['mfu']:.3f} ({m['tokens_per_s']:.0f} tok/s, {m['peak_memory_gb']:.1f} GB/GPU{busy})")
 PY
 done
-[ -d /tmp/profiles ] && tar czf "$OUT/profiles.tgz" -C /tmp profiles && echo "profiles: $OUT/profiles.tgz"
+if [ -d /tmp/profiles ]; then tar czf "$OUT/profiles.tgz" -C /tmp profiles && echo "profiles: $OUT/profiles.tgz"; fi

@@ -2,8 +2,8 @@
 
 One launch runs every layout one after the other (megatron-core's parallel state is torn down
 between them), because starting a process that imports torch and megatron-core costs more than
-the checks: TP=2 (with sequence parallelism), PP=2, CP=2 on the tiny Llama, EP=2 on the tiny
-Qwen3-MoE. Each writes what it saw to ``<out>/<layout>_rank<r>.pt`` for the parent to compare
+the checks: TP=2 (with sequence parallelism; eager and with compiled layers), PP=2, CP=2 on the
+tiny Llama, EP=2 on the tiny Qwen3-MoE. Each writes what it saw to ``<out>/<layout>_rank<r>.pt`` for the parent to compare
 with a one-process backend.
 """
 
@@ -23,6 +23,8 @@ LAYOUTS = {
     "pp2": ("dense", {"pipeline_parallel": 2}),
     "cp2": ("dense", {"context_parallel": 2}),
     "ep2": ("moe", {"expert_parallel": 2}),
+    # torch.compile'd layers (the CUDA default) with TP=2 + sequence parallelism: the collectives inside
+    "tp2-compiled": ("dense", {"tensor_parallel": 2, "compile_layers": True}),
 }
 CONFORMANCE = {"tp2", "pp2", "ep2"}
 

@@ -168,26 +168,45 @@ def test_a_skipped_step_is_kept_by_a_checkpoint_and_the_schedule_resumes_where_i
     assert got["lr"] == want["lr"] and got["loss"] == pytest.approx(want["loss"], abs=1e-6)
 
 
+def _compiled_layers(backend) -> list[bool]:
+    # nn.Module.compile() keeps the module (and its parameter names) and sets its compiled call
+    return [getattr(layer, "_compiled_call_impl", None) is not None
+            for chunk in backend.actor.chunks for layer in chunk.decoder.layers]
+
+
 @pytest.mark.slow
-def test_compiled_head_gives_the_eager_logprobs_and_step(tiny_dense, backend_factory) -> None:
-    """``megatron.compile``: the log-prob head's maths and the rotary embedding through torch.compile, same numbers."""
+def test_compiled_head_and_layers_give_the_eager_logprobs_and_step(tiny_dense, backend_factory) -> None:
+    """``megatron.compile``: the log-prob head's maths and (``compile_layers``, by default the same)
+    every transformer layer through torch.compile, same numbers; with the layers left eager the
+    rotary embedding is compiled alone."""
     from miles_megatron.head import compile_kernel
 
     batch = make_test_batch(tiny_dense)
     results = []
-    for compiled in (False, True):
+    # compiled functions: the head's three per-chunk ones, plus the rotary embedding without layers
+    for options, kernels, layers in (({"compile": False}, 0, False), ({"compile": True}, 3, True),
+                                     ({"compile": True, "compile_layers": False}, 4, False)):
         compile_kernel.cache_clear()
-        backend = backend_factory(tiny_dense, megatron={"compile": compiled})
+        backend = backend_factory(tiny_dense, megatron=options)
+        assert _compiled_layers(backend) == [layers] * 2
         old = backend.compute_logprobs(batch)
         step = replace(batch, advantages=torch.where(batch.loss_mask > 0, 1.0, 0.0), old_logprobs=old, rollout_logprobs=old)
         results.append((old, backend.train_step(step)))
-        # the option reached the head (three per-chunk functions) and the layers' rotary embedding
-        assert compile_kernel.cache_info().currsize == (4 if compiled else 0)
+        assert compile_kernel.cache_info().currsize == kernels
         backend.close()
-    (eager, eager_metrics), (compiled, compiled_metrics) = results
-    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
-    for key in ("loss", "grad_norm", "entropy"):
-        assert compiled_metrics[key] == pytest.approx(eager_metrics[key], rel=1e-4, abs=1e-6), key
+    (eager, eager_metrics), *compiled = results
+    for logprobs, metrics in compiled:
+        torch.testing.assert_close(logprobs, eager, rtol=1e-5, atol=1e-5)
+        for key in ("loss", "grad_norm", "entropy"):
+            assert metrics[key] == pytest.approx(eager_metrics[key], rel=1e-4, abs=1e-6), key
+
+
+def test_moe_layers_and_recomputed_layers_stay_eager(tiny_moe, tiny_dense, backend_factory) -> None:
+    """Compiled layers skip MoE layers (data-dependent token routing) and recomputation (layer
+    pieces run under megatron-core's checkpoint function)."""
+    assert _compiled_layers(backend_factory(tiny_moe, megatron={"compile_layers": True})) == [False, False]
+    recomputed = backend_factory(tiny_dense, megatron={"compile_layers": True, "recompute": "selective"})
+    assert _compiled_layers(recomputed) == [False, False]
 
 
 def test_cuda_turns_on_megatron_core_s_swiglu_and_bias_dropout_add_fusions(tiny_dense) -> None:

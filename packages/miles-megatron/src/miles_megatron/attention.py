@@ -139,14 +139,21 @@ class TorchAttention(MegatronModule):
             raise ValueError("TorchAttention takes packed (THD) sequences; build inputs with miles_megatron.inputs")
         if attention_bias is not None:
             raise ValueError("TorchAttention does not take an attention bias")
+        if self.apply_rope is not None:
+            cos, sin = rope.tables(packed_seq_params, query.dtype)
+            query, key = self.apply_rope(query, cos, sin), self.apply_rope(key, cos, sin)
+        return self._packed(query, key, value, packed_seq_params)
+
+    @torch.compiler.disable
+    def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed_seq_params: Any) -> torch.Tensor:
+        """Attention of every packed sequence to itself: ``[t, heads * d]``. Never traced by
+        ``torch.compile`` (compiled layers run it eagerly): it cuts tensors by host sequence lengths,
+        which a trace would specialise on, one recompilation per new set of lengths."""
         bounds = getattr(packed_seq_params, "bounds", None)
         if bounds is None:
             cu = packed_seq_params.cu_seqlens_q_padded
             cu = packed_seq_params.cu_seqlens_q if cu is None else cu
             bounds = cu.tolist()  # a device sync per layer: MicroInputs gives them from the host
-        if self.apply_rope is not None:
-            cos, sin = rope.tables(packed_seq_params, query.dtype)
-            query, key = self.apply_rope(query, cos, sin), self.apply_rope(key, cos, sin)
         lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
         cp = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
         dropout = self.dropout if self.training else 0.0

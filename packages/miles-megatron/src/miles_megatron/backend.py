@@ -116,6 +116,9 @@ class MegatronBackend:
             if problem:
                 raise ValueError(f"megatron.attention_kernel: varlen cannot run: {problem}; use attention_kernel: sdpa")
         recompute = self.options.recompute or ("full" if config.train.gradient_checkpointing else "none")
+        layers = self.options.compile_layers
+        # recomputation runs layer pieces under megatron-core's checkpoint function: left eager
+        compile_layers = (self.compiled if layers is None else layers) and not self.transformer_engine and recompute == "none"
         tc = transformer_config(megatron_config, self.options, self.layout, dtype=self.dtype, device=self.device,
                                 transformer_engine=self.transformer_engine, recompute=recompute)
         vocab = int(megatron_config["gpt_model"]["vocab_size"])
@@ -125,7 +128,7 @@ class MegatronBackend:
 
         def new_chunks() -> list[Any]:
             return build_chunks(megatron_config, tc, self.layout, padded, transformer_engine=self.transformer_engine,
-                                device=self.device, compiled=self.compiled, varlen=varlen)
+                                device=self.device, compiled=self.compiled, compile_layers=compile_layers, varlen=varlen)
 
         chunks = new_chunks()
         shards = describe_shards(chunks, tc, self.bridge_names)

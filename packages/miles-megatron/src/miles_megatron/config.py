@@ -56,6 +56,12 @@ class MegatronSection(BaseModel):
         description="torch.compile the log-prob head's per-chunk maths and, with the local layers, the rotary "
                     "embedding; null = on for CUDA (1.2-1.6x the eager step on the H200, docs/benchmarks/train.md)",
     )
+    compile_layers: bool | None = Field(
+        default=None,
+        description="with the local layers and no recomputation, torch.compile each dense transformer layer too "
+                    "(norms, rotary embedding, residual adds fused; core attention and MoE layers stay eager); "
+                    "null = same as compile",
+    )
     attention_kernel: Literal["sdpa", "varlen"] = Field(
         default="sdpa",
         description="local layers' attention: sdpa = PyTorch SDPA per packed sequence; varlen = one "

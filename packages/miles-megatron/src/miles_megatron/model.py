@@ -10,6 +10,7 @@ sharded) and then overwritten from the checkpoint.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,11 +108,13 @@ def padded_vocab_size(vocab: int, options: MegatronSection, layout: Layout) -> i
 
 def build_chunks(megatron_config: Mapping[str, Any], config: Any, layout: Layout, padded_vocab: int, *,
                  transformer_engine: bool, device: torch.device, compiled: bool = False,
-                 varlen: bool = False) -> list[Any]:
+                 compile_layers: bool = False, varlen: bool = False) -> list[Any]:
     """This rank's ``GPTModel`` chunks (one per virtual stage), on ``device``, weights uninitialised.
 
     With the local layers, rotary embeddings move into core attention (:mod:`miles_megatron.rope`),
-    through ``torch.compile`` when ``compiled``; ``varlen``: core attention is one varlen call."""
+    through ``torch.compile`` when ``compiled``; ``compile_layers``: every transformer layer goes
+    through ``torch.compile`` (the rotary embedding with it); ``varlen``: core attention is one
+    varlen call."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -127,11 +130,42 @@ def build_chunks(megatron_config: Mapping[str, Any], config: Any, layout: Layout
             vp_stage=vp_stage, **gpt_kwargs,
         )
         if not transformer_engine:
-            rope.defer(model, compiled=compiled)
+            rope.defer(model, compiled=compiled and not compile_layers)
             for layer in model.decoder.layers:
                 layer.self_attention.core_attention.varlen = varlen
+            if compile_layers:
+                _compile_layers(model)
         chunks.append(model.to(device))
     return chunks
+
+
+def _compile_layers(model: Any) -> None:
+    """``torch.compile`` each of ``model``'s transformer layers in place (parameter names unchanged).
+
+    What fuses: the norms with their neighbours, query/key norms with the rotary embedding, the
+    residual adds and casts. Core attention runs eagerly inside (``TorchAttention._packed``), and the
+    layer's last step (megatron-core's ``make_viewless_tensor``, a ``.data`` swap) is a graph break.
+    MoE layers stay eager: their token routing has data-dependent shapes, dozens of graph breaks.
+    """
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    for layer in model.decoder.layers:
+        if getattr(layer, "is_moe_layer", False):
+            continue
+        for module in layer.modules():
+            if isinstance(module, RowParallelLinear):
+                module._forward_impl = functools.partial(_with_tp_group, module._forward_impl, module.tp_group)
+        layer.compile()
+
+
+def _with_tp_group(forward_impl: Any, group: Any, *args: Any, **kwargs: Any) -> Any:
+    """megatron-core's ``RowParallelLinear`` calls its linear function with ``tp_group=None`` (its
+    all-reduce comes after), and the function then warns on every call that it takes the default
+    group: a graph break each time under ``torch.compile`` (a warning with a category cannot be
+    moved out of the graph). The group is unused there (no dgrad all-reduce, no sequence parallel)."""
+    if kwargs.get("tp_group") is None:
+        kwargs["tp_group"] = group
+    return forward_impl(*args, **kwargs)
 
 
 def wrap_and_optimize(chunks: list[Any], config: Any, options: MegatronSection, *, lr: float, betas: tuple[float, float],
