@@ -54,7 +54,8 @@ class MegatronSection(BaseModel):
     compile: bool | None = Field(
         default=None,
         description="torch.compile the log-prob head's per-chunk maths and, with the local layers, the rotary "
-                    "embedding; null = on for CUDA (1.2-1.6x the eager step on the H200, docs/benchmarks/train.md)",
+                    "embedding (or the whole layers: compile_layers); null = on for CUDA (with compile_layers "
+                    "~1.7x / 1.3x the eager step at 4K / 16K rows on the H200, docs/benchmarks/train.md)",
     )
     compile_layers: bool | None = Field(
         default=None,
@@ -65,8 +66,9 @@ class MegatronSection(BaseModel):
     attention_kernel: Literal["sdpa", "varlen"] = Field(
         default="sdpa",
         description="local layers' attention: sdpa = PyTorch SDPA per packed sequence; varlen = one "
-                    "torch.nn.attention.varlen call per layer for all sequences (CUDA, torch >= 2.10; not "
-                    "yet measured: docs/design/megatron.md); context parallelism and dropout use sdpa",
+                    "torch.nn.attention.varlen call per layer for all sequences (CUDA, torch >= 2.10; slower "
+                    "than sdpa on the H200 at 4K-16K rows, docs/benchmarks/train.md); context parallelism and "
+                    "dropout use sdpa",
     )
     skip_nonfinite_grads: bool = Field(
         default=True, description="skip an optimizer step whose gradient norm is NaN/inf (counted in metrics; the "
