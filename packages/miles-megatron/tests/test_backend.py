@@ -179,16 +179,20 @@ def test_compiled_head_and_layers_give_the_eager_logprobs_and_step(tiny_dense, b
     """``megatron.compile``: the log-prob head's maths and (``compile_layers``, by default the same)
     every transformer layer through torch.compile, same numbers; with the layers left eager the
     rotary embedding is compiled alone."""
+    from miles_megatron import rope
     from miles_megatron.head import compile_kernel
 
     batch = make_test_batch(tiny_dense)
     results = []
-    # compiled functions: the head's three per-chunk ones, plus the rotary embedding without layers
-    for options, kernels, layers in (({"compile": False}, 0, False), ({"compile": True}, 3, True),
+    # compiled functions: the head's three per-chunk ones and the rotary embedding (which a compiled
+    # layer traces as plain code instead)
+    for options, kernels, layers in (({"compile": False}, 0, False), ({"compile": True}, 4, True),
                                      ({"compile": True, "compile_layers": False}, 4, False)):
         compile_kernel.cache_clear()
         backend = backend_factory(tiny_dense, megatron=options)
         assert _compiled_layers(backend) == [layers] * 2
+        cores = [layer.self_attention.core_attention for chunk in backend.actor.chunks for layer in chunk.decoder.layers]
+        assert all((core.apply_rope is rope.apply) == (layers or not options["compile"]) for core in cores)
         old = backend.compute_logprobs(batch)
         step = replace(batch, advantages=torch.where(batch.loss_mask > 0, 1.0, 0.0), old_logprobs=old, rollout_logprobs=old)
         results.append((old, backend.train_step(step)))

@@ -54,8 +54,9 @@ class MegatronSection(BaseModel):
     compile: bool | None = Field(
         default=None,
         description="torch.compile the log-prob head's per-chunk maths and, with the local layers, the rotary "
-                    "embedding (or the whole layers: compile_layers); null = on for CUDA (with compile_layers "
-                    "~1.7x / 1.3x the eager step at 4K / 16K rows on the H200, docs/benchmarks/train.md)",
+                    "embedding (and the whole layers: compile_layers); null = on for CUDA (on the H200 head and "
+                    "rotary 1.56x / 1.18x the eager step at 4K / 16K rows, compiled layers 1.14x / 1.08x more: "
+                    "docs/benchmarks/train.md)",
     )
     compile_layers: bool | None = Field(
         default=None,

@@ -112,9 +112,9 @@ def build_chunks(megatron_config: Mapping[str, Any], config: Any, layout: Layout
     """This rank's ``GPTModel`` chunks (one per virtual stage), on ``device``, weights uninitialised.
 
     With the local layers, rotary embeddings move into core attention (:mod:`miles_megatron.rope`),
-    through ``torch.compile`` when ``compiled``; ``compile_layers``: every transformer layer goes
-    through ``torch.compile`` (the rotary embedding with it); ``varlen``: core attention is one
-    varlen call."""
+    through ``torch.compile`` when ``compiled``; ``compile_layers``: every dense transformer layer
+    goes through ``torch.compile`` (its rotary embedding traced with it); ``varlen``: core attention
+    is one varlen call."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -130,7 +130,7 @@ def build_chunks(megatron_config: Mapping[str, Any], config: Any, layout: Layout
             vp_stage=vp_stage, **gpt_kwargs,
         )
         if not transformer_engine:
-            rope.defer(model, compiled=compiled and not compile_layers)
+            rope.defer(model, compiled=compiled)
             for layer in model.decoder.layers:
                 layer.self_attention.core_attention.varlen = varlen
             if compile_layers:
@@ -143,15 +143,18 @@ def _compile_layers(model: Any) -> None:
     """``torch.compile`` each of ``model``'s transformer layers in place (parameter names unchanged).
 
     What fuses: the norms with their neighbours, query/key norms with the rotary embedding, the
-    residual adds and casts. Core attention runs eagerly inside (``TorchAttention._packed``), and the
-    layer's last step (megatron-core's ``make_viewless_tensor``, a ``.data`` swap) is a graph break.
-    MoE layers stay eager: their token routing has data-dependent shapes, dozens of graph breaks.
+    residual adds and casts. Core attention runs eagerly inside (``TorchAttention._packed``): the
+    one graph break of a layer. MoE layers stay eager: their token routing has data-dependent
+    shapes, dozens of graph breaks.
     """
     from megatron.core.tensor_parallel.layers import RowParallelLinear
 
     for layer in model.decoder.layers:
         if getattr(layer, "is_moe_layer", False):
             continue
+        core = layer.self_attention.core_attention
+        if getattr(core, "apply_rope", None) is not None:
+            core.apply_rope = rope.apply  # traced with the layer (fused with the q/k norms)
         for module in layer.modules():
             if isinstance(module, RowParallelLinear):
                 module._forward_impl = functools.partial(_with_tp_group, module._forward_impl, module.tp_group)
