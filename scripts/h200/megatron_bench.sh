@@ -7,7 +7,8 @@
 #         baseline of `single`; single: megatron, one GPU, 4K and 16K rows (4K rows four to a
 #         micro-batch, as fsdp's run), with megatron.compile (the CUDA default: the head and every
 #         transformer layer through torch.compile); single-nolayers: layers eager (head and rotary
-#         embedding compiled); single-eager: nothing compiled; single-varlen:
+#         embedding compiled); single-eager: nothing compiled; single-local: the local layers even
+#         where Transformer Engine imports (te.sh), to compare the two in one call; single-varlen:
 #         one torch.nn.attention.varlen call per layer instead of SDPA per sequence; tp2 / cp2: megatron on
 #         two GPUs, 32K-token rows, TP=2 with
 #         sequence parallelism or CP=2. Megatron runs megatron-core's local layers with PyTorch
@@ -23,6 +24,7 @@ for variant in "$@"; do
   case $variant in
     fsdp) cmd=(miles bench train "${common[@]}" --micro-batch-tokens 16384 --sdpa-backends cudnn,flash --compile) ;;
     single) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384) ;;
+    single-local) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option transformer_impl=local) ;;
     single-nolayers) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option compile_layers=false) ;;
     single-eager) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option compile=false) ;;
     single-varlen) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option attention_kernel=varlen) ;;

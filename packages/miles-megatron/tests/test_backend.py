@@ -236,6 +236,25 @@ def test_cuda_turns_on_megatron_core_s_swiglu_and_bias_dropout_add_fusions(tiny_
     assert fusions("cpu", F.silu) == (False, False)
 
 
+def test_transformer_engine_gets_its_fused_rotary_embedding(tiny_dense, monkeypatch) -> None:
+    """With Transformer Engine (config only: it is not installed here, so megatron-core's check for
+    its fused rotary kernels is given a stand-in) the rotary embedding of packed sequences is fused;
+    the local layers keep it off (miles_megatron.rope applies it instead)."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from miles_megatron.config import MegatronSection
+    from miles_megatron.model import transformer_config
+    from miles_megatron.parallel import Layout
+
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb_thd", lambda *a, **k: None)
+    hf = json.loads((tiny_dense / "config.json").read_text())
+    megatron = Kernel.load().model_bridge(hf).megatron_config(hf)
+    layout = Layout(tp=1, pp=1, cp=1, ep=1, vpp=None, dp=1)
+    for engine in (True, False):
+        tc = transformer_config(megatron, MegatronSection(), layout, dtype=torch.bfloat16, device=torch.device("cuda"),
+                                transformer_engine=engine, recompute="none")
+        assert tc.apply_rope_fusion is engine
+
+
 def test_a_cpu_model_on_a_host_with_a_gpu_is_a_clear_error(tiny_dense, backend_factory, monkeypatch) -> None:
     from miles_megatron import cpu_shim
 

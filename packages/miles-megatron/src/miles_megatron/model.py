@@ -80,6 +80,10 @@ def transformer_config(megatron_config: Mapping[str, Any], options: MegatronSect
         settings["moe_enable_routing_replay"] = True
     if not transformer_engine:
         settings.update(_NO_FUSED_KERNELS)
+    elif not settings.get("multi_latent_attention") and not settings.get("rotary_interleaved"):
+        # Transformer Engine's fused rotary embedding takes packed (THD) sequences whole; without it
+        # megatron-core applies the embedding sequence by sequence, with a device sync per layer
+        settings.setdefault("apply_rope_fusion", True)
     if device.type == "cpu":
         settings.update(_CPU_ONLY)
     elif device.type == "cuda":
