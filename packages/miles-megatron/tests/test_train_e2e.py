@@ -1,6 +1,6 @@
 """`miles train train.backend=megatron` end to end on CPU with the tiny random Llama: the real
-engine, router, megatron backend (in the driver process, world of one), weight sync and a
-checkpoint, as the local executor starts them."""
+engine, router, megatron backend in trainer rank processes (one; or two at TP=2, the trainer-ranks
+handle of the loop), weight sync in check mode and a checkpoint, as the local executor starts them."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import pytest
 
 
 @pytest.mark.slow
-def test_train_with_the_megatron_backend(tiny_dense: Path, tmp_path: Path) -> None:
-    args = [
+@pytest.mark.parametrize("layout", [[], ["resources.trainer_ranks=2", "megatron.tensor_parallel=2"]], ids=["one-rank", "tp2"])
+def test_train_with_the_megatron_backend(tiny_dense: Path, tmp_path: Path, layout: list[str]) -> None:
+    args = [*layout, 
         f"model.name={tiny_dense}", f"run.output_dir={tmp_path}", "run.name=mg", "run.steps=2",
         "train.backend=megatron", "weights.check=true", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4",
         "rollout.max_new_tokens=12", "reward.name=f1", "data.options={digits: 1}",
@@ -34,3 +35,6 @@ def test_train_with_the_megatron_backend(tiny_dense: Path, tmp_path: Path) -> No
     assert [m["weights/version"] for m in metrics] == [1.0, 2.0]
     assert (run / "checkpoints" / "step_000002" / "miles-state.json").is_file()
     assert "run completed" in out.stderr
+    services = json.loads((run / "services.json").read_text())
+    ranks = 2 if layout else 1
+    assert [s["name"] for s in services if s["name"].startswith("trainer")] == [f"trainer-{r}" for r in range(ranks)]
