@@ -8,7 +8,9 @@
 #         micro-batch, as fsdp's run), with megatron.compile (the CUDA default: the head and every
 #         transformer layer through torch.compile); single-nolayers: layers eager (head and rotary
 #         embedding compiled); single-eager: nothing compiled; single-local: the local layers even
-#         where Transformer Engine imports (te.sh), to compare the two in one call; single-varlen:
+#         where Transformer Engine imports (te.sh), to compare the two in one call;
+#         fsdp-spread / single-spread: rows of varied length (uniform in [L/2, L], --length-spread
+#         0.5), as RL responses are: fsdp pads them or packs with a dense mask, megatron packs; single-varlen:
 #         one torch.nn.attention.varlen call per layer instead of SDPA per sequence; tp2 / cp2: megatron on
 #         two GPUs, 32K-token rows, TP=2 with
 #         sequence parallelism or CP=2. Megatron runs megatron-core's local layers with PyTorch
@@ -24,6 +26,8 @@ for variant in "$@"; do
   case $variant in
     fsdp) cmd=(miles bench train "${common[@]}" --micro-batch-tokens 16384 --sdpa-backends cudnn,flash --compile) ;;
     single) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384) ;;
+    fsdp-spread) cmd=(miles bench train "${common[@]}" --micro-batch-tokens 16384 --sdpa-backends cudnn,flash --compile --length-spread 0.5) ;;
+    single-spread) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --length-spread 0.5) ;;
     single-local) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option transformer_impl=local) ;;
     single-nolayers) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option compile_layers=false) ;;
     single-eager) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option compile=false) ;;

@@ -31,3 +31,33 @@ def test_rates_are_per_device_when_ranks_share_a_step() -> None:
     shared = _rates({"step_s": 2.0}, tokens=100, flops=8e12, peak_tflops=4.0, devices=2)
     assert shared["tokens_per_s"] == 50.0 and shared["tflops"] == pytest.approx(2.0) and shared["mfu"] == pytest.approx(0.5)
     assert _rates({"step_s": 2.0}, tokens=100, flops=8e12, peak_tflops=4.0)["mfu"] == pytest.approx(1.0)
+
+
+def test_length_spread_gives_varied_rows_and_counts_only_their_tokens() -> None:
+    from miles_fsdp.bench import make_batch, row_lengths_for
+
+    assert row_lengths_for(3, 64) == [64, 64, 64]
+    lengths = row_lengths_for(16, 64, 0.5)
+    assert lengths == row_lengths_for(16, 64, 0.5)  # deterministic
+    assert all(32 <= n <= 64 for n in lengths) and len(set(lengths)) > 1
+    batch = make_batch(16, 64, 100, lengths=lengths)
+    assert batch.attention_mask.sum(1).tolist() == lengths
+    assert (batch.loss_mask <= batch.attention_mask).all() and (batch.tokens[batch.attention_mask == 0] == 0).all()
+    with pytest.raises(ValueError, match="length spread"):
+        row_lengths_for(2, 64, 1.0)
+
+
+@pytest.mark.slow
+def test_bench_train_with_a_length_spread_reports_the_real_tokens() -> None:
+    from miles_fsdp.bench import FlopCounter, build_model, run_benchmark
+
+    report = run_benchmark(preset="tiny", seq_lens=[64], tokens_per_step=256, warmup=1, steps=1, device="cpu",
+                           gradient_checkpointing=False, options={"compile": False}, baseline=True, peak_tflops=1.0,
+                           length_spread=0.5)
+    (entry,) = report["results"]
+    lengths = entry["row_lengths"]
+    assert report["length_spread"] == 0.5 and len(lengths) == 4 and entry["tokens_per_step"] == sum(lengths) < 256
+    counter = FlopCounter.of(build_model("tiny", device="meta"))
+    for side in ("miles", "baseline"):
+        rates = entry[side]
+        assert rates["tflops"] * rates["step_s"] * 1e12 == pytest.approx(sum(counter.sequence(n) for n in lengths))

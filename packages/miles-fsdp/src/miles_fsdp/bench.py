@@ -77,17 +77,33 @@ def build_model(preset: str, seed: int = 0, device: torch.device | str = "cpu") 
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
 
 
-def make_batch(rows: int, length: int, vocab: int, seed: int = 0):
-    """``rows`` full sequences of ``length`` random tokens, every position after the first trained."""
+def row_lengths_for(rows: int, length: int, spread: float = 0.0, seed: int = 0) -> list[int]:
+    """Each row's real length: ``length``, or with ``spread`` > 0 drawn uniformly from
+    ``[(1 - spread) * length, length]`` (deterministic; RL responses are not all one length)."""
+    if not 0.0 <= spread < 1.0:
+        raise ValueError(f"length spread must be in [0, 1), got {spread}")
+    if spread == 0.0:
+        return [length] * rows
+    gen = torch.Generator().manual_seed(seed + 1)
+    shortest = max(2, int((1.0 - spread) * length))
+    return torch.randint(shortest, length + 1, (rows,), generator=gen).tolist()
+
+
+def make_batch(rows: int, length: int, vocab: int, seed: int = 0, lengths: list[int] | None = None):
+    """``rows`` sequences of random tokens, right-padded to ``length`` (each ``lengths[r]`` long,
+    default all full), every real position after the first trained."""
     from miles_contracts import TrainBatch
 
+    lengths = lengths or [length] * rows
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (rows, length), generator=gen)
-    loss_mask = torch.ones(rows, length)
+    attention = (torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]).long()
+    tokens = tokens * attention
+    loss_mask = attention.float()
     loss_mask[:, 0] = 0
     advantages = torch.where(torch.rand(rows, 1, generator=gen) > 0.5, 1.0, -1.0) * loss_mask
     return TrainBatch(
-        tokens=tokens, attention_mask=torch.ones(rows, length, dtype=torch.long), loss_mask=loss_mask,
+        tokens=tokens, attention_mask=attention, loss_mask=loss_mask,
         rollout_logprobs=torch.zeros(rows, length), rewards=torch.zeros(rows), group_ids=torch.zeros(rows, dtype=torch.long),
         rollout_ids=torch.arange(rows), advantages=advantages,
     )
@@ -236,8 +252,8 @@ def run_baseline(preset: str, batch, *, device: torch.device, gradient_checkpoin
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, **({"fused": True} if cuda else {"foreach": True}))
 
     def step() -> None:
-        for row in range(batch.size):
-            ids = batch.tokens[row : row + 1].to(device)
+        for row, n in enumerate(batch.attention_mask.sum(1).tolist()):
+            ids = batch.tokens[row : row + 1, :n].to(device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
                 loss = model(input_ids=ids, labels=ids, use_cache=False).loss / batch.size
             loss.backward()
@@ -260,7 +276,7 @@ def run_benchmark(
     *, preset: str, seq_lens: list[int], tokens_per_step: int, warmup: int, steps: int, device: str,
     gradient_checkpointing: bool, options: dict[str, Any], baseline: bool, peak_tflops: float | None,
     micro_batch_tokens: int | None = None, backend: str = "fsdp", section: str | None = None, work_dir: Any = None,
-    profile_dir: Path | None = None,
+    profile_dir: Path | None = None, length_spread: float = 0.0,
 ) -> dict[str, Any]:
     """Every sequence length: the backend's step and (optionally) the baseline; returns the JSON report.
 
@@ -292,6 +308,7 @@ def run_benchmark(
                          "tflops and mfu per device (the step's FLOPs / devices)",
         "gradient_checkpointing": gradient_checkpointing,
         "micro_batch_tokens": micro_batch_tokens or "seq_len (one row per micro-batch)",
+        "length_spread": length_spread,
         "backend": backend,
         f"{section or 'fsdp'}_options": options,
         "goal_mfu": 0.35,
@@ -299,9 +316,13 @@ def run_benchmark(
     }
     for length in seq_lens:
         rows = max(1, tokens_per_step // length)
-        batch = make_batch(rows, length, vocab)
-        flops = rows * counter.sequence(length)
-        entry: dict[str, Any] = {"seq_len": length, "rows": rows, "tokens_per_step": rows * length}
+        lengths = row_lengths_for(rows, length, length_spread)
+        batch = make_batch(rows, length, vocab, lengths=lengths)
+        flops = sum(counter.sequence(n) for n in lengths)
+        tokens = sum(lengths)
+        entry: dict[str, Any] = {"seq_len": length, "rows": rows, "tokens_per_step": tokens}
+        if length_spread:
+            entry["row_lengths"] = lengths
         budget = max(length, micro_batch_tokens or length)
         # under torchrun only rank 0 writes the profile
         profile_to = (profile_dir / f"profile-{backend}-L{length}.txt"
@@ -313,13 +334,13 @@ def run_benchmark(
             miles = run_registered(backend, preset, batch, device=device, options=options, section=section,
                                    gradient_checkpointing=gradient_checkpointing, micro_batch_tokens=budget,
                                    warmup=warmup, steps=steps, work_dir=work_dir, profile_to=profile_to)
-        entry["miles"] = _rates(miles, rows * length, flops, peak_tflops, devices)
+        entry["miles"] = _rates(miles, tokens, flops, peak_tflops, devices)
         if baseline:
             plain = run_baseline(preset, batch, device=dev, gradient_checkpointing=gradient_checkpointing,
                                  warmup=warmup, steps=steps)
             _free(dev)  # the baseline's model and optimizer died with its frame
             # the baseline is one process per GPU with the whole step (no sharing)
-            entry["baseline"] = _rates(plain, rows * length, flops, peak_tflops)
+            entry["baseline"] = _rates(plain, tokens, flops, peak_tflops)
             entry["speedup_vs_baseline"] = entry["baseline"]["step_s"] / entry["miles"]["step_s"]
         report["results"].append(entry)
     return report

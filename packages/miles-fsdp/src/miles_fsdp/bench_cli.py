@@ -14,6 +14,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiny", action="store_true", help="CPU-sized run: tiny model, 128/256-token sequences, 2 steps")
     p.add_argument("--seq-lens", default="4096,16384", help="comma-separated tokens per sequence")
     p.add_argument("--tokens-per-step", type=int, default=65536, help="tokens per optimiser step (rows = this / seq len)")
+    p.add_argument("--length-spread", type=float, default=0.0, metavar="F",
+                   help="rows of varied length, uniform in [(1 - F) * L, L] (RL-like; 0 = every row L tokens)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (allocator, autotuning, compile)")
     p.add_argument("--steps", type=int, default=4, help="timed steps")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -96,6 +98,8 @@ def _run(args: argparse.Namespace) -> int:
         raise MilesError(f"--seq-lens must be comma-separated integers, got {args.seq_lens!r}") from None
     if not seq_lens or min(seq_lens) < 2:
         raise MilesError("--seq-lens needs at least one length >= 2")
+    if not 0.0 <= args.length_spread < 1.0:
+        raise MilesError(f"--length-spread must be in [0, 1), got {args.length_spread}")
     fsdp = args.backend == "fsdp"
     report = run_benchmark(
         preset=args.model, seq_lens=seq_lens, tokens_per_step=args.tokens_per_step, warmup=args.warmup,
@@ -103,6 +107,7 @@ def _run(args: argparse.Namespace) -> int:
         options=_fsdp_options(args) if fsdp else _section_options(args), baseline=not args.no_baseline,
         peak_tflops=args.peak_tflops, micro_batch_tokens=args.micro_batch_tokens, backend=args.backend,
         section=None if fsdp else args.backend, work_dir=args.work_dir, profile_dir=args.profile,
+        length_spread=args.length_spread,
     )
     import os
 
