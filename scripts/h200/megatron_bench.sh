@@ -10,7 +10,9 @@
 #         embedding compiled); single-eager: nothing compiled; single-local: the local layers even
 #         where Transformer Engine imports (te.sh), to compare the two in one call;
 #         fsdp-spread / single-spread: rows of varied length (uniform in [L/2, L], --length-spread
-#         0.5), as RL responses are: fsdp pads them or packs with a dense mask, megatron packs; single-varlen:
+#         0.5), as RL responses are: fsdp pads them or packs with a dense mask, megatron packs;
+#         fsdp-short / single-short / single-short-varlen: 512-token rows, 32 to a micro-batch, where
+#         per-sequence attention calls are many and small (is varlen worth it there?); single-varlen:
 #         one torch.nn.attention.varlen call per layer instead of SDPA per sequence; tp2 / cp2: megatron on
 #         two GPUs, 32K-token rows, TP=2 with
 #         sequence parallelism or CP=2. Megatron runs megatron-core's local layers with PyTorch
@@ -31,6 +33,9 @@ for variant in "$@"; do
     single-local) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option transformer_impl=local) ;;
     single-nolayers) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option compile_layers=false) ;;
     single-eager) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option compile=false) ;;
+    fsdp-short) cmd=(miles bench train "${common[@]}" --seq-lens 512 --micro-batch-tokens 16384 --sdpa-backends cudnn,flash --compile) ;;
+    single-short) cmd=(miles bench train "${common[@]}" --backend megatron --seq-lens 512 --micro-batch-tokens 16384) ;;
+    single-short-varlen) cmd=(miles bench train "${common[@]}" --backend megatron --seq-lens 512 --micro-batch-tokens 16384 --option attention_kernel=varlen) ;;
     single-varlen) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option attention_kernel=varlen) ;;
     single-recompute) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option recompute=selective) ;;
     tp2) cmd=(torchrun --nproc_per_node=2 --master_port=29561 -m miles.cli.main bench train "${common[@]}" --backend megatron
