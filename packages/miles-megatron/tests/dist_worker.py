@@ -47,6 +47,8 @@ def _scenario(name: str, model_dir: Path, layout: dict, out: Path) -> dict:
     backend = MegatronBackend(config_for(model_dir, megatron={**layout, **exact}))
     batch = make_test_batch(model_dir)
     result["layers_read"] = backend.layers_read
+    result["compiled_layers"] = [getattr(layer, "_compiled_call_impl", None) is not None
+                                 for chunk in backend.actor.chunks for layer in chunk.decoder.layers]
     result["logprobs"], result["entropy"] = backend.compute_logprobs_and_entropy(batch)
     trainable = _trainable(batch, result["logprobs"])
     result["gradients"] = hf_gradients(backend, trainable)

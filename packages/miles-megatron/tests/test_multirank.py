@@ -64,6 +64,8 @@ def test_layout_matches_one_process(layout, ranks, tiny_dense, tiny_moe, backend
     model_dir = tiny_moe if layout == "ep2" else tiny_dense
     want = _one_process(model_dir, backend_factory)
     got = ranks[layout]
+    # the layers went through torch.compile in the compiled layout only (CPU default: eager)
+    assert all(set(r["compiled_layers"]) == {layout == "tp2-compiled"} for r in got)
     for r in got:  # every rank returns the full result
         torch.testing.assert_close(r["logprobs"], want["logprobs"], rtol=0, atol=2e-5)
         torch.testing.assert_close(r["entropy"], want["entropy"], rtol=0, atol=2e-5)

@@ -35,6 +35,9 @@ def test_train_with_the_megatron_backend(tiny_dense: Path, tmp_path: Path, layou
     assert [m["weights/version"] for m in metrics] == [1.0, 2.0]
     assert (run / "checkpoints" / "step_000002" / "miles-state.json").is_file()
     assert "run completed" in out.stderr
+    # the ranks split the model as asked (not, say, two data-parallel replicas)
+    trainer_state = json.loads((run / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    assert ("tp=2" if layout else "tp=1") in trainer_state["layout"]
     services = json.loads((run / "services.json").read_text())
     ranks = 2 if layout else 1
     assert [s["name"] for s in services if s["name"].startswith("trainer")] == [f"trainer-{r}" for r in range(ranks)]

@@ -149,17 +149,15 @@ class TorchAttention(MegatronModule):
         """Attention of every packed sequence to itself: ``[t, heads * d]``. Never traced by
         ``torch.compile`` (compiled layers run it eagerly): it cuts tensors by host sequence lengths,
         which a trace would specialise on, one recompilation per new set of lengths."""
+        cu = packed_seq_params.cu_seqlens_q_padded
+        cu = packed_seq_params.cu_seqlens_q if cu is None else cu
         bounds = getattr(packed_seq_params, "bounds", None)
         if bounds is None:
-            cu = packed_seq_params.cu_seqlens_q_padded
-            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
             bounds = cu.tolist()  # a device sync per layer: MicroInputs gives them from the host
         lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
         cp = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
         dropout = self.dropout if self.training else 0.0
         if self.varlen and cp == 1 and dropout == 0.0:
-            cu = packed_seq_params.cu_seqlens_q_padded
-            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
             out = _varlen_causal(query, key, value, cu, max(lengths), self.scale)
             return out.reshape(query.shape[0], -1)
         # [t, heads, d] -> [heads, t, d]: one sequence is then a slice along dim 1

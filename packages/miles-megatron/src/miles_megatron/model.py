@@ -32,9 +32,6 @@ _NO_FUSED_KERNELS: dict[str, Any] = {
 }
 # and on the CPU the jit-fused bias/activation/dropout paths too
 _CPU_ONLY: dict[str, Any] = {"bias_activation_fusion": False, "bias_dropout_fusion": False, "use_cpu_initialization": True}
-# on a GPU, megatron-core's own fused SwiGLU and bias-dropout-add (torch.compile'd functions, no
-# Transformer Engine needed). Not its GeGLU: that one is the tanh approximation of GELU, which would
-# silently change an exact-GELU model.
 
 _RECOMPUTE: dict[str, dict[str, Any]] = {
     "none": {},
@@ -87,6 +84,9 @@ def transformer_config(megatron_config: Mapping[str, Any], options: MegatronSect
     if device.type == "cpu":
         settings.update(_CPU_ONLY)
     elif device.type == "cuda":
+        # megatron-core's own fused SwiGLU and bias-dropout-add (torch.compile'd functions, no
+        # Transformer Engine needed). Not its GeGLU: that one is the tanh approximation of GELU,
+        # which would silently change an exact-GELU model.
         swiglu = settings.get("gated_linear_unit") and settings.get("activation_func") is torch.nn.functional.silu
         settings.setdefault("bias_activation_fusion", bool(swiglu))
         settings.setdefault("bias_dropout_fusion", True)
