@@ -23,7 +23,7 @@ source scripts/h200/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 common=(--warmup 2 --steps ${STEPS:-8} --no-baseline --work-dir /tmp/bench-models)
 python3 -c "import megatron.core, sys; print('megatron-core', megatron.core.__version__)" || { echo "megatron-core missing from /tmp/site: keep its wheel in .whl"; exit 1; }
-python3 -c "import transformer_engine" 2>/dev/null && echo "transformer engine: yes" || echo "transformer engine: no (local layers + PyTorch SDPA)"
+python3 -c "import transformer_engine.pytorch" 2>/dev/null && echo "transformer engine: yes" || echo "transformer engine: no (local layers + PyTorch SDPA)"
 for variant in "$@"; do
   case $variant in
     fsdp) cmd=(miles bench train "${common[@]}" --micro-batch-tokens 16384 --sdpa-backends cudnn,flash --compile) ;;

@@ -10,9 +10,9 @@
 #   carry [".te/1"]: bash scripts/h200/te.sh stage 1   (the same for 2 ... 5; seconds each)
 #   carry [".whl", ".te/build"]: bash scripts/h200/setup.sh >/dev/null && bash scripts/h200/te.sh install
 #     joins and checks the wheel, installs it and cuDNN frontend into /tmp/site, builds the
-#     extension into /tmp/site (or unpacks a build carried in .te/build/te-torch.tar.xz), imports
-#     transformer_engine.pytorch, and writes $OUT/te-torch.tar.xz: put it into .te/build/ to skip
-#     the build next time. Then `megatron_bench.sh single` runs with Transformer Engine
+#     extension (or unpacks a build carried in .te/build/te-torch.tar.xz) into the core wheel's
+#     wheel_lib, imports transformer_engine.pytorch, and writes $OUT/te-torch.tar.xz: put it into
+#     .te/build/ to skip the build next time. Then `megatron_bench.sh single` runs with Transformer Engine
 #     (transformer_impl: auto takes it when it imports; the JSON says "transformer_engine": true).
 set -euo pipefail
 STAGE=/tmp/testage
@@ -26,26 +26,47 @@ stage() {  # the parts carried in .te/N
 
 install() {
   read -r want wheel < .te/build/core.sha256
-  cat "$STAGE"/core.part.* > "$STAGE/$wheel"
-  got=$(sha256sum "$STAGE/$wheel" | cut -d' ' -f1)
-  [ "$want" = "$got" ] || { echo "wheel parts incomplete or corrupt: $(ls "$STAGE")"; return 1; }
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "$STAGE/$wheel" \
-    .te/build/nvidia_cudnn_frontend-*.whl
+  if [ ! -d /tmp/site/transformer_engine/wheel_lib ]; then
+    cat "$STAGE"/core.part.* > "$STAGE/$wheel"
+    got=$(sha256sum "$STAGE/$wheel" | cut -d' ' -f1)
+    [ "$want" = "$got" ] || { echo "wheel parts incomplete or corrupt: $(ls "$STAGE")"; return 1; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "$STAGE/$wheel" \
+      .te/build/nvidia_cudnn_frontend-*.whl
+  fi
   source scripts/h200/env.sh
-  if [ -f .te/build/te-torch.tar.xz ]; then
-    tar -xJf .te/build/te-torch.tar.xz -C /tmp/site
+  local lib=/tmp/site/transformer_engine/wheel_lib
+  if ls "$lib"/transformer_engine_torch*.so >/dev/null 2>&1; then
+    echo "extension already in place"
+  elif [ -f .te/build/te-torch.tar.xz ]; then
+    tar -xJf .te/build/te-torch.tar.xz -C "$lib"
   else
-    rm -rf /tmp/tebuild && mkdir -p /tmp/tebuild
-    tar -xzf .te/build/transformer_engine_torch-*.tar.gz -C /tmp/tebuild
-    local start=$SECONDS
-    # the extension compiles against the installed torch and the core library just installed
-    (cd /tmp/tebuild/transformer_engine_torch-* && NVTE_FRAMEWORK=pytorch MAX_JOBS=$(nproc) \
-      python3 -m pip install --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site .) \
-      > "$OUT/te-build.log" 2>&1 || { tail -40 "$OUT/te-build.log"; return 1; }
-    echo "extension built in $((SECONDS - start)) s"
-    (cd /tmp/site && tar -cJf "$OUT/te-torch.tar.xz" transformer_engine_torch*)
+    build "$lib" || return 1
   fi
   python3 -c "import transformer_engine, transformer_engine.pytorch as te; print('transformer engine', transformer_engine.__version__, te.Linear)"
+}
+
+# The torch extension is C++ only (a CppExtension: no nvcc), compiled against this machine's torch.
+# Built in place with ninja under /tmp/tebuild, so a build cut short by TE_BUILD_S resumes where it
+# stopped when `install` runs again within 30 s (the machine still warm). Only the .so is placed,
+# in the core wheel's wheel_lib: with no transformer_engine_torch dist-info, TE skips the check
+# that the (absent) transformer-engine metapackage has the same version.
+build() {
+  local lib=$1 src
+  [ -d /tmp/tebuild ] || { mkdir -p /tmp/tebuild && tar -xzf .te/build/transformer_engine_torch-*.tar.gz -C /tmp/tebuild; }
+  src=$(ls -d /tmp/tebuild/transformer_engine_torch-*)
+  # cudnn.h, nccl.h, cublasLt.h: from the CUDA toolkit or the nvidia-* wheels, wherever they are
+  CPATH=$(python3 -c "import glob, nvidia; print(':'.join(d for r in nvidia.__path__ for d in glob.glob(r + '/*/include') + glob.glob(r + '/*/*/include')))")
+  export CPATH NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS=90 MAX_JOBS=$(nproc)
+  local start=$SECONDS rc=0
+  (cd "$src" && timeout "${TE_BUILD_S:-480}" python3 setup.py build_ext --inplace) > "$OUT/te-build.log" 2>&1 || rc=$?
+  echo "build: exit $rc after $((SECONDS - start)) s"
+  if [ $rc -ne 0 ]; then
+    grep -m5 -iE "error|fatal" "$OUT/te-build.log"; tail -15 "$OUT/te-build.log"
+    [ $rc -eq 124 ] && echo "cut short: run te.sh install again within 30 s to resume"
+    return 1
+  fi
+  cp "$src"/transformer_engine_torch*.so "$lib/"
+  (cd "$lib" && tar -cJf "$OUT/te-torch.tar.xz" transformer_engine_torch*.so && ls -l "$OUT/te-torch.tar.xz")
 }
 
 case ${1:-} in

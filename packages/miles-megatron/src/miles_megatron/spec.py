@@ -31,9 +31,10 @@ _TE_TO_LOCAL = (("self_attention.linear_qkv.layer_norm_", "input_layernorm."), (
 
 
 def transformer_engine_available() -> bool:
+    """Transformer Engine with its PyTorch extension (the core package alone imports without it)."""
     try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, OSError, RuntimeError, AssertionError):  # what its loader raises when the extension is missing or mismatched
         return False
     return True
 
