@@ -9,6 +9,8 @@
 #         transformer layer through torch.compile); single-nolayers: layers eager (head and rotary
 #         embedding compiled); single-eager: nothing compiled; single-local: the local layers even
 #         where Transformer Engine imports (te.sh), to compare the two in one call;
+#         fsdp-big / single-big / single-local-big: one 65536-token micro-batch per step (a quarter
+#         of the layer calls: Transformer Engine's layers are host-bound at 4K rows);
 #         fsdp-spread / single-spread: rows of varied length (uniform in [L/2, L], --length-spread
 #         0.5), as RL responses are: fsdp pads them or packs with a dense mask, megatron packs;
 #         fsdp-short / single-short / single-short-varlen: 512-token rows, 32 to a micro-batch, where
@@ -30,6 +32,9 @@ for variant in "$@"; do
     single) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384) ;;
     fsdp-spread) cmd=(miles bench train "${common[@]}" --micro-batch-tokens 16384 --sdpa-backends cudnn,flash --compile --length-spread 0.5) ;;
     single-spread) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --length-spread 0.5) ;;
+    fsdp-big) cmd=(miles bench train "${common[@]}" --micro-batch-tokens 65536 --sdpa-backends cudnn,flash --compile) ;;
+    single-big) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 65536) ;;
+    single-local-big) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 65536 --option transformer_impl=local) ;;
     single-local) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option transformer_impl=local) ;;
     single-nolayers) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option compile_layers=false) ;;
     single-eager) cmd=(miles bench train "${common[@]}" --backend megatron --micro-batch-tokens 16384 --option compile=false) ;;

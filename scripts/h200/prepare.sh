@@ -61,22 +61,28 @@ for part in "${parts[@]}"; do
     te)
       # Transformer Engine 2.20.2 for CUDA 13 (the device's): the core wheel (264 MiB, over one
       # call's 64 MiB) in 55 MiB parts, one folder per call; the torch extension is source only
-      # (built there against the device's torch, te.sh install) and wants cuDNN frontend's headers
+      # (built there against the device's torch, te.sh install) and wants cuDNN frontend's headers;
+      # the transformer-engine metapackage only for its dist-info (TE's import checks it is there)
       TE=2.20.2
       tmp=$(mktemp -d)
       python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-        --platform manylinux_2_28_x86_64 "transformer-engine-cu13==$TE" "nvidia-cudnn-frontend>=1.29" -d "$tmp"
+        --platform manylinux_2_28_x86_64 "transformer-engine-cu13==$TE" "transformer-engine==$TE" \
+        "nvidia-cudnn-frontend>=1.29" -d "$tmp"
       # pip download would build the sdist's metadata (it needs torch): fetch the file itself
       index=https://pypi.org/pypi/transformer-engine-torch/json
       url=$(curl -fsS "$index" | python3 -c "import json, sys, urllib.parse as u; print(u.urljoin('$index', next(
         f['url'] for f in json.load(sys.stdin)['releases']['$TE'] if f['filename'].endswith('.tar.gz'))))")
       curl -fsSL -o "$tmp/transformer_engine_torch-$TE.tar.gz" "$url"
+      # a torch extension built on the device earlier (te.sh install wrote it to $OUT) is kept
+      [ -f .te/build/te-torch.tar.xz ] && mv .te/build/te-torch.tar.xz "$tmp/"
       rm -rf .te && mkdir -p .te/build
       core=$(cd "$tmp" && ls transformer_engine_cu13-*.whl)
       (cd "$tmp" && sha256sum "$core" > core.sha256 && split -b 55M -d -a 1 "$core" core.part.)
       n=0
       for piece in "$tmp"/core.part.*; do n=$((n + 1)); mkdir -p ".te/$n" && mv "$piece" ".te/$n/"; done
-      mv "$tmp/core.sha256" "$tmp"/nvidia_cudnn_frontend-*.whl "$tmp/transformer_engine_torch-$TE.tar.gz" .te/build/
+      mv "$tmp/core.sha256" "$tmp"/nvidia_cudnn_frontend-*.whl "$tmp/transformer_engine-$TE-py3-none-any.whl" \
+        "$tmp/transformer_engine_torch-$TE.tar.gz" .te/build/
+      [ -f "$tmp/te-torch.tar.xz" ] && mv "$tmp/te-torch.tar.xz" .te/build/
       rm -rf "$tmp"
       echo "te: core wheel in $n parts (.te/1 ... .te/$n), .te/build: $(ls .te/build | tr '\n' ' ')" ;;
     *) echo "unknown part $part (whl trl tokonly benchcfg gguf te)"; exit 2 ;;

@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# Transformer Engine on the device machine, for the megatron backend (issue 14; written
-# 2026-12-01, NOT YET RUN there: the first session that runs it should fix what breaks and say so
-# in README.md G). Its core wheel (264 MiB) is over one call's 64 MiB carry, so it travels in
-# parts like SGLang does; its PyTorch extension is source only and is built there, where nvcc,
-# CMake, ninja, pybind11 and cuDNN are (../../../.library/device/KINDS.md).
+# Transformer Engine on the device machine, for the megatron backend (issue 14; first run there
+# 2026-12-01: the extension built in 102 s, megatron's TE layers trained at once; numbers in
+# docs/benchmarks/train.md). Its core wheel (264 MiB) is over one call's 64 MiB carry, so it
+# travels in parts like SGLang does; its PyTorch extension is source only (C++, no nvcc needed)
+# and is built there against the device's torch (../../../.library/device/KINDS.md).
 #
 # Here, once:  bash scripts/h200/prepare.sh te        # .te/1 ... .te/5 (wheel parts), .te/build
 # Device, calls back to back (what /tmp holds is lost 30 s after a call ends):
 #   carry [".te/1"]: bash scripts/h200/te.sh stage 1   (the same for 2 ... 5; seconds each)
-#   carry [".whl", ".te/build"]: bash scripts/h200/setup.sh >/dev/null && bash scripts/h200/te.sh install
-#     joins and checks the wheel, installs it and cuDNN frontend into /tmp/site, builds the
-#     extension (or unpacks a build carried in .te/build/te-torch.tar.xz) into the core wheel's
-#     wheel_lib, imports transformer_engine.pytorch, and writes $OUT/te-torch.tar.xz: put it into
-#     .te/build/ to skip the build next time. Then `megatron_bench.sh single` runs with Transformer Engine
-#     (transformer_impl: auto takes it when it imports; the JSON says "transformer_engine": true).
+#   carry [".whl", ".tokonly", ".te/build"]:
+#     bash scripts/h200/setup.sh >/dev/null && bash scripts/h200/te.sh install && bash scripts/h200/megatron_bench.sh ...
+#     install joins and checks the wheel, installs it and cuDNN frontend into /tmp/site, places the
+#     metapackage's dist-info, builds the extension (or unpacks the build carried in
+#     .te/build/te-torch.tar.xz: 1.2 MB, for torch 2.11+cu130 / Python 3.12) into the core wheel's
+#     wheel_lib, imports transformer_engine.pytorch, and writes a fresh build to $OUT/te-torch.tar.xz
+#     (put it into .te/build/ to skip the build next time). megatron's transformer_impl: auto then
+#     takes Transformer Engine (the bench JSON says "transformer_engine": true).
 set -euo pipefail
 STAGE=/tmp/testage
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -33,6 +35,13 @@ install() {
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "$STAGE/$wheel" \
       .te/build/nvidia_cudnn_frontend-*.whl
   fi
+  # TE's import checks that the transformer-engine metapackage is installed at the core's version:
+  # its Python files are the core wheel's, so only its dist-info is placed
+  python3 - .te/build/transformer_engine-*-py3-none-any.whl <<'PY'
+import sys, zipfile
+wheel = zipfile.ZipFile(sys.argv[1])
+wheel.extractall("/tmp/site", [n for n in wheel.namelist() if ".dist-info/" in n])
+PY
   source scripts/h200/env.sh
   local lib=/tmp/site/transformer_engine/wheel_lib
   if ls "$lib"/transformer_engine_torch*.so >/dev/null 2>&1; then

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from dataclasses import replace
 
 import pytest
@@ -263,3 +264,42 @@ def test_a_cpu_model_on_a_host_with_a_gpu_is_a_clear_error(tiny_dense, backend_f
         backend_factory(tiny_dense)
     monkeypatch.undo()
     assert backend_factory(tiny_dense).actor is not None  # nothing was left half set up
+
+
+def test_sdpa_preference_picks_the_attention_kernels(tiny_dense, backend_factory) -> None:
+    """``megatron.sdpa_backends`` picks the local layers' attention kernels: math-only gives the
+    default's step, and a kernel this CPU lacks makes attention fail (so the preference is really
+    applied). The context is entered inside core attention's forward, so a recomputed forward holds
+    it too; recomputation itself cannot run here (megatron-core's checkpoint needs CUDA's RNG)."""
+    batch = make_test_batch(tiny_dense)
+    metrics = []
+    for options in ({}, {"sdpa_backends": ["math"]}):
+        backend = backend_factory(tiny_dense, megatron=options)
+        old = backend.compute_logprobs(batch)
+        advantages = torch.where(batch.loss_mask > 0, torch.ones_like(old), torch.zeros_like(old))
+        metrics.append(backend.train_step(replace(batch, advantages=advantages, old_logprobs=old, rollout_logprobs=old)))
+    for key in ("loss", "grad_norm"):
+        assert metrics[1][key] == pytest.approx(metrics[0][key], rel=1e-5), key
+
+    refused = backend_factory(tiny_dense, megatron={"sdpa_backends": ["cudnn"]})
+    with pytest.raises(RuntimeError, match="(?i)no (available kernel|viable backend)"):
+        refused.compute_logprobs(batch)
+
+
+def test_transformer_engine_without_its_torch_extension_counts_as_absent(tmp_path, monkeypatch) -> None:
+    """The core package imports without the PyTorch extension (built separately, scripts/h200/te.sh);
+    ``auto`` must then take the local layers, and an explicit ``transformer_engine`` say why not."""
+    from miles_megatron.spec import transformer_engine_available, use_transformer_engine
+
+    package = tmp_path / "transformer_engine"
+    (package / "pytorch").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    # what TE's loader does when the extension's .so is missing or its versions disagree
+    (package / "pytorch" / "__init__.py").write_text("raise AssertionError('Could not find `transformer-engine`.')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("transformer_engine", "transformer_engine.pytorch"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert not transformer_engine_available()
+    assert not use_transformer_engine("auto", torch.device("cuda"))
+    with pytest.raises(RuntimeError, match="does not import"):
+        use_transformer_engine("transformer_engine", torch.device("cuda"))

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from miles_algorithms.sdpa import sdpa_preference
 
 from miles_fsdp.checkpoint import TrainedModule, load_checkpoint, save_checkpoint
 from miles_fsdp.config import FSDPSection
@@ -33,7 +34,7 @@ from miles_fsdp.models import (
     resolve_precision,
 )
 from miles_fsdp.optim import LRMultiplier, build_optimizer, build_scheduler
-from miles_fsdp.passes import PassRunner, attention_pair_cost, sdpa_preference, sum_over_ranks
+from miles_fsdp.passes import PassRunner, attention_pair_cost, sum_over_ranks
 from miles_fsdp.weights import export_hf, gather_named_weights
 
 if TYPE_CHECKING:
@@ -113,7 +114,8 @@ class FSDPBackend:
             token_budget=train.micro_batch_tokens, chunk=self.options.logprob_chunk_size,
             temperature=self._temperature(), backend_name=NAME,
             compile_head=self.compiled if self.options.compile_head is None else self.options.compile_head,
-            attention=sdpa_preference(self.options.sdpa_backends), pair_cost=attention_pair_cost(self.hf_config),
+            attention=sdpa_preference(self.options.sdpa_backends, self.dist.device.type),
+            pair_cost=attention_pair_cost(self.hf_config),
         )
         self.optimizer_steps = 0
         self.skipped_steps = 0

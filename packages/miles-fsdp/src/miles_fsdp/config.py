@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from miles_algorithms.sdpa import SdpaBackend
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -44,10 +45,11 @@ class FSDPSection(BaseModel):
     compile_head: bool | None = Field(
         default=None, description="torch.compile the chunked log-prob head's per-chunk maths; null = same as compile",
     )
-    sdpa_backends: list[Literal["cudnn", "flash", "efficient", "math"]] | None = Field(
+    sdpa_backends: list[SdpaBackend] | None = Field(
         default=None,
         description="scaled-dot-product attention kernels in order of preference (e.g. [cudnn, flash]); "
-                    "null = PyTorch's own choice",
+                    "null = cudnn, flash, efficient, math on CUDA (PyTorch's own order is process-wide and "
+                    "moves with what is imported), PyTorch's own on CPU; [] = PyTorch's own",
     )
     fused_optimizer: bool | None = Field(default=None, description="fused AdamW; null = on for CUDA, off for CPU")
     critic_model: str | None = Field(default=None, description="critic initialisation; null = model.name")

@@ -14,8 +14,7 @@ for a micro-batch runs a dummy one and contributes zero.
 from __future__ import annotations
 
 import contextlib
-import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -84,25 +83,6 @@ def worth_packing(attention_mask: torch.Tensor, pair_cost: float = DEFAULT_PAIR_
     padded = rows * width * (1.0 + pair_cost * width)
     packed = n * (1.0 + pair_cost * n)
     return packed < (1.0 - PACKING_MIN_GAIN) * padded
-
-
-_SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
-
-
-def sdpa_preference(names: Sequence[str] | None) -> Callable[[], contextlib.AbstractContextManager]:
-    """A factory of contexts in which ``scaled_dot_product_attention`` tries ``names`` in that order.
-
-    The same context must hold in backward: activation checkpointing recomputes the forward there,
-    and a recompute that picked another kernel would save tensors of other shapes.
-    """
-    if not names:
-        return contextlib.nullcontext
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backends = [getattr(SDPBackend, _SDPA_BACKENDS[name]) for name in names]
-    if "set_priority" in inspect.signature(sdpa_kernel).parameters:
-        return lambda: sdpa_kernel(backends, set_priority=True)
-    return lambda: sdpa_kernel(backends)  # older torch: the set is restricted, the order is its own
 
 
 @dataclass(slots=True)

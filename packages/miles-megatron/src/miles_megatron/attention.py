@@ -14,6 +14,7 @@ end with a causal mask aligned to the bottom right: query ``i`` of chunk ``c`` s
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Any
@@ -132,6 +133,9 @@ class TorchAttention(MegatronModule):
         self.apply_rope: Any = None
         # megatron.attention_kernel: varlen (one kernel call per layer for all sequences)
         self.varlen = False
+        # the context PyTorch's attention runs in (megatron.sdpa_backends); set by build_chunks.
+        # Entered here, in forward, so a recomputed forward picks the same kernel as the first
+        self.sdpa: Any = contextlib.nullcontext
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
@@ -162,13 +166,14 @@ class TorchAttention(MegatronModule):
             return out.reshape(query.shape[0], -1)
         # [t, heads, d] -> [heads, t, d]: one sequence is then a slice along dim 1
         q, k, v = (x.transpose(0, 1) for x in (query, key, value))
-        if cp == 1:
-            # split, not slices: a slice's backward is a zero-filled full-size gradient per sequence
-            # (then summed), a split's is one concatenation
-            pieces = zip(*(x.split(lengths, dim=1) for x in (q, k, v)), strict=True)
-            out = [_attend(qs, ks, vs, self.scale, dropout) for qs, ks, vs in pieces]
-        else:
-            out = self._context_parallel(q, k, v, lengths, cp, dropout)
+        with self.sdpa():
+            if cp == 1:
+                # split, not slices: a slice's backward is a zero-filled full-size gradient per sequence
+                # (then summed), a split's is one concatenation
+                pieces = zip(*(x.split(lengths, dim=1) for x in (q, k, v)), strict=True)
+                out = [_attend(qs, ks, vs, self.scale, dropout) for qs, ks, vs in pieces]
+            else:
+                out = self._context_parallel(q, k, v, lengths, cp, dropout)
         # back to [t, heads, d] in one copy (each piece is a [heads, len, d] view of a [len, heads, d] output)
         return torch.cat([o.transpose(0, 1) for o in out], dim=0).reshape(query.shape[0], -1)
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 from miles.trainer.device import pick_device
+from miles_algorithms.sdpa import sdpa_preference
 
 from miles_megatron import checkpoint, parallel
 from miles_megatron.config import MegatronSection
@@ -126,9 +127,11 @@ class MegatronBackend:
         source = weight_source(self.bridge, self.hf_config, model_dir=self.model_dir, hf_state=hf_state)
         self.bridge_names = source.names
 
+
         def new_chunks() -> list[Any]:
             return build_chunks(megatron_config, tc, self.layout, padded, transformer_engine=self.transformer_engine,
-                                device=self.device, compiled=self.compiled, compile_layers=compile_layers, varlen=varlen)
+                                device=self.device, compiled=self.compiled, compile_layers=compile_layers, varlen=varlen,
+                                sdpa=sdpa_preference(self.options.sdpa_backends, self.device.type))
 
         chunks = new_chunks()
         shards = describe_shards(chunks, tc, self.bridge_names)

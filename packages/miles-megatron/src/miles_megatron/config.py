@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from miles_algorithms.sdpa import SdpaBackend
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
@@ -70,6 +71,12 @@ class MegatronSection(BaseModel):
                     "torch.nn.attention.varlen call per layer for all sequences (CUDA, torch >= 2.10; slower "
                     "than sdpa on the H200 at 4K-16K rows, docs/benchmarks/train.md); context parallelism and "
                     "dropout use sdpa",
+    )
+    sdpa_backends: list[SdpaBackend] | None = Field(
+        default=None,
+        description="local layers' PyTorch attention kernels in order of preference; null = cudnn, flash, efficient, "
+                    "math on CUDA, PyTorch's own on CPU; [] = PyTorch's own (its order moves: with Transformer "
+                    "Engine imported it ran flash-attention 2, 1.3x slower steps at 16K rows on the H200)",
     )
     skip_nonfinite_grads: bool = Field(
         default=True, description="skip an optimizer step whose gradient norm is NaN/inf (counted in metrics; the "

@@ -10,8 +10,9 @@ sharded) and then overwritten from the checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,13 +113,14 @@ def padded_vocab_size(vocab: int, options: MegatronSection, layout: Layout) -> i
 
 def build_chunks(megatron_config: Mapping[str, Any], config: Any, layout: Layout, padded_vocab: int, *,
                  transformer_engine: bool, device: torch.device, compiled: bool = False,
-                 compile_layers: bool = False, varlen: bool = False) -> list[Any]:
+                 compile_layers: bool = False, varlen: bool = False,
+                 sdpa: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> list[Any]:
     """This rank's ``GPTModel`` chunks (one per virtual stage), on ``device``, weights uninitialised.
 
     With the local layers, rotary embeddings move into core attention (:mod:`miles_megatron.rope`),
     through ``torch.compile`` when ``compiled``; ``compile_layers``: every dense transformer layer
     goes through ``torch.compile`` (its rotary embedding traced with it); ``varlen``: core attention
-    is one varlen call."""
+    is one varlen call; ``sdpa``: the context its PyTorch attention calls run in (kernel order)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -137,6 +139,7 @@ def build_chunks(megatron_config: Mapping[str, Any], config: Any, layout: Layout
             rope.defer(model, compiled=compiled)
             for layer in model.decoder.layers:
                 layer.self_attention.core_attention.varlen = varlen
+                layer.self_attention.core_attention.sdpa = sdpa
             if compile_layers:
                 _compile_layers(model)
         chunks.append(model.to(device))
