@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from miles.trainer.collectives import sum_over_ranks
 from miles_algorithms.sdpa import sdpa_preference
 
 from miles_fsdp.checkpoint import TrainedModule, load_checkpoint, save_checkpoint
@@ -34,7 +35,7 @@ from miles_fsdp.models import (
     resolve_precision,
 )
 from miles_fsdp.optim import LRMultiplier, build_optimizer, build_scheduler
-from miles_fsdp.passes import PassRunner, attention_pair_cost, sum_over_ranks
+from miles_fsdp.passes import PassRunner, attention_pair_cost
 from miles_fsdp.weights import export_hf, gather_named_weights
 
 if TYPE_CHECKING:
@@ -199,11 +200,11 @@ class FSDPBackend:
             shares, kept = self.runner.accumulate(
                 "train", self.actor, mini, actor_loss, with_entropy=with_entropy, keep_outputs=keep,
             )
-            metrics = sum_over_ranks(shares, self.dist) | self._apply(self.trained[0])
+            metrics = sum_over_ranks(shares) | self._apply(self.trained[0])
             kept = all_reduce_sum(kept) if kept is not None else None
             if self.critic is not None:
                 critic_shares, _ = self.runner.accumulate("critic_train", self.critic, mini, critic_loss)
-                critic_metrics = sum_over_ranks(critic_shares, self.dist) | self._apply(self.trained[1])
+                critic_metrics = sum_over_ranks(critic_shares) | self._apply(self.trained[1])
                 metrics |= {f"critic/{k}": v for k, v in critic_metrics.items()}
             return metrics, kept
 

@@ -194,17 +194,3 @@ class PassRunner:
                 global_rows = torch.as_tensor(rows, device=self.dist.device)[inputs.rows]
                 kept.index_put_((global_rows, inputs.cols), results[0].detach().float())
         return metrics, kept
-
-
-def sum_over_ranks(metrics: dict[str, float], dist_ctx: DistContext) -> dict[str, float]:
-    """Sum metric shares over ranks; ranks may have seen different keys (idle ranks see none)."""
-    import torch.distributed as dist
-
-    names: list[Any] = sorted(metrics)
-    if dist_ctx.world_size > 1:
-        gathered: list[list[str]] = [[] for _ in range(dist_ctx.world_size)]
-        dist.all_gather_object(gathered, names)
-        names = sorted({n for part in gathered for n in part})
-    values = torch.tensor([metrics.get(n, 0.0) for n in names], dtype=torch.float64)
-    all_reduce_sum(values)
-    return dict(zip(names, values.tolist(), strict=True))

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
+from miles.trainer.collectives import sum_over_ranks
 from miles.trainer.device import pick_device
 from miles_algorithms.sdpa import sdpa_preference
 
@@ -37,7 +38,7 @@ from miles_megatron.model import (
     transformer_config,
     wrap_and_optimize,
 )
-from miles_megatron.passes import PassRunner, sum_over_ranks
+from miles_megatron.passes import PassRunner
 from miles_megatron.spec import use_transformer_engine
 from miles_megatron.weights import WeightGather, describe_shards
 

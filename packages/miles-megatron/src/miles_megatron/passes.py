@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from miles_algorithms.planning import plan_micro_batches, row_lengths
 from miles_contracts import ForwardContext, TrainBatch
 
@@ -231,15 +230,3 @@ class PassRunner:
 
 def _empty_like(batch: TrainBatch) -> TrainBatch:
     return batch.select([])
-
-
-def sum_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
-    """Sum metric shares over all ranks; ranks may have seen different keys (most see none)."""
-    names: list[Any] = sorted(metrics)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
-        dist.all_gather_object(gathered, names)
-        names = sorted({n for part in gathered for n in part})
-    values = torch.tensor([metrics.get(n, 0.0) for n in names], dtype=torch.float64)
-    all_reduce(values)
-    return dict(zip(names, values.tolist(), strict=True))

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from miles.trainer.collectives import all_gather_json
 from miles_contracts.bridges import takes_partial
 
 from miles_megatron.spec import local_name
@@ -148,14 +149,11 @@ class WeightGather:
         self._plan: dict[str, list[tuple[int, int, tuple[int, ...], int | None, bool]]] | None = None
 
     def _exchange_plan(self) -> dict[str, list[tuple[int, int, tuple[int, ...], int | None, bool]]]:
-        rank = dist.get_rank()
-        mine = [(s.name, s.tp_rank, tuple(s.param.shape), s.dim, s.glu) for s in self.shards.values()]
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (rank, mine))
+        mine = [(s.name, s.tp_rank, list(s.param.shape), s.dim, s.glu) for s in self.shards.values()]
         plan: dict[str, list[tuple[int, int, tuple[int, ...], int | None, bool]]] = {}
-        for owner, entries in everyone:
+        for owner, entries in enumerate(all_gather_json(mine)):
             for name, tp_rank, shape, dim, glu in entries:
-                plan.setdefault(name, []).append((tp_rank, owner, shape, dim, glu))
+                plan.setdefault(name, []).append((tp_rank, owner, tuple(shape), dim, glu))
         missing = [n for n in self.order if n not in plan]
         if missing:
             raise RuntimeError(f"no rank holds {', '.join(missing[:8])}: the model does not cover the bridge's tensors")
