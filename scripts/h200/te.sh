@@ -57,8 +57,8 @@ PY
 # The torch extension is C++ only (a CppExtension: no nvcc), compiled against this machine's torch.
 # Built in place with ninja under /tmp/tebuild, so a build cut short by TE_BUILD_S resumes where it
 # stopped when `install` runs again within 30 s (the machine still warm). Only the .so is placed,
-# in the core wheel's wheel_lib: with no transformer_engine_torch dist-info, TE skips the check
-# that the (absent) transformer-engine metapackage has the same version.
+# in the core wheel's wheel_lib, where TE's loader looks: a transformer_engine_torch dist-info
+# would only add one more version check.
 build() {
   local lib=$1 src
   [ -d /tmp/tebuild ] || { mkdir -p /tmp/tebuild && tar -xzf .te/build/transformer_engine_torch-*.tar.gz -C /tmp/tebuild; }
