@@ -299,7 +299,13 @@ def test_transformer_engine_without_its_torch_extension_counts_as_absent(tmp_pat
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in ("transformer_engine", "transformer_engine.pytorch"):
         monkeypatch.delitem(sys.modules, name, raising=False)
-    assert not transformer_engine_available()
-    assert not use_transformer_engine("auto", torch.device("cuda"))
-    with pytest.raises(RuntimeError, match="does not import"):
-        use_transformer_engine("transformer_engine", torch.device("cuda"))
+    try:
+        assert not transformer_engine_available()
+        assert not use_transformer_engine("auto", torch.device("cuda"))
+        with pytest.raises(RuntimeError, match="does not import"):
+            use_transformer_engine("transformer_engine", torch.device("cuda"))
+    finally:
+        # the stand-in package must not outlive the test: megatron-core modules imported later
+        # would take it for Transformer Engine
+        for name in [n for n in sys.modules if n == "transformer_engine" or n.startswith("transformer_engine.")]:
+            del sys.modules[name]

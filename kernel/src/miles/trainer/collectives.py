@@ -61,10 +61,11 @@ def sum_over_ranks(metrics: dict[str, float], group: dist.ProcessGroup | None = 
     import torch.distributed as dist
 
     names = sorted(metrics)
-    if _world(group) > 1:
+    shared = _world(group) > 1
+    if shared:
         names = sorted({name for part in all_gather_json(names, group) for name in part})
     values = torch.tensor([metrics.get(name, 0.0) for name in names], dtype=torch.float64)
-    if _world(group) > 1:
+    if shared:
         values = values.to(_device(group))
         dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
     return dict(zip(names, values.tolist(), strict=True))

@@ -128,7 +128,6 @@ class MegatronBackend:
         source = weight_source(self.bridge, self.hf_config, model_dir=self.model_dir, hf_state=hf_state)
         self.bridge_names = source.names
 
-
         def new_chunks() -> list[Any]:
             return build_chunks(megatron_config, tc, self.layout, padded, transformer_engine=self.transformer_engine,
                                 device=self.device, compiled=self.compiled, compile_layers=compile_layers, varlen=varlen,
