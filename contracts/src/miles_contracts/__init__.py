@@ -6,7 +6,8 @@ Nothing here imports torch, transformers or an HTTP framework at import time.
 from miles_contracts.algorithm import AlgorithmParams
 from miles_contracts.batch import AdvantageResult, TrainBatch
 from miles_contracts.capture import CapturedPiece, CaptureError, CaptureSpec, EngineCapture, check_tiling
-from miles_contracts.cluster import Endpoint, Node, Service, ServiceLaunch
+from miles_contracts.cluster import Endpoint, Node, ServiceLaunch
+from miles_contracts.context import Process, RunContext
 from miles_contracts.moe import MoeLayerMap
 from miles_contracts.protocols import (
     AdvantageEstimator,
@@ -31,6 +32,25 @@ from miles_contracts.protocols import (
     WeightTransport,
 )
 from miles_contracts.sample import ExitReason, Sample, SampleError, Stash, StashKey, Status
+from miles_contracts.specs import (
+    AdvantageSpec,
+    AgentSpec,
+    CommandSpec,
+    ConfigSectionSpec,
+    CorrectionSpec,
+    DataSourceSpec,
+    ExecutorSpec,
+    FilterSpec,
+    GeneratorSpec,
+    PolicyLossSpec,
+    RewardSpec,
+    RouterMiddlewareSpec,
+    ServiceSpec,
+    ToolSpec,
+    TrackerSpec,
+    TrainBackendSpec,
+    WeightTransportSpec,
+)
 from miles_contracts.weights import TransferReport, WeightBucket, bucketize
 
 __version__ = "0.1.0"
@@ -38,44 +58,62 @@ __version__ = "0.1.0"
 __all__ = [
     "AdvantageEstimator",
     "AdvantageResult",
+    "AdvantageSpec",
     "AgentFn",
+    "AgentSpec",
     "AlgorithmParams",
     "CaptureError",
     "CaptureSpec",
     "CapturedPiece",
+    "CommandSpec",
+    "ConfigSectionSpec",
+    "CorrectionSpec",
     "DataSource",
+    "DataSourceSpec",
+    "Endpoint",
     "EngineCapture",
     "EngineClient",
     "EngineSpec",
-    "Endpoint",
     "Executor",
+    "ExecutorSpec",
     "ExitReason",
     "Filter",
+    "FilterSpec",
     "FilterVerdict",
     "ForwardContext",
     "GenerateContext",
     "Generator",
+    "GeneratorSpec",
     "ModelBridge",
     "MoeLayerMap",
     "Node",
+    "PolicyLossSpec",
+    "Process",
     "RewardFn",
+    "RewardSpec",
     "RouterMiddleware",
+    "RouterMiddlewareSpec",
     "RouterRequest",
     "RouterResponse",
+    "RunContext",
     "Sample",
     "SampleError",
-    "Service",
     "ServiceLaunch",
+    "ServiceSpec",
     "Stash",
     "StashKey",
     "Status",
     "Tool",
+    "ToolSpec",
     "Tracker",
+    "TrackerSpec",
     "TrainBackend",
+    "TrainBackendSpec",
     "TrainBatch",
     "TransferReport",
     "WeightBucket",
     "WeightTransport",
+    "WeightTransportSpec",
     "bucketize",
     "check_tiling",
 ]

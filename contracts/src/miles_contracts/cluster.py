@@ -2,8 +2,8 @@
 
 An executor (``local``, ``ray``) offers :class:`Node` s and starts processes on them; a package
 that provides a long-running server (an inference engine, the router, the session server)
-registers a :class:`Service` through ``miles_register_services`` saying how to start it and how to
-tell it is healthy. The kernel decides which services a run needs and where (placement), and asks
+registers a :class:`~miles_contracts.specs.ServiceSpec` through ``miles_register_services`` saying
+how to start it and how to tell it is healthy. The kernel decides which services a run needs and where (placement), and asks
 the executor to start them: no executor knows a package, no package knows an executor.
 """
 
@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from miles.config import MilesConfig
 
 ENGINE = "engine"
 """Role of inference engines: ``rollout.engine`` picks the service, ``resources`` places them."""
@@ -51,9 +54,15 @@ class Endpoint:
 
 @dataclass(frozen=True, slots=True)
 class ServiceLaunch:
-    """What one instance of a service is started with.
+    """What one instance of a service is started with (built by the driver, again on every restart).
 
-    :ivar config: the run's ``MilesConfig`` (a service reads its own sections from it).
+    A service process reads the run's settings from ``config_path`` (the run folder's resolved
+    ``config.yaml``; it loads the kernel for the run's ``plugins`` section from it), so argv
+    carries only what the launch decides: the endpoint, the resolved model, the upstream URLs.
+
+    :ivar config: the run's ``MilesConfig``, for what ``command`` itself decides (SGLang's flags,
+        whether the instance fits its GPUs).
+    :ivar config_path: the run's resolved config file, for the process (``--config``).
     :ivar model_path: local folder of the run's model.
     :ivar endpoint: host and port the process must listen on.
     :ivar upstream: base URLs of the services it may depend on, by role (``{"engine": [...]}``).
@@ -64,7 +73,8 @@ class ServiceLaunch:
         allowed to load from it); empty outside a run.
     """
 
-    config: Any
+    config: MilesConfig
+    config_path: str
     model_path: str
     endpoint: Endpoint
     upstream: Mapping[str, Sequence[str]] = field(default_factory=dict)
@@ -73,36 +83,4 @@ class ServiceLaunch:
     run_dir: str = ""
 
 
-@runtime_checkable
-class Service(Protocol):
-    """A long-running server a package provides, registered with ``miles_register_services``.
-
-    :cvar role: what it is to the run: ``engine`` (chosen by ``rollout.engine``, placed on GPUs by
-        ``resources``), ``router`` (always started, in front of the engines) or another role a
-        generator asks for through its ``services`` attribute (``session``): a registered generator
-        with ``services = ("session",)`` makes every run that uses it start the session service.
-    :cvar needs: roles whose URLs it must be given (started before it).
-    :cvar health_path: ``GET`` path that answers 200 once it serves (None: no health check).
-    :cvar config_sections: config sections it reads (listed in ``<run>/services.json``).
-    """
-
-    role: ClassVar[str]
-    needs: ClassVar[tuple[str, ...]]
-    health_path: ClassVar[str | None]
-    config_sections: ClassVar[tuple[str, ...]]
-
-    def command(self, launch: ServiceLaunch) -> list[str]:
-        """argv of the process that serves this instance on ``launch.endpoint``."""
-        ...
-
-
-class UpstreamAware(Protocol):
-    """Optional for a :class:`Service`: follow an upstream service that moved (an engine restarted
-    on another node) without a restart. Without it, the kernel restarts the service."""
-
-    def upstream_moved(self, url: str, role: str, old: str, new: str) -> None:
-        """Tell the instance at ``url`` that its ``role`` upstream ``old`` is now at ``new``."""
-        ...
-
-
-__all__ = ["ENGINE", "ROUTER", "SESSION", "Endpoint", "Node", "Service", "ServiceLaunch", "UpstreamAware"]
+__all__ = ["ENGINE", "ROUTER", "SESSION", "Endpoint", "Node", "ServiceLaunch"]

@@ -8,9 +8,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from miles_contracts.cluster import Endpoint, Node
+from miles_contracts.context import RunContext
 
 if TYPE_CHECKING:
     import torch
@@ -57,10 +58,10 @@ class AdvantageEstimator(Protocol):
     """Turns rewards (and optionally values / log-probs) into per-token advantages.
 
     Must leave advantages zero wherever ``batch.loss_mask`` is zero, and must not change them when
-    masked positions' inputs change.
+    masked positions' inputs change. What it needs and promises (a critic, zero-sum groups) is
+    declared in its :class:`~miles_contracts.specs.AdvantageSpec`; whitening and distillation are
+    applied after it by the kernel, for every estimator alike.
     """
-
-    needs_critic: ClassVar[bool]
 
     def __call__(self, batch: TrainBatch, params: AlgorithmParams) -> AdvantageResult: ...
 
@@ -82,13 +83,13 @@ class GenerateContext:
     :ivar tokenizer: the model's HF tokenizer.
     :ivar sampling_params: default sampling for this call (evaluation may differ from training).
     :ivar max_context_len: prompt + response budget in tokens.
+    :ivar run: the driver's :class:`~miles_contracts.context.RunContext` (its config and kernel:
+        registries of tools, agents, chat families).
     :ivar session_server_url: base URL of the session server, if one runs (agentic generator).
     :ivar evaluation: True when generating for evaluation.
     :ivar partial_rollout: when the engine aborts a generation (a weight update paused it), go on
         with the tokens already sampled: resubmit prompt + partial output with the remaining
         budget, recording each call's weight version (``run.mode: fully_async``).
-    :ivar resources: named objects a generator may need (tools, agents, chat family), keyed by
-        name; generators document what they look up.
     :ivar captures: engine captures every generate call of this rollout must carry (see
         :mod:`miles_contracts.capture`); empty for evaluation.
     """
@@ -97,9 +98,9 @@ class GenerateContext:
     tokenizer: Any
     sampling_params: SamplingParams
     max_context_len: int
+    run: RunContext
     session_server_url: str | None = None
     evaluation: bool = False
-    resources: dict[str, Any] = field(default_factory=dict)
     captures: Sequence[EngineCapture] = ()
     partial_rollout: bool = False
 

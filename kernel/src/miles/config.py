@@ -183,45 +183,31 @@ def _cross_section_errors(cfg: MilesConfig, kernel: Kernel) -> list[str]:
     if cfg.algorithm.kl_coef > 0 and not cfg.train.use_reference:
         errors.append("algorithm.kl_coef > 0 needs a reference model: set train.use_reference: true")
     if cfg.algorithm.advantage in kernel.advantages():
-        estimator = kernel.advantages().get(cfg.algorithm.advantage)
-        if getattr(estimator, "needs_critic", False) and not cfg.train.use_critic:
+        advantage = kernel.advantages().get(cfg.algorithm.advantage)
+        if advantage.needs_critic and not cfg.train.use_critic:
             errors.append(
                 f"algorithm.advantage {cfg.algorithm.advantage!r} needs a critic: set train.use_critic: true"
             )
+        if advantage.policy_loss is not None and cfg.train.policy_loss != advantage.policy_loss:
+            errors.append(
+                f"algorithm.advantage {cfg.algorithm.advantage!r} needs train.policy_loss: {advantage.policy_loss}, got "
+                f"{cfg.train.policy_loss!r}"
+            )
     if cfg.algorithm.opd_coef > 0 and cfg.train.teacher_model is None:
         errors.append("algorithm.opd_coef > 0 needs a teacher: set train.teacher_model to a model name or folder")
-    if cfg.rollout.generator == "agentic" and cfg.rollout.agent is None:
-        errors.append("rollout.generator 'agentic' needs rollout.agent: the name of a registered agent")
-    errors += _async_errors(cfg)
+    generators = kernel.generators()
+    if cfg.rollout.generator in generators and generators.get(cfg.rollout.generator).needs_agent \
+            and cfg.rollout.agent is None:
+        errors.append(f"rollout.generator {cfg.rollout.generator!r} needs rollout.agent: the name of a registered agent")
+    from miles.loop.modes import loop_mode
+
+    errors += loop_mode(cfg).config_errors(cfg)
     errors += _engine_errors(cfg, kernel)
     if cfg.rollout.max_new_tokens >= cfg.rollout.max_context_len:
         errors.append(
             f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) must be below rollout.max_context_len "
             f"({cfg.rollout.max_context_len}) to leave room for the prompt"
         )
-    return errors
-
-
-def _async_errors(cfg: MilesConfig) -> list[str]:
-    """Settings that only fully_async reads must not be set (and silently ignored) in other modes."""
-    errors = []
-    if cfg.run.mode == "fully_async":
-        if cfg.rollout.concurrency < cfg.rollout.samples_per_prompt:
-            errors.append(f"rollout.concurrency ({cfg.rollout.concurrency}) must be at least rollout.samples_per_prompt "
-                          f"({cfg.rollout.samples_per_prompt}) in fully_async mode: a group's samples are in flight together")
-        if cfg.algorithm.correction == "none":
-            errors.append("run.mode fully_async trains on tokens sampled by older weights: set algorithm.correction to "
-                          "tis or mis so the loss weighs them by how far the trainer has moved (none ignores it)")
-        if cfg.run.deterministic:
-            errors.append("run.deterministic cannot hold in run.mode fully_async: which weights sample a token, and "
-                          "which groups make a batch, depend on timing; use sync or one_step_off for reproducible runs")
-        return errors
-    if cfg.weights.update_interval != 1:
-        errors.append(f"weights.update_interval ({cfg.weights.update_interval}) applies to run.mode fully_async only; "
-                      f"run.mode is {cfg.run.mode!r}")
-    if cfg.rollout.max_staleness is not None:
-        errors.append(f"rollout.max_staleness applies to run.mode fully_async only (sync has none, one_step_off one "
-                      f"version by construction); run.mode is {cfg.run.mode!r}")
     return errors
 
 
@@ -232,10 +218,10 @@ def _engine_errors(cfg: MilesConfig, kernel: Kernel) -> list[str]:
     services = kernel.services()
     if cfg.rollout.engine not in services:
         return []
-    role = getattr(services.get(cfg.rollout.engine), "role", None)
+    role = services.get(cfg.rollout.engine).role
     if role == ENGINE:
         return []
-    engines = [e.name for e in services.entries() if getattr(e.obj, "role", None) == ENGINE]
+    engines = [e.name for e in services.entries() if e.obj.role == ENGINE]
     return [f"rollout.engine: {cfg.rollout.engine!r} is a {role} service, not an engine; "
             f"engines: {', '.join(engines) or 'none installed (pip install miles-engine)'}"]
 
@@ -265,7 +251,7 @@ def build_config(data: Mapping[str, Any], *, source: str | None = None, kernel: 
         raise ConfigError(_format_pydantic("plugins", exc), source=source) from None
     if kernel is None:
         kernel = Kernel.load(PluginSelection.from_settings(plugins.enable, plugins.disable))
-    extra_models = {e.name: e.obj for e in kernel.config_sections().entries()}
+    extra_models = {e.name: e.obj.model for e in kernel.config_sections().entries()}
     clashes = sorted(set(extra_models) & set(CORE_SECTIONS))
     if clashes:
         errors += [f"{name}: a plugin registered a section that the kernel owns" for name in clashes]

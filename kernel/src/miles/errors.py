@@ -19,3 +19,10 @@ class ConfigError(MilesError):
         where = f" in {source}" if source else ""
         lines = "\n".join(f"  - {e}" for e in self.errors)
         super().__init__(f"found {len(self.errors)} error(s){where}:\n{lines}")
+
+
+class MilesDeprecationWarning(DeprecationWarning):
+    """A plugin uses an API that goes away in a later release (the message names the replacement).
+
+    The ``miles`` CLI shows these (Python hides plain ``DeprecationWarning`` outside ``__main__``).
+    """

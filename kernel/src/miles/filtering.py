@@ -49,7 +49,7 @@ def apply_filters(groups: Sequence[Group], names: Sequence[str], kernel: Kernel)
         (a filter bug stops the run rather than silently dropping or keeping groups).
     """
     registry = kernel.filters()
-    filters = [(name, registry.get(name)) for name in names]
+    filters = [(name, registry.get(name).check) for name in names]
     kept: list[Group] = []
     drops: Counter[str] = Counter()
     for index, group in enumerate(groups):

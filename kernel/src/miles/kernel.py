@@ -7,55 +7,68 @@ the first time a kind is asked for.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from miles.errors import PluginError
+from miles.errors import MilesDeprecationWarning, PluginError
+from miles.kinds import (
+    ADVANTAGE,
+    AGENT,
+    CHAT_FAMILY,
+    COMMAND,
+    CONFIG_SECTION,
+    DATA_SOURCE,
+    EXECUTOR,
+    FILTER,
+    GENERATOR,
+    KINDS,
+    MISMATCH_CORRECTION,
+    POLICY_LOSS,
+    REWARD,
+    ROUTER_MIDDLEWARE,
+    SERVICE,
+    TOOL,
+    TRACKER,
+    TRAIN_BACKEND,
+    WEIGHT_TRANSPORT,
+    Kind,
+)
+from miles.legacy import LEGACY_ATTRIBUTES
 from miles.plugins import LoadedPlugins, PluginInfo, PluginSelection, load_plugins
 from miles.registry import Entry, Registry
 
 if TYPE_CHECKING:
     from miles_contracts import (
-        AdvantageEstimator,
-        AgentFn,
+        AdvantageSpec,
+        AgentSpec,
+        CommandSpec,
+        ConfigSectionSpec,
+        CorrectionSpec,
+        DataSourceSpec,
         EngineCapture,
-        Filter,
+        ExecutorSpec,
+        FilterSpec,
         ForwardContext,
-        Generator,
+        GeneratorSpec,
         ModelBridge,
-        RewardFn,
-        Service,
-        Tool,
+        PolicyLossSpec,
+        RewardSpec,
+        RouterMiddlewareSpec,
+        RunContext,
+        ServiceSpec,
+        ToolSpec,
+        TrackerSpec,
+        TrainBackendSpec,
+        WeightTransportSpec,
     )
-    from pydantic import BaseModel
+    from miles_contracts.chat import ChatFamily
 
-    from miles.cli.command import Command
     from miles.config import MilesConfig
 
 T = TypeVar("T")
-
-# kind -> (hook name, human name used in messages)
-KINDS: dict[str, tuple[str, str]] = {
-    "generator": ("miles_register_generators", "generator"),
-    "tool": ("miles_register_tools", "tool"),
-    "agent": ("miles_register_agents", "agent"),
-    "data_source": ("miles_register_data_sources", "data source"),
-    "reward": ("miles_register_rewards", "reward"),
-    "filter": ("miles_register_filters", "filter"),
-    "advantage": ("miles_register_advantages", "advantage estimator"),
-    "policy_loss": ("miles_register_policy_losses", "policy loss"),
-    "mismatch_correction": ("miles_register_mismatch_corrections", "mismatch correction"),
-    "chat_family": ("miles_register_chat_families", "chat family"),
-    "train_backend": ("miles_register_train_backends", "train backend"),
-    "weight_transport": ("miles_register_weight_transports", "weight transport"),
-    "service": ("miles_register_services", "service"),
-    "router_middleware": ("miles_register_router_middlewares", "router middleware"),
-    "executor": ("miles_register_executors", "executor"),
-    "tracker": ("miles_register_trackers", "tracker"),
-    "config_section": ("miles_register_config_sections", "config section"),
-    "command": ("miles_register_commands", "command"),
-}
+S = TypeVar("S")
 
 _KERNELS: dict[PluginSelection, Kernel] = {}
 
@@ -74,7 +87,12 @@ class Kernel:
 
     @classmethod
     def load(cls, selection: PluginSelection | None = None) -> Kernel:
-        """The kernel for ``selection`` (default: env only), loaded once per process."""
+        """The kernel for ``selection`` (default: env only), loaded once per process.
+
+        For entry points of a process (``miles train``, a trainer rank, a service's ``main``),
+        which then hand the kernel on in a :class:`~miles_contracts.RunContext`; plugins use the
+        context they are given, never this.
+        """
         selection = selection or PluginSelection.from_settings(None, ())
         kernel = _KERNELS.get(selection)
         if kernel is None:
@@ -112,23 +130,27 @@ class Kernel:
     # ------------------------------------------------------------------ registries
 
     def registry(self, kind: str) -> Registry[Any]:
+        """The registry of ``kind`` by its name (config validation checks names this way)."""
         if kind not in KINDS:
             raise KeyError(f"unknown registry kind {kind!r}; kinds: {', '.join(KINDS)}")
-        registry = self._registries.get(kind)
+        return self._typed(KINDS[kind])
+
+    def _typed(self, kind: Kind[S]) -> Registry[S]:
+        registry = self._registries.get(kind.name)
         if registry is None:
-            registry = self._registries[kind] = self._collect(kind)
+            registry = self._registries[kind.name] = self._collect(kind)
         return registry
 
-    def _collect(self, kind: str) -> Registry[Any]:
-        hook_name, human = KINDS[kind]
-        registry: Registry[Any] = Registry(human, hook_name)
-        caller = getattr(self._pm.hook, hook_name)
+    def _collect(self, kind: Kind[S]) -> Registry[S]:
+        registry: Registry[S] = Registry(kind.human, kind.hook, kind.provides)
+        caller = getattr(self._pm.hook, kind.hook)
         for impl in caller.get_hookimpls():  # registration order
             plugin_name = impl.plugin_name
             dist, version = self._loaded.distribution_of(plugin_name)
 
-            def register(name: str, obj: Any, _p: str = plugin_name, _d: str | None = dist, _v: str | None = version) -> None:
-                registry.add(Entry(name, obj, _p, _d, _v))
+            def register(name: str, spec: Any, _p: str = plugin_name, _d: str | None = dist,
+                         _v: str | None = version) -> None:
+                registry.add(Entry(name, self._as_spec(kind, name, spec, _p), _p, _d, _v))
 
             kwargs = {"register": register}
             try:
@@ -137,63 +159,86 @@ class Kernel:
                 raise
             except Exception as exc:
                 raise PluginError(
-                    f"plugin {plugin_name!r} ({dist} {version}) failed in {hook_name}: {type(exc).__name__}: {exc}"
+                    f"plugin {plugin_name!r} ({dist} {version}) failed in {kind.hook}: {type(exc).__name__}: {exc}"
                 ) from exc
         return registry
 
-    def generators(self) -> Registry[Generator]:
-        return self.registry("generator")
+    @staticmethod
+    def _as_spec(kind: Kind[S], name: str, obj: Any, plugin: str) -> S:
+        """``obj`` if it is the kind's spec; a bare object of the old style adapted (with a
+        deprecation warning); anything else an error naming the spec."""
+        if isinstance(obj, kind.spec):
+            return obj
+        spec_name = kind.spec.__name__
+        if kind.adapt is None:
+            raise PluginError(f"plugin {plugin!r} registered {kind.human} {name!r} as a {type(obj).__name__}; "
+                              f"register a miles_contracts {spec_name}")
+        try:
+            spec = kind.adapt(obj)
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise PluginError(f"plugin {plugin!r} registered {kind.human} {name!r} as a {type(obj).__name__}, "
+                              f"not a {spec_name}, and it cannot be adapted ({exc}); register "
+                              f"miles_contracts.{spec_name}(...)") from None
+        carried = LEGACY_ATTRIBUTES.get(kind.name)
+        declared = f" (its attributes {', '.join(carried)} become spec fields)" if carried else ""
+        warnings.warn(f"plugin {plugin!r} registered {kind.human} {name!r} as a bare {type(obj).__name__}; register "
+                      f"miles_contracts.{spec_name}(...) instead{declared}. Bare objects are adapted until Miles 0.3.",
+                      MilesDeprecationWarning, stacklevel=3)
+        return spec
 
-    def tools(self) -> Registry[Tool]:
-        return self.registry("tool")
+    def generators(self) -> Registry[GeneratorSpec]:
+        return self._typed(GENERATOR)
 
-    def agents(self) -> Registry[AgentFn]:
-        return self.registry("agent")
+    def tools(self) -> Registry[ToolSpec]:
+        return self._typed(TOOL)
 
-    def data_sources(self) -> Registry[Callable[..., Any]]:
-        return self.registry("data_source")
+    def agents(self) -> Registry[AgentSpec]:
+        return self._typed(AGENT)
 
-    def rewards(self) -> Registry[RewardFn]:
-        return self.registry("reward")
+    def data_sources(self) -> Registry[DataSourceSpec]:
+        return self._typed(DATA_SOURCE)
 
-    def filters(self) -> Registry[Filter]:
-        return self.registry("filter")
+    def rewards(self) -> Registry[RewardSpec]:
+        return self._typed(REWARD)
 
-    def advantages(self) -> Registry[AdvantageEstimator]:
-        return self.registry("advantage")
+    def filters(self) -> Registry[FilterSpec]:
+        return self._typed(FILTER)
 
-    def policy_losses(self) -> Registry[Callable[..., Any]]:
-        return self.registry("policy_loss")
+    def advantages(self) -> Registry[AdvantageSpec]:
+        return self._typed(ADVANTAGE)
 
-    def mismatch_corrections(self) -> Registry[Callable[..., Any]]:
-        return self.registry("mismatch_correction")
+    def policy_losses(self) -> Registry[PolicyLossSpec]:
+        return self._typed(POLICY_LOSS)
 
-    def chat_families(self) -> Registry[Any]:
-        return self.registry("chat_family")
+    def mismatch_corrections(self) -> Registry[CorrectionSpec]:
+        return self._typed(MISMATCH_CORRECTION)
 
-    def train_backends(self) -> Registry[Callable[..., Any]]:
-        return self.registry("train_backend")
+    def chat_families(self) -> Registry[ChatFamily]:
+        return self._typed(CHAT_FAMILY)
 
-    def weight_transports(self) -> Registry[Callable[..., Any]]:
-        return self.registry("weight_transport")
+    def train_backends(self) -> Registry[TrainBackendSpec]:
+        return self._typed(TRAIN_BACKEND)
 
-    def services(self) -> Registry[Service]:
-        return self.registry("service")
+    def weight_transports(self) -> Registry[WeightTransportSpec]:
+        return self._typed(WEIGHT_TRANSPORT)
 
-    def router_middlewares(self) -> Registry[Callable[..., Any]]:
-        return self.registry("router_middleware")
+    def services(self) -> Registry[ServiceSpec]:
+        return self._typed(SERVICE)
 
-    def executors(self) -> Registry[Callable[..., Any]]:
-        return self.registry("executor")
+    def router_middlewares(self) -> Registry[RouterMiddlewareSpec]:
+        return self._typed(ROUTER_MIDDLEWARE)
 
-    def trackers(self) -> Registry[Callable[..., Any]]:
-        return self.registry("tracker")
+    def executors(self) -> Registry[ExecutorSpec]:
+        return self._typed(EXECUTOR)
 
-    def config_sections(self) -> Registry[type[BaseModel]]:
-        return self.registry("config_section")
+    def trackers(self) -> Registry[TrackerSpec]:
+        return self._typed(TRACKER)
 
-    def commands(self) -> Registry[Command]:
-        return self.registry("command")
+    def config_sections(self) -> Registry[ConfigSectionSpec]:
+        return self._typed(CONFIG_SECTION)
+
+    def commands(self) -> Registry[CommandSpec]:
+        return self._typed(COMMAND)
 
     # ------------------------------------------------------------------ claims
 
@@ -230,9 +275,10 @@ class Kernel:
 
     # ------------------------------------------------------------------ rollout captures
 
-    def engine_captures(self, config: MilesConfig) -> list[EngineCapture]:
-        """Every plugin's engine captures for ``config`` (see ``miles_engine_captures``)."""
-        captures = [c for answer in self._pm.hook.miles_engine_captures(config=config) for c in answer or ()]
+    def engine_captures(self, ctx: RunContext) -> list[EngineCapture]:
+        """Every plugin's engine captures for the run of ``ctx`` (see ``miles_engine_captures``)."""
+        answers = self._pm.hook.miles_engine_captures(config=ctx.config, ctx=ctx)
+        captures = [c for answer in answers for c in answer or ()]
         names = [c.spec.name for c in captures]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
@@ -259,8 +305,9 @@ class Kernel:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def configure(self, config: MilesConfig) -> None:
-        self._pm.hook.miles_configure.call_historic(kwargs={"config": config})
+    def configure(self, ctx: RunContext) -> None:
+        """``miles_configure`` in this process (``ctx.process``), once its config is loaded."""
+        self._pm.hook.miles_configure.call_historic(kwargs={"config": ctx.config, "ctx": ctx})
 
     def run_start(self, config: MilesConfig, run_dir: Path) -> None:
         self._pm.hook.miles_run_start(config=config, run_dir=run_dir)

@@ -1,21 +1,30 @@
 """Name-keyed registries filled by the ``miles_register_<kind>(register)`` hooks.
 
-Each entry remembers which plugin and distribution registered it, so errors can name both.
+Each registry holds the specs of one kind (``Registry[GeneratorSpec]`` ...); each entry remembers
+which plugin and distribution registered it, so errors can name both.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from miles.errors import PluginError
 
 T = TypeVar("T")
+S_contra = TypeVar("S_contra", contravariant=True)
 
-Register = Callable[[str, Any], None]
-"""``register(name, obj)``: what a ``miles_register_<kind>`` hook implementation receives."""
+
+class Register(Protocol[S_contra]):
+    """``register(name, spec)``: what a ``miles_register_<kind>`` hook implementation receives.
+
+    ``Register[GeneratorSpec]`` takes a :class:`~miles_contracts.GeneratorSpec`; the hook's
+    docstring names the spec of its kind.
+    """
+
+    def __call__(self, name: str, spec: S_contra, /) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +34,11 @@ class Entry(Generic[T]):
     plugin: str
     distribution: str | None
     version: str | None
+
+    @property
+    def spec(self) -> T:
+        """What the plugin registered (the same as ``obj``)."""
+        return self.obj
 
     @property
     def origin(self) -> str:
@@ -38,11 +52,16 @@ class UnknownNameError(PluginError, LookupError):
 
 
 class Registry(Generic[T]):
-    """Implementations of one kind (``advantage``, ``reward`` ...) by name."""
+    """Specs of one kind (``advantage``, ``reward`` ...) by name.
 
-    def __init__(self, kind: str, hook: str) -> None:
+    :param provides: what to install when nothing is registered (a hint such as
+        ``pip install miles-engine``).
+    """
+
+    def __init__(self, kind: str, hook: str, provides: str = "") -> None:
         self.kind = kind
         self.hook = hook
+        self.provides = provides
         self._entries: dict[str, Entry[T]] = {}
 
     def add(self, entry: Entry[T]) -> None:
@@ -58,6 +77,7 @@ class Registry(Generic[T]):
         self._entries[entry.name] = entry
 
     def get(self, name: str) -> T:
+        """The spec registered as ``name`` (an error listing the registered names otherwise)."""
         return self.entry(name).obj
 
     def entry(self, name: str) -> Entry[T]:
@@ -68,10 +88,8 @@ class Registry(Generic[T]):
 
     def unknown_message(self, name: str) -> str:
         if not self._entries:
-            return (
-                f"unknown {self.kind} {name!r}: no {self.kind} is registered "
-                f"(no loaded plugin implements {self.hook}); install a package that provides one"
-            )
+            install = f"; {self.provides}" if self.provides else "; install a package that provides one"
+            return f"unknown {self.kind} {name!r}: no {self.kind} is registered (no loaded plugin implements {self.hook}){install}"
         close = difflib.get_close_matches(name, list(self._entries), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         return f"unknown {self.kind} {name!r}; registered: {self.describe()}.{hint}"
@@ -84,6 +102,9 @@ class Registry(Generic[T]):
 
     def entries(self) -> list[Entry[T]]:
         return list(self._entries.values())
+
+    def specs(self) -> list[T]:
+        return [e.obj for e in self._entries.values()]
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries

@@ -6,6 +6,7 @@ from typing import Any
 
 from miles import hookimpl
 from miles.registry import Register
+from miles_contracts import AgentSpec
 
 
 async def _run_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any], metadata: dict[str, Any]) -> dict[str, Any] | None:
@@ -15,5 +16,5 @@ async def _run_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
 
 
 @hookimpl
-def miles_register_agents(register: Register) -> None:
-    register("calculator_agent", _run_agent)
+def miles_register_agents(register: Register[AgentSpec]) -> None:
+    register("calculator_agent", AgentSpec(_run_agent))

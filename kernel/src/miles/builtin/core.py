@@ -6,13 +6,14 @@ import argparse
 import json
 from pathlib import Path
 
-from miles.cli.command import Command
+from miles_contracts import CommandSpec, RunContext
+
 from miles.cli.config_args import add_config_arguments, split_config_args
 from miles.hookspecs import hookimpl
 from miles.registry import Register
 
 
-def _plugins(args: argparse.Namespace) -> int:
+def _plugins(args: argparse.Namespace, ctx: RunContext) -> int:
     from miles.config import PluginsSection, read_yaml
     from miles.kernel import Kernel
     from miles.plugins import PluginSelection
@@ -22,7 +23,7 @@ def _plugins(args: argparse.Namespace) -> int:
         raw = read_yaml(Path(args.config)).get("plugins") or {}
         settings = PluginsSection.model_validate(raw)
         selection = PluginSelection.from_settings(settings.enable, settings.disable)
-    infos = Kernel.load(selection).plugins()
+    infos = (Kernel.load(selection) if selection is not None else ctx.kernel).plugins()
     if args.json:
         print(json.dumps([
             {"name": i.name, "distribution": i.distribution, "version": i.version, "module": i.module,
@@ -56,7 +57,7 @@ Validate a config and print it fully resolved (defaults included). Takes the sam
 """
 
 
-def _config_show(args: argparse.Namespace) -> int:
+def _config_show(args: argparse.Namespace, ctx: RunContext) -> int:
     from miles.config import load_config
 
     config_path, overrides = split_config_args(args.items)
@@ -71,12 +72,12 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 @hookimpl
-def miles_register_commands(register: Register) -> None:
-    register("plugins", Command(
-        help="list installed plugins: name, distribution, version, status, hooks",
-        run=_plugins, add_arguments=_plugins_args,
+def miles_register_commands(register: Register[CommandSpec]) -> None:
+    register("plugins", CommandSpec(
+        "list installed plugins: name, distribution, version, status, hooks",
+        _plugins, add_arguments=_plugins_args,
     ))
-    register("config show", Command(
-        help="validate a config and print it fully resolved (defaults included)",
-        run=_config_show, add_arguments=_config_args, description=CONFIG_SHOW_DESCRIPTION,
+    register("config show", CommandSpec(
+        "validate a config and print it fully resolved (defaults included)",
+        _config_show, add_arguments=_config_args, description=CONFIG_SHOW_DESCRIPTION,
     ))

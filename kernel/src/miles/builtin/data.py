@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from miles_contracts import DataSourceSpec
+
 from miles.data.arithmetic import ArithmeticTask
 from miles.data.file_source import datasets_source, jsonl_source, parquet_source
 from miles.hookspecs import hookimpl
@@ -10,8 +12,8 @@ from miles.registry import Register
 
 
 @hookimpl
-def miles_register_data_sources(register: Register) -> None:
-    register("jsonl", jsonl_source)
-    register("parquet", parquet_source)
-    register("hf_dataset", datasets_source)
-    register("arithmetic", ArithmeticTask.from_config)
+def miles_register_data_sources(register: Register[DataSourceSpec]) -> None:
+    register("jsonl", DataSourceSpec(jsonl_source))
+    register("parquet", DataSourceSpec(parquet_source))
+    register("hf_dataset", DataSourceSpec(datasets_source))
+    register("arithmetic", DataSourceSpec(ArithmeticTask.open))

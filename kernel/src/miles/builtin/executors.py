@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from miles.config import MilesConfig
+from miles_contracts import ExecutorSpec, RunContext
+
 from miles.hookspecs import hookimpl
 from miles.registry import Register
 
@@ -13,9 +13,11 @@ if TYPE_CHECKING:
     from miles_contracts import Executor
 
 
-def local_executor(config: MilesConfig, run_dir: Path) -> Executor:
+def local_executor(ctx: RunContext) -> Executor:
     from miles.executor.local import LocalExecutor, local_gpus
 
+    config = ctx.config
+    run_dir = ctx.require_run_dir("the local executor (its process logs)")
     gpus = None
     per_node = config.resources.gpus_per_node
     if per_node is not None:  # the config says how many; prefer the ids this machine shows
@@ -25,5 +27,5 @@ def local_executor(config: MilesConfig, run_dir: Path) -> Executor:
 
 
 @hookimpl
-def miles_register_executors(register: Register) -> None:
-    register("local", local_executor)
+def miles_register_executors(register: Register[ExecutorSpec]) -> None:
+    register("local", ExecutorSpec(local_executor))

@@ -10,7 +10,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from miles_contracts import FilterVerdict, Sample, Status
+from miles_contracts import FilterSpec, FilterVerdict, Sample, Status
 
 from miles.hookspecs import hookimpl
 from miles.registry import Register
@@ -50,7 +50,7 @@ def no_truncated(group: Sequence[Sample]) -> FilterVerdict:
 
 
 @hookimpl
-def miles_register_filters(register: Register) -> None:
-    register("zero_variance", zero_variance)
-    register("no_aborted", no_aborted)
-    register("no_truncated", no_truncated)
+def miles_register_filters(register: Register[FilterSpec]) -> None:
+    register("zero_variance", FilterSpec(zero_variance))
+    register("no_aborted", FilterSpec(no_aborted))
+    register("no_truncated", FilterSpec(no_truncated))

@@ -10,7 +10,7 @@ run's engine captures (``ctx.captures``) ride along on every call and land in th
 
 from __future__ import annotations
 
-from miles_contracts import ExitReason, GenerateContext, Sample, Status
+from miles_contracts import ExitReason, GenerateContext, GeneratorSpec, Sample, Status
 from miles_contracts.wire.engine import GenerateRequest
 
 from miles.engine_client import EngineRequestError, EngineUnavailableError
@@ -69,5 +69,5 @@ def apply_generation(sample: Sample, prompt_ids: list[int], generation: Generati
 
 
 @hookimpl
-def miles_register_generators(register: Register) -> None:
-    register("single_turn", single_turn)
+def miles_register_generators(register: Register[GeneratorSpec]) -> None:
+    register("single_turn", GeneratorSpec(single_turn))

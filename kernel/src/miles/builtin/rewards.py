@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from miles_contracts import RewardSpec
+
 from miles.hookspecs import hookimpl
 from miles.registry import Register
 from miles.rewards.exact_match import exact_match
@@ -10,7 +12,8 @@ from miles.rewards.remote import RemoteReward
 
 
 @hookimpl
-def miles_register_rewards(register: Register) -> None:
-    register("exact_match", exact_match)
-    register("f1", f1)
-    register("remote", RemoteReward())
+def miles_register_rewards(register: Register[RewardSpec]) -> None:
+    register("exact_match", RewardSpec(exact_match))
+    register("f1", RewardSpec(f1))
+    remote = RemoteReward()  # unbound: the run's reward section gives it its URL
+    register("remote", RewardSpec(remote, bind=remote.bind))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from miles.cli.command import Command
+from miles_contracts import CommandSpec, RunContext
+
 from miles.cli.config_args import add_config_arguments, split_config_args
 from miles.errors import MilesError
 from miles.hookspecs import hookimpl
@@ -22,7 +23,7 @@ first use), a synthetic arithmetic task, GRPO, a few steps on CPU.
 """
 
 
-def _train(args: argparse.Namespace) -> int:
+def _train(args: argparse.Namespace, ctx: RunContext) -> int:
     from miles_contracts.wire.auth import ensure_run_token
 
     from miles.loop.interrupts import exit_code_of
@@ -57,6 +58,6 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 
 @hookimpl
-def miles_register_commands(register: Register) -> None:
-    register("train", Command(help="run RL training (the embedded default when no config is given)",
-                              run=_train, add_arguments=_args, description=DESCRIPTION))
+def miles_register_commands(register: Register[CommandSpec]) -> None:
+    register("train", CommandSpec("run RL training (the embedded default when no config is given)",
+                                  _train, add_arguments=_args, description=DESCRIPTION))

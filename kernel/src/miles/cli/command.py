@@ -1,4 +1,6 @@
-"""`Command`: what a plugin registers to add a ``miles`` sub-command."""
+"""`Command` (before 0.2: what a plugin registered to add a ``miles`` sub-command; now
+:class:`miles_contracts.CommandSpec`, whose ``run`` also gets the CLI's run context) and
+:func:`emit_json`, the last call of every ``miles bench`` command."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ from typing import Any
 
 @dataclass(frozen=True, slots=True)
 class Command:
-    """A CLI command.
+    """A CLI command of the pre-spec style (its ``run`` takes the arguments only). Registered, it
+    is adapted to a :class:`~miles_contracts.CommandSpec` with a deprecation warning; register a
+    ``CommandSpec`` instead.
 
     :ivar help: one line shown in ``miles --help``.
     :ivar run: called with the parsed arguments; returns the exit code (None means 0).

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 
+from miles_contracts import CommandSpec, Process, RunContext
+
 from miles import __version__
-from miles.cli.command import Command
-from miles.errors import MilesError
+from miles.errors import MilesDeprecationWarning, MilesError
 
 
-def build_parser(commands: dict[str, Command]) -> argparse.ArgumentParser:
+def build_parser(commands: dict[str, CommandSpec]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="miles",
         description="Miles: agentic-first RL post-training for LLMs.",
@@ -38,8 +40,11 @@ def build_parser(commands: dict[str, Command]) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from miles.config import MilesConfig
     from miles.kernel import Kernel
 
+    # the application shows plugins' deprecations (Python hides DeprecationWarning outside __main__)
+    warnings.simplefilter("default", MilesDeprecationWarning)
     try:
         kernel = Kernel.load()
         commands = {e.name: e.obj for e in kernel.commands().entries()}
@@ -48,12 +53,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     parser = build_parser(commands)
     args = parser.parse_args(argv)
-    command: Command | None = getattr(args, "_command", None)
+    command: CommandSpec | None = getattr(args, "_command", None)
     if command is None:
         parser.print_help()
         return 0
+    ctx = RunContext(MilesConfig(), kernel, Process.cli())
     try:
-        code = command.run(args)
+        code = command.run(args, ctx)
     except MilesError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

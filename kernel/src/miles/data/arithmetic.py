@@ -31,6 +31,8 @@ from miles.data.file_source import parse_options
 from miles.data.prompts import PromptSpec
 
 if TYPE_CHECKING:
+    from miles_contracts import RunContext
+
     from miles.sections import DataSection
 
 ENUMERATE_UP_TO = 200_000  # problem spaces this small are listed in full for the eval split
@@ -85,7 +87,8 @@ class ArithmeticTask:
             raise DataError("every arithmetic problem of these data.options is held out; lower data.options.eval_fraction")
 
     @classmethod
-    def from_config(cls, config: DataSection) -> ArithmeticTask:
+    def open(cls, ctx: RunContext, config: DataSection) -> ArithmeticTask:
+        """The task the ``data`` section describes (the ``arithmetic`` data source's factory)."""
         return cls(parse_options(ArithmeticOptions, config), PromptSpec.from_config(config, prompt_key="prompt", label_key="label"), seed=config.seed)
 
     # ------------------------------------------------------------------ problems

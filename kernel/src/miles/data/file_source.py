@@ -22,6 +22,8 @@ from miles.data.prompts import PromptRecord, PromptSpec
 from miles.data.records import Problems, RawRecord, files_of, read_datasets_folder, read_jsonl, read_parquet
 
 if TYPE_CHECKING:
+    from miles_contracts import RunContext
+
     from miles.sections import DataSection
 
 logger = logging.getLogger(__name__)
@@ -108,8 +110,9 @@ def _path_of(config: DataSection) -> Path:
     return Path(config.path).expanduser()
 
 
-def _files_source(reader: Callable[[Path], Iterable[RawRecord]], suffixes: tuple[str, ...], what: str) -> Callable[[DataSection], FileSource]:
-    def factory(config: DataSection) -> FileSource:
+def _files_source(reader: Callable[[Path], Iterable[RawRecord]], suffixes: tuple[str, ...],
+                  what: str) -> Callable[[RunContext, DataSection], FileSource]:
+    def factory(ctx: RunContext, config: DataSection) -> FileSource:
         parse_options(_NoOptions, config)
         files = files_of(_path_of(config), suffixes, what)
         return FileSource.read(config, (record for file in files for record in reader(file)), name=config.source)
@@ -122,7 +125,7 @@ jsonl_source = _files_source(read_jsonl, (".jsonl",), "JSONL")
 parquet_source = _files_source(read_parquet, (".parquet",), "parquet")
 
 
-def datasets_source(config: DataSection) -> FileSource:
+def datasets_source(ctx: RunContext, config: DataSection) -> FileSource:
     """Prompts from a local Hugging Face datasets folder (data.options.split, default train)."""
     options = parse_options(DatasetsOptions, config)
     return FileSource.read(config, read_datasets_folder(_path_of(config), options.split), name=config.source)

@@ -10,7 +10,8 @@ from miles_contracts import DataSource, Sample
 from miles.data.errors import DataError
 
 if TYPE_CHECKING:
-    from miles.kernel import Kernel
+    from miles_contracts import RunContext
+
     from miles.sections import DataSection
 
 
@@ -28,25 +29,28 @@ class ReportsMetrics(Protocol):
     def metrics(self) -> dict[str, float]: ...
 
 
-def open_data_source(config: DataSection, kernel: Kernel) -> DataSource:
-    """The source named by ``data.source``, built from the ``data`` section."""
-    return kernel.data_sources().get(config.source)(config)
+def open_data_source(ctx: RunContext, config: DataSection | None = None) -> DataSource:
+    """The source named by ``data.source``, opened from ``config`` (default: the run's ``data`` section)."""
+    config = config if config is not None else ctx.config.data
+    return ctx.kernel.data_sources().get(config.source).open(ctx, config)
 
 
-def eval_prompts(config: DataSection, kernel: Kernel, limit: int, *, source: DataSource | None = None) -> list[Sample]:
+def eval_prompts(ctx: RunContext, limit: int, *, source: DataSource | None = None,
+                 config: DataSection | None = None) -> list[Sample]:
     """Up to ``limit`` held-out prompts, the same ones at every call (``metadata["split"] == "eval"``).
 
     From ``data.eval_path`` when set (read by the same source kind, in file order, the first
     ``limit``); otherwise from the training source's own held-out split (``source``, or a fresh one).
     """
+    config = config if config is not None else ctx.config.data
     if config.eval_path:
-        held_out = kernel.data_sources().get(config.source)(config.model_copy(update={"path": config.eval_path, "shuffle": False}))
+        held_out = open_data_source(ctx, config.model_copy(update={"path": config.eval_path, "shuffle": False}))
         count = min(limit, len(held_out)) if isinstance(held_out, Sized) else limit
         samples = held_out.next_prompts(count)
         for sample in samples:
             sample.metadata["split"] = "eval"
         return samples
-    source = source if source is not None else open_data_source(config, kernel)
+    source = source if source is not None else open_data_source(ctx, config)
     if not isinstance(source, HasEvalSplit):
         raise DataError(
             f"data source {config.source!r} has no held-out split of its own: set data.eval_path to a file of held-out prompts "

@@ -1,26 +1,43 @@
 """One training step on a batch of scored samples: log-prob passes, advantages, optimiser step.
 
-The learner orchestrates; the math lives in the registered advantage estimator and the train
-backend (which applies the registered policy loss and mismatch correction).
+Runs in the driver; the passes and the optimiser step run in the trainer ranks behind the
+:class:`~miles_contracts.TrainBackend`-shaped handle it is given. The math lives in the
+registered advantage estimator (plus the terms every estimator gets, :mod:`miles.advantages`) and
+the train backend (which applies the registered policy loss and mismatch correction).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from miles_contracts import Sample, TrainBatch
 
+from miles.advantages import estimate_advantages
 from miles.config import MilesConfig
 from miles.kernel import Kernel
 
+if TYPE_CHECKING:
+    import torch
+
+
+class Scorer(Protocol):
+    """The part of a train backend a learner drives: a :class:`~miles_contracts.TrainBackend` or
+    the :class:`~miles.trainer.group.TrainerGroup` in front of the ranks that hold one."""
+
+    def compute_logprobs(self, batch: TrainBatch, *, model: Literal["actor", "ref", "teacher"] = "actor") -> torch.Tensor: ...
+
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor: ...
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]: ...
+
 
 class Learner:
-    def __init__(self, config: MilesConfig, kernel: Kernel, backend: Any, pad_token_id: int) -> None:
+    def __init__(self, config: MilesConfig, kernel: Kernel, backend: Scorer, pad_token_id: int) -> None:
         self.config = config
         self.backend = backend
         self.pad_token_id = pad_token_id
-        self.estimator = kernel.advantages().get(config.algorithm.advantage)
+        self.advantage = kernel.advantages().get(config.algorithm.advantage)
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
         """Train on ``samples`` (trainable ones only); returns namespaced metrics."""
@@ -35,11 +52,11 @@ class Learner:
             batch.ref_logprobs = self.backend.compute_logprobs(batch, model="ref")
         if self.config.algorithm.opd_coef > 0:
             batch.teacher_logprobs = self.backend.compute_logprobs(batch, model="teacher")
-        if getattr(self.estimator, "needs_critic", False):
+        if self.advantage.needs_critic:
             batch.values = self.backend.compute_values(batch)
         timings["time/logprobs"] = time.perf_counter() - start
 
-        result = self.estimator(batch, self.config.algorithm)
+        result = estimate_advantages(batch, self.config.algorithm, self.advantage)
         batch.advantages, batch.returns = result.advantages, result.returns
 
         start = time.perf_counter()

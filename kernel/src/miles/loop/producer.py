@@ -103,7 +103,7 @@ class RolloutWorkers:
         try:
             try:
                 await asyncio.gather(*(self._generate(s) for s in group.samples))
-                report = await score_samples(group.samples, self.manager.kernel, self.manager.config.reward)
+                report = await score_samples(group.samples, self.manager.run)
                 self.reward_metrics.update(report.metrics())
             finally:
                 self.groups_in_flight -= 1  # from here on the buffer counts it (waiting, queued or set aside)

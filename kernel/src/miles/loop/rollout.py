@@ -21,13 +21,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles_contracts import ExitReason, GenerateContext, Sample, Status
+from miles_contracts import DataSource, EngineClient, ExitReason, GenerateContext, RunContext, Sample, Status
 from miles_contracts.wire.engine import SamplingParams
 
-from miles.config import MilesConfig
 from miles.data.source import source_metrics
 from miles.filtering import apply_filters, over_sampler_for
-from miles.kernel import Kernel
 from miles.rewards import score_samples
 
 MAX_ROUNDS = 4  # over-sampling rounds before a step trains on fewer groups than asked
@@ -53,17 +51,26 @@ class StepRollout:
 
 
 class RolloutManager:
-    def __init__(self, config: MilesConfig, kernel: Kernel, data: Any, engine: Any, tokenizer: Any,
-                 session_url: str | None = None) -> None:
-        self.config = config
-        self.kernel = kernel
+    """Draws prompts, runs the generator on them and scores them, in the driver.
+
+    :param ctx: the driver's run context (config, kernel).
+    :param partial_rollout: generations a weight update aborts go on under the new weights
+        (:attr:`GenerateContext.partial_rollout`); the loop mode decides.
+    """
+
+    def __init__(self, ctx: RunContext, data: DataSource, engine: EngineClient, tokenizer: Any,
+                 session_url: str | None = None, *, partial_rollout: bool = False) -> None:
+        self.run = ctx
+        self.config = ctx.config
+        self.kernel = ctx.kernel
         self.data = data
-        self.generator = kernel.generators().get(config.rollout.generator)
+        self.generator = ctx.kernel.generators().get(ctx.config.rollout.generator).generate
         self.engine = engine
         self.tokenizer = tokenizer
         self.session_url = session_url
-        self.over_sampler = over_sampler_for(config.rollout.over_sampling)
-        self.captures = kernel.engine_captures(config)
+        self.partial_rollout = partial_rollout
+        self.over_sampler = over_sampler_for(ctx.config.rollout.over_sampling)
+        self.captures = ctx.kernel.engine_captures(ctx)
         self._next_group = 0
         self._next_index = 0
         # evaluation numbers its samples apart: an evaluation between two steps must not shift the
@@ -96,13 +103,12 @@ class RolloutManager:
         return params
 
     def context(self, *, evaluation: bool = False) -> GenerateContext:
-        # In fully_async mode weights change under every generation, evaluations included.
-        partial = self.config.run.mode == "fully_async" and self.config.rollout.partial_rollout
+        # weights may change under evaluations too (fully_async evaluates while training goes on)
         return GenerateContext(
             engine=self.engine, tokenizer=self.tokenizer, sampling_params=self.sampling_params(evaluation=evaluation),
-            max_context_len=self.config.rollout.max_context_len, session_server_url=self.session_url,
-            evaluation=evaluation, resources={"kernel": self.kernel, "config": self.config},
-            captures=() if evaluation else tuple(self.captures), partial_rollout=partial,
+            max_context_len=self.config.rollout.max_context_len, run=self.run, session_server_url=self.session_url,
+            evaluation=evaluation, captures=() if evaluation else tuple(self.captures),
+            partial_rollout=self.partial_rollout,
         )
 
     def make_groups(self, prompts: Sequence[Sample], n: int, *, evaluation: bool = False) -> list[list[Sample]]:
@@ -171,7 +177,7 @@ class RolloutManager:
             base, total = len(everything), len(everything) + len(samples)
             on_done = (lambda d, base=base, total=total: progress(base + d, total)) if progress else None
             await self.generate(samples, ctx, on_done)
-            report = await score_samples(samples, self.kernel, self.config.reward)
+            report = await score_samples(samples, self.run)
             reward_metrics.update(report.metrics())
             everything += samples
             generated_groups += len(groups)
@@ -201,7 +207,7 @@ class RolloutManager:
         groups = self.make_groups(prompts, k, evaluation=True)
         samples = [s for g in groups for s in g]
         await self.generate(samples, self.context(evaluation=True))
-        await score_samples(samples, self.kernel, self.config.reward)
+        await score_samples(samples, self.run)
         return samples, {f"eval/{name}": value for name, value in evaluation_metrics(groups, k).items()}
 
 

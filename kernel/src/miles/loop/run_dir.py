@@ -28,6 +28,8 @@ from miles.config import MilesConfig
 from miles.errors import MilesError
 
 STATE_FILE = "miles-state.json"
+CONFIG_FILE = "config.yaml"
+"""The run's resolved config: written when the run starts, read by every service process it starts."""
 
 
 def new_run_dir(config: MilesConfig) -> Path:
@@ -39,7 +41,7 @@ def new_run_dir(config: MilesConfig) -> Path:
             f"or choose another run.name"
         )
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(config.to_yaml())
+    (run_dir / CONFIG_FILE).write_text(config.to_yaml())
     return run_dir
 
 

@@ -1,13 +1,16 @@
 """Start the inference side of a run: engines, the router in front of them, what the generator needs.
 
-Packages declare services (``miles_register_services``); this module picks those the run needs --
-the engine ``rollout.engine`` names, one ``router``, and the roles the generator lists in its
-``services`` attribute -- starts them through the executor in dependency order (engines on the
-slots placement gave them) and wires the URLs. An engine that dies is restarted by the supervisor
+Packages declare services (``miles_register_services``, each a :class:`~miles_contracts.ServiceSpec`);
+this module picks those the run needs -- the engine ``rollout.engine`` names, one ``router``, and
+the roles the generator's spec lists in ``services`` -- starts them through the executor in
+dependency order (engines on the slots placement gave them) and wires the URLs. Every service
+process reads the run's settings from the run folder's ``config.yaml`` (``ServiceLaunch.config_path``),
+as trainer ranks get the resolved config: one hand-off, so ``plugins.disable`` and every section
+reach each process. An engine that dies is restarted by the supervisor
 (when ``executor.restart_engines``) and marked stale until the next weight sync gives it the
 current weights; the router keeps it out of rotation meanwhile. If it came back at another address
-(its node left), the services behind it follow: the router swaps the worker when it can
-(:class:`miles_contracts.cluster.UpstreamAware`), anything else is restarted.
+(its node left), the services behind it follow: the router swaps the worker when its spec has
+``upstream_moved``, anything else is restarted.
 """
 
 from __future__ import annotations
@@ -18,13 +21,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from miles_contracts.cluster import ENGINE, ROUTER, SESSION, Endpoint, Service, ServiceLaunch
+from miles_contracts import Executor, ServiceSpec
+from miles_contracts.cluster import ENGINE, ROUTER, SESSION, Endpoint, ServiceLaunch
 
 from miles.config import MilesConfig
 from miles.errors import MilesError
 from miles.kernel import Kernel
+from miles.loop.run_dir import CONFIG_FILE
 from miles.placement import Placement, Slot
 
 
@@ -34,7 +38,7 @@ class Planned:
 
     name: str
     role: str
-    service: Service
+    service: ServiceSpec
     slot: Slot
     index: int = 0
 
@@ -43,7 +47,7 @@ class Planned:
 class Services:
     """The running inference services and their URLs."""
 
-    executor: Any  # miles_contracts.Executor
+    executor: Executor
     run_dir: Path
     config: MilesConfig
     model_path: Path
@@ -150,7 +154,7 @@ class Services:
         for name, dependent in self.planned.items():
             if role not in dependent.service.needs or name not in self.urls:
                 continue
-            follow = getattr(dependent.service, "upstream_moved", None)
+            follow = dependent.service.upstream_moved
             if follow is not None:
                 follow(self.urls[name], role, old, new)
             else:
@@ -175,9 +179,9 @@ class Services:
 # ---------------------------------------------------------------------- what to start
 
 
-def _provider(kernel: Kernel, role: str, wanted_by: str) -> Service:
+def _provider(kernel: Kernel, role: str, wanted_by: str) -> ServiceSpec:
     """The one registered service of ``role``."""
-    entries = [e for e in kernel.services().entries() if getattr(e.obj, "role", None) == role]
+    entries = [e for e in kernel.services().entries() if e.obj.role == role]
     if not entries:
         raise MilesError(f"{wanted_by} needs a {role!r} service, but no loaded plugin registers one "
                          f"(miles_register_services); registered services: {kernel.services().describe() or 'none'}")
@@ -192,7 +196,7 @@ def plan_services(config: MilesConfig, kernel: Kernel, placement: Placement) -> 
     engine = kernel.services().get(config.rollout.engine)
     planned = [Planned(f"engine-{i}", ENGINE, engine, slot, i) for i, slot in enumerate(placement.engines)]
     generator = kernel.generators().get(config.rollout.generator)
-    roles = [ROUTER, *(r for r in getattr(generator, "services", ()) if r != ROUTER)]
+    roles = [ROUTER, *(r for r in generator.services if r != ROUTER)]
     driver = Slot(placement.trainer[0].node)  # routers and session servers run beside the driver
     providers = {role: _provider(kernel, role, f"the run (generator {config.rollout.generator!r})") for role in roles}
     started = {ENGINE}
@@ -207,7 +211,7 @@ def plan_services(config: MilesConfig, kernel: Kernel, placement: Placement) -> 
     return planned
 
 
-def start_services(config: MilesConfig, kernel: Kernel, model_path: Path, executor: Any, placement: Placement,
+def start_services(config: MilesConfig, kernel: Kernel, model_path: Path, executor: Executor, placement: Placement,
                    run_dir: Path) -> Services:
     """Start every service the run needs (engines in parallel, then what needs them); on failure,
     what was started is left to the caller's ``executor.shutdown()``."""
@@ -242,8 +246,9 @@ def _command(services: Services, planned: Planned):
 
     def command(endpoint: Endpoint) -> list[str]:
         upstream = {role: services.role_urls(role) for role in planned.service.needs}
-        launch = ServiceLaunch(services.config, str(services.model_path), endpoint, upstream, planned.index,
-                               len(planned.slot.gpus), run_dir=str(services.run_dir.resolve()))
+        run_dir = services.run_dir.resolve()
+        launch = ServiceLaunch(services.config, str(run_dir / CONFIG_FILE), str(services.model_path), endpoint,
+                               upstream, planned.index, len(planned.slot.gpus), run_dir=str(run_dir))
         try:
             return list(planned.service.command(launch))
         except ValueError as exc:

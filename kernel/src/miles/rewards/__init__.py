@@ -6,11 +6,10 @@ A reward is a plain sync or async function ``(samples) -> list[float]`` register
 
 from miles.rewards.pool import Failed, WorkerPool
 from miles.rewards.scoring import (
-    BindableReward,
     ScoreReport,
     reward_name_of,
     score_samples,
     score_samples_blocking,
 )
 
-__all__ = ["BindableReward", "Failed", "ScoreReport", "WorkerPool", "reward_name_of", "score_samples", "score_samples_blocking"]
+__all__ = ["Failed", "ScoreReport", "WorkerPool", "reward_name_of", "score_samples", "score_samples_blocking"]

@@ -26,7 +26,7 @@ from miles_contracts import Sample
 from miles.errors import MilesError
 
 if TYPE_CHECKING:
-    from miles.sections import RewardSection
+    from miles_contracts import RunContext
 
 
 class RemoteRewardError(MilesError):
@@ -40,7 +40,9 @@ class RemoteReward:
     url: str | None = None
     timeout: float = 30.0
 
-    def bind(self, config: RewardSection) -> RemoteReward:
+    def bind(self, ctx: RunContext) -> RemoteReward:
+        """This run's remote reward (``reward.remote_url``, ``reward.timeout``)."""
+        config = ctx.config.reward
         return RemoteReward(url=config.remote_url, timeout=config.timeout)
 
     async def __call__(self, samples: Sequence[Sample]) -> list[float]:

@@ -16,15 +16,14 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 from miles_contracts import ExitReason, RewardFn, Sample, Status
 
 from miles.registry import UnknownNameError
 
 if TYPE_CHECKING:
-    from miles.kernel import Kernel
-    from miles.sections import RewardSection
+    from miles_contracts import RunContext
 
 # Samples that never got a response are not scored.
 UNSCORABLE_STATUSES = frozenset({Status.ABORTED, Status.FAILED})
@@ -32,13 +31,6 @@ UNSCORABLE_STATUSES = frozenset({Status.ABORTED, Status.FAILED})
 # themselves (the math reward's worker pool) can still return the scores they finished in time.
 TIMEOUT_GRACE = 0.1
 MAX_REPORTED_ERRORS = 5
-
-
-@runtime_checkable
-class BindableReward(Protocol):
-    """A reward that needs the run's ``reward`` config section (``remote`` needs its URL)."""
-
-    def bind(self, config: RewardSection) -> RewardFn: ...
 
 
 @dataclass(slots=True)
@@ -65,14 +57,15 @@ def reward_name_of(sample: Sample, default: str) -> str:
     return name
 
 
-async def score_samples(samples: Sequence[Sample], kernel: Kernel, config: RewardSection) -> ScoreReport:
+async def score_samples(samples: Sequence[Sample], ctx: RunContext) -> ScoreReport:
     """Set ``reward`` on every sample that has a response; mark the ones that cannot be scored.
 
     :param samples: the step's samples (any mix of reward names).
-    :param config: the ``reward`` section (default name, timeout, remote URL).
+    :param ctx: the run (its kernel's rewards; ``reward`` section: default name, timeout, remote URL).
     :raises UnknownNameError: a sample's ``metadata["reward"]`` names no registered reward.
     :raises TypeError: a sample's ``metadata["reward"]`` is not a name.
     """
+    config = ctx.config.reward
     report = ScoreReport()
     batches: dict[str, list[Sample]] = {}
     for sample in samples:
@@ -80,7 +73,7 @@ async def score_samples(samples: Sequence[Sample], kernel: Kernel, config: Rewar
             report.skipped += 1
             continue
         batches.setdefault(reward_name_of(sample, config.name), []).append(sample)
-    rewards = _resolve(kernel, config, batches)
+    rewards = _resolve(ctx, batches)
     outcomes = await asyncio.gather(*(_timed(name, rewards[name], batch, config.timeout) for name, batch in batches.items()))
     for (name, batch), (seconds, results) in zip(batches.items(), outcomes, strict=True):
         report.seconds[name] = seconds
@@ -97,20 +90,21 @@ async def score_samples(samples: Sequence[Sample], kernel: Kernel, config: Rewar
     return report
 
 
-def score_samples_blocking(samples: Sequence[Sample], kernel: Kernel, config: RewardSection) -> ScoreReport:
+def score_samples_blocking(samples: Sequence[Sample], ctx: RunContext) -> ScoreReport:
     """:func:`score_samples` for callers without an event loop."""
-    return asyncio.run(score_samples(samples, kernel, config))
+    return asyncio.run(score_samples(samples, ctx))
 
 
-def _resolve(kernel: Kernel, config: RewardSection, batches: dict[str, list[Sample]]) -> dict[str, RewardFn]:
-    registry = kernel.rewards()
+def _resolve(ctx: RunContext, batches: dict[str, list[Sample]]) -> dict[str, RewardFn]:
+    config = ctx.config.reward
+    registry = ctx.kernel.rewards()
     resolved = {}
     for name, batch in batches.items():
         if name not in registry:
             where = "reward.name" if name == config.name else f'metadata["reward"] of sample {batch[0].index}'
             raise UnknownNameError(f"{where}: {registry.unknown_message(name)}")
-        reward = registry.get(name)
-        resolved[name] = reward.bind(config) if isinstance(reward, BindableReward) else reward
+        spec = registry.get(name)
+        resolved[name] = spec.bind(ctx) if spec.bind is not None else spec.score
     return resolved
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from miles.config import MilesConfig
+    from miles_contracts import RunContext
 
 METRICS_FILE = "metrics.jsonl"
 SUPERSEDED_FILE = "metrics.superseded.jsonl"
@@ -56,8 +56,8 @@ def _json_value(key: str, value: Any) -> float | int | None:
     return value if math.isfinite(value) else None
 
 
-def jsonl_tracker(config: MilesConfig, run_dir: Path) -> JsonlTracker:
-    return JsonlTracker(run_dir / METRICS_FILE)
+def jsonl_tracker(ctx: RunContext) -> JsonlTracker:
+    return JsonlTracker(ctx.require_run_dir("the jsonl tracker") / METRICS_FILE)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

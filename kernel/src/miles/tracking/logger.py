@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from miles_contracts import Tracker
@@ -19,8 +18,7 @@ from miles.errors import PluginError
 from miles.tracking.jsonl import jsonl_tracker
 
 if TYPE_CHECKING:
-    from miles.config import MilesConfig
-    from miles.kernel import Kernel
+    from miles_contracts import RunContext
 
 logger = logging.getLogger(__name__)
 ALWAYS_ON = "jsonl"
@@ -57,18 +55,18 @@ class MetricsLogger:
         self.record.close()
 
 
-def open_trackers(config: MilesConfig, run_dir: Path, kernel: Kernel) -> MetricsLogger:
-    """Start ``jsonl`` and every tracker of ``tracking.trackers`` for the run in ``run_dir``."""
-    registry = kernel.trackers()
-    record = registry.get(ALWAYS_ON)(config, run_dir) if ALWAYS_ON in registry else jsonl_tracker(config, run_dir)
+def open_trackers(ctx: RunContext) -> MetricsLogger:
+    """Start ``jsonl`` and every tracker of ``tracking.trackers`` for the run of ``ctx`` (its folder)."""
+    registry = ctx.kernel.trackers()
+    record = registry.get(ALWAYS_ON).create(ctx) if ALWAYS_ON in registry else jsonl_tracker(ctx)
     others: dict[str, Tracker] = {}
     try:
-        for name in dict.fromkeys(config.tracking.trackers):
+        for name in dict.fromkeys(ctx.config.tracking.trackers):
             if name == ALWAYS_ON:
                 continue
-            factory = registry.get(name)
+            spec = registry.get(name)
             try:
-                others[name] = factory(config, run_dir)
+                others[name] = spec.create(ctx)
             except Exception as exc:
                 raise PluginError(
                     f"tracker {name!r} ({registry.entry(name).origin}) could not start: {type(exc).__name__}: {exc}. "

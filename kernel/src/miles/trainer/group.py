@@ -50,7 +50,7 @@ class TrainerGroup:
     """N trainer rank processes behind one SPMD handle (see the module docstring)."""
 
     def __init__(self, executor: Any, placement: Placement, config_data: Mapping[str, Any], *,
-                 startup_timeout: float = 600.0, log_dir: Path | None = None) -> None:
+                 startup_timeout: float = 600.0, log_dir: Path | None = None, run_dir: Path | None = None) -> None:
         self.executor = executor
         self.placement = placement
         self.world_size = len(placement.trainer)
@@ -58,6 +58,7 @@ class TrainerGroup:
         self.startup_timeout = startup_timeout
         self.log_dir = log_dir
         self._config_data = dict(config_data)
+        self._run_dir = str(run_dir.resolve()) if run_dir is not None else None
         self._secret = secrets.token_urlsafe(32)
         self._socks: dict[int, socket.socket] = {}
         self._listener: socket.socket | None = None
@@ -76,7 +77,7 @@ class TrainerGroup:
         """Start every rank process and begin accepting them; returns at once (model loading in the
         ranks overlaps whatever the driver starts next). :meth:`wait_ready` finishes the start."""
         group = cls(executor, placement, config.to_dict(), startup_timeout=config.executor.startup_timeout,
-                    log_dir=run_dir / "logs")
+                    log_dir=run_dir / "logs", run_dir=run_dir)
         try:
             group._start()
         except BaseException:
@@ -121,7 +122,7 @@ class TrainerGroup:
         """Take each rank's connection once it proves the secret, and send it ``init`` at once."""
         assert self._listener is not None
         self._listener.settimeout(0.5)
-        init = wire.Frame({"kind": "call", "id": 0, "method": "init"}, {"config": self._config_data})
+        init = wire.Frame({"kind": "call", "id": 0, "method": "init"}, {"config": self._config_data, "run_dir": self._run_dir})
         deadline = time.monotonic() + self.startup_timeout
         while len(self._socks) < self.world_size and not self._closing:
             try:

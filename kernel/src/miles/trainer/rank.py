@@ -25,6 +25,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from miles_contracts import Process, RunContext, WeightTransport
+
 from miles.errors import MilesError
 from miles.trainer import wire
 
@@ -55,19 +57,26 @@ class RankWorker:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.backend: Any = None
-        self.config: Any = None
-        self.kernel: Any = None
-        self._transport: Any = None
+        self.ctx: RunContext | None = None
+        self._transport: WeightTransport | None = None
 
-    def init(self, config: Mapping[str, Any]) -> dict[str, Any]:
+    def init(self, config: Mapping[str, Any], run_dir: str | None = None) -> dict[str, Any]:
+        """Load the run's plugins and build the backend, as ``train.backend`` names it."""
         from miles.config import build_config
         from miles.kernel import Kernel
 
-        self.config = build_config(config)
-        kernel = self.kernel = Kernel.load(self.config.plugin_selection)
-        kernel.configure(self.config)
-        self.backend = kernel.train_backends().get(self.config.train.backend)(self.config)
+        built = build_config(config)
+        kernel = Kernel.load(built.plugin_selection)
+        self.ctx = ctx = RunContext(built, kernel, Process.trainer_rank(self.rank), Path(run_dir) if run_dir else None)
+        kernel.configure(ctx)
+        self.backend = kernel.train_backends().get(built.train.backend).create(ctx)
         return {"pid": os.getpid(), "host": socket.gethostname()}
+
+    @property
+    def context(self) -> RunContext:
+        if self.ctx is None:
+            raise MilesError("trainer rank not initialised: the driver's first call must be init")
+        return self.ctx
 
     def compute_logprobs(self, batch: Any, model: str = "actor") -> Any:
         return self.backend.compute_logprobs(batch, model=model)
@@ -77,7 +86,7 @@ class RankWorker:
 
     def train_step(self, batch: Any) -> dict[str, float]:
         metrics = dict(self.backend.train_step(batch))
-        self.kernel.train_step_end(metrics)  # plugins measuring inside the backend report here
+        self.context.kernel.train_step_end(metrics)  # plugins measuring inside the backend report here
         return metrics
 
     def save_checkpoint(self, path: Path, extra_state: Mapping[str, Any]) -> None:
@@ -111,9 +120,10 @@ class RankWorker:
                 closer.close()
         self._transport = self.backend = None
 
-    def _weight_transport(self) -> Any:
+    def _weight_transport(self) -> WeightTransport:
         if self._transport is None:
-            self._transport = self.kernel.weight_transports().get(self.config.weights.transport)(self.config)
+            ctx = self.context
+            self._transport = ctx.kernel.weight_transports().get(ctx.config.weights.transport).create(ctx)
         return self._transport
 
 

@@ -1,6 +1,8 @@
 """Advantage estimators, registered by name (``algorithm.advantage``).
 
-Each is a callable ``(batch, params) -> AdvantageResult`` with ``needs_critic``. Notation for
+Each is a callable ``(batch, params) -> AdvantageResult``, registered in an ``AdvantageSpec`` that
+declares what it needs (:data:`ADVANTAGES`); whitening and distillation are the kernel's, applied
+after every estimator (:mod:`miles.advantages`). Notation for
 row ``b`` (one piece of a rollout) with trainable tokens ``t``:
 
 - ``R``: the rollout's scalar reward; ``R~``: group-normalised (see :mod:`normalization`);
@@ -23,10 +25,8 @@ trainable token (each piece is a complete model-generated sequence with its own 
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
-from miles_contracts import AdvantageResult, AlgorithmParams, TrainBatch
+from miles_contracts import AdvantageResult, AdvantageSpec, AlgorithmParams, TrainBatch
 
 from miles_algorithms.gae import discounted_returns, gae
 from miles_algorithms.kl import masked_kl
@@ -68,9 +68,6 @@ def _metrics(batch: TrainBatch, advantages: torch.Tensor, mask: torch.Tensor) ->
 class GRPO:
     """Group-relative advantage, one value per sequence (minus the per-token KL penalty)."""
 
-    needs_critic: ClassVar[bool] = False
-    zero_sum_groups: ClassVar[bool] = True
-    policy_loss: ClassVar[str | None] = None
 
     def __call__(self, batch: TrainBatch, params: AlgorithmParams) -> AdvantageResult:
         mask = trainable(batch.loss_mask)
@@ -84,15 +81,11 @@ class GRPO:
 class GSPO(GRPO):
     """GRPO's advantages for GSPO's sequence-level importance ratio (``train.policy_loss: gspo``)."""
 
-    policy_loss: ClassVar[str | None] = "gspo"
 
 
 class PPO:
     """Critic-based GAE; masked (tool / user) tokens are not decision steps."""
 
-    needs_critic: ClassVar[bool] = True
-    zero_sum_groups: ClassVar[bool] = False
-    policy_loss: ClassVar[str | None] = None
 
     def __call__(self, batch: TrainBatch, params: AlgorithmParams) -> AdvantageResult:
         if batch.values is None:
@@ -107,9 +100,6 @@ class PPO:
 class ReinforcePP:
     """REINFORCE++: discounted returns with a KL token penalty, whitened over the batch."""
 
-    needs_critic: ClassVar[bool] = False
-    zero_sum_groups: ClassVar[bool] = False
-    policy_loss: ClassVar[str | None] = None
 
     def final_reward(self, batch: TrainBatch) -> torch.Tensor:
         return batch.rewards.float()
@@ -136,3 +126,14 @@ ESTIMATORS = {
     "reinforce_pp": ReinforcePP(),
     "reinforce_pp_baseline": ReinforcePPBaseline(),
 }
+
+ADVANTAGES = {
+    "grpo": AdvantageSpec(ESTIMATORS["grpo"], zero_sum_groups=True),
+    # GSPO is GRPO's advantages *and* the gspo loss's sequence-level ratio: with the token-level
+    # ppo_clip loss it would silently be GRPO, so the config is refused with another loss
+    "gspo": AdvantageSpec(ESTIMATORS["gspo"], zero_sum_groups=True, policy_loss="gspo"),
+    "ppo": AdvantageSpec(ESTIMATORS["ppo"], needs_critic=True),
+    "reinforce_pp": AdvantageSpec(ESTIMATORS["reinforce_pp"]),
+    "reinforce_pp_baseline": AdvantageSpec(ESTIMATORS["reinforce_pp_baseline"]),
+}
+"""What the plugin registers: each estimator with what it declares."""

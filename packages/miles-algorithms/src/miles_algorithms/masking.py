@@ -1,4 +1,5 @@
-"""Masked tensor helpers shared by every module.
+"""Masked tensor helpers shared by every module (``masked`` and ``whiten`` are the kernel's, which
+applies the same whitening to every estimator's advantages: :mod:`miles.advantages`).
 
 Off-mask entries of per-token inputs can hold anything (padding, tool tokens, engine garbage).
 They are replaced by a constant with ``torch.where`` *before* any arithmetic, never multiplied by
@@ -9,6 +10,8 @@ where the forward result is discarded.
 from __future__ import annotations
 
 import torch
+from miles.advantages import masked as masked
+from miles.advantages import whiten as whiten
 
 LOG_RATIO_LIMIT = 20.0
 """Log importance ratios are clamped to +-20 before ``exp`` (e^20 ~ 4.9e8 keeps float32 finite)."""
@@ -17,11 +20,6 @@ LOG_RATIO_LIMIT = 20.0
 def trainable(loss_mask: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` bool: tokens that enter the loss."""
     return loss_mask > 0
-
-
-def masked(x: torch.Tensor, mask: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
-    """``x`` where ``mask``, ``fill`` elsewhere (gradient flows only through masked-in entries)."""
-    return torch.where(mask, x, torch.full_like(x, fill))
 
 
 def row_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -42,19 +40,6 @@ def row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def batch_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Scalar mean of all masked-in entries; 0 when there are none."""
     return masked(x, mask).sum() / mask.sum().clamp(min=1).to(x.dtype)
-
-
-def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """``[B, T]``: (x - mean) / (std + eps) over masked-in entries, 0 off-mask.
-
-    Statistics in float64 so rewards of 1e6 and sums over millions of tokens stay exact enough.
-    """
-    x64 = masked(x.double(), mask)
-    count = mask.sum().clamp(min=1).double()
-    mean = x64.sum() / count
-    var = masked((x64 - mean) ** 2, mask).sum() / count
-    out = (x64 - mean) / (var.sqrt() + eps)
-    return masked(out, mask).to(x.dtype)
 
 
 def last_trainable_position(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ add up), these are plain values of the batch they are given: call them on the fu
 from __future__ import annotations
 
 import torch
+from miles.advantages import advantage_metrics as rows_advantage_metrics
 from miles_contracts import TrainBatch
 
 from miles_algorithms.kl import masked_kl
@@ -54,20 +55,6 @@ def mismatch_metrics(logprobs: torch.Tensor, batch: TrainBatch) -> dict[str, flo
 
 
 def advantage_metrics(batch: TrainBatch) -> dict[str, float]:
-    """Distribution of the advantages (and returns) over trainable tokens, after compute_advantages."""
-    if batch.advantages is None:
-        raise ValueError("batch.advantages is None: call compute_advantages first")
-    layout = Layout.of(batch)
-    rows = layout.batch_rows(batch)
-    mask = trainable(rows.loss_mask)
-    a = rows.advantages.float()
-    mean = batch_mean(a, mask)
-    metrics = {
-        "advantage_mean": float(mean),
-        "advantage_std": float(batch_mean((a - mean).square(), mask).sqrt()),
-        "advantage_min": float(a[mask].min()) if mask.any() else 0.0,
-        "advantage_max": float(a[mask].max()) if mask.any() else 0.0,
-    }
-    if rows.returns is not None:
-        metrics["return_mean"] = float(batch_mean(rows.returns.float(), mask))
-    return metrics
+    """Distribution of the advantages (and returns) over trainable tokens, after compute_advantages
+    (:func:`miles.advantages.advantage_metrics` on the batch's rows: padded or packed)."""
+    return rows_advantage_metrics(Layout.of(batch).batch_rows(batch))

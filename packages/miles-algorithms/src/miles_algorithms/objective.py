@@ -2,7 +2,7 @@
 
 A backend's step, for the batch of one optimizer step (all data-parallel ranks together)::
 
-    batch = compute_advantages(batch, params, estimator)   # after the old / ref / critic passes
+    batch = compute_advantages(batch, params, spec)        # after the old / ref / critic passes
     batch = prepare_batch(batch)                           # full-batch denominators
     for micro in split(batch):                             # any partition of the rows
         loss, metrics = actor_loss(logprobs(micro), micro, params, policy_loss=..., correction=...)
@@ -23,12 +23,13 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import torch
-from miles_contracts import AdvantageEstimator, AdvantageResult, AlgorithmParams, TrainBatch
+from miles.advantages import estimate_advantages
+from miles_contracts import AdvantageEstimator, AdvantageSpec, AlgorithmParams, TrainBatch
 
 from miles_algorithms.kl import kl_divergence, masked_kl
 from miles_algorithms.layout import Layout
 from miles_algorithms.losses import TokenMetrics, value_loss
-from miles_algorithms.masking import masked, trainable, whiten
+from miles_algorithms.masking import trainable
 from miles_algorithms.metrics import advantage_metrics, mismatch_metrics
 from miles_algorithms.planning import row_lengths, split_rows_evenly
 from miles_algorithms.reductions import loss_statistics, reduce, statistics_of
@@ -40,7 +41,6 @@ PolicyLoss = Callable[[torch.Tensor, TrainBatch, AlgorithmParams], tuple[torch.T
 Correction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AlgorithmParams], tuple[torch.Tensor, TokenMetrics]]
 
 __all__ = [
-    "CompleteEstimator",
     "actor_loss",
     "advantage_metrics",
     "compute_advantages",
@@ -100,41 +100,20 @@ def train_in_mini_batches(
     return totals | mismatch
 
 
-def compute_advantages(batch: TrainBatch, params: AlgorithmParams, estimator: AdvantageEstimator) -> TrainBatch:
-    """Fill ``advantages`` (and ``returns``) with ``estimator``, then the global terms.
-
-    The estimator does reward normalisation and the KL reward penalty; afterwards, in order:
-    batch whitening when ``params.normalize_advantages``, and on-policy distillation
-    ``A_t += opd_coef * (log pi_teacher_t - log pi_student_t)`` (student: ``old_logprobs``, else
-    ``rollout_logprobs``). Advantages are forced to 0 off-mask whatever the estimator returned.
+def compute_advantages(
+    batch: TrainBatch, params: AlgorithmParams, estimator: AdvantageSpec | AdvantageEstimator,
+) -> TrainBatch:
+    """Fill ``advantages`` (and ``returns``) with ``estimator``, then the terms every estimator
+    gets: off-mask zeros, batch whitening when ``params.normalize_advantages``, on-policy
+    distillation when ``params.opd_coef`` (:func:`miles.advantages.estimate_advantages`, what the
+    RL loop runs). Padded or packed batches; a bare estimator counts as ``AdvantageSpec(estimator)``.
     """
+    spec = estimator if isinstance(estimator, AdvantageSpec) else AdvantageSpec(estimator)
     layout = Layout.of(batch)
     rows = layout.batch_rows(batch)
-    if getattr(estimator, "needs_critic", False) and rows.values is None:
-        raise ValueError(f"{type(estimator).__name__} needs critic values: run the critic pass (train.use_critic: true)")
-    result = estimator(rows, params)
-    mask = trainable(rows.loss_mask)
-    if result.advantages.shape != mask.shape:
-        raise ValueError(
-            f"{type(estimator).__name__} returned advantages of shape {tuple(result.advantages.shape)}, "
-            f"expected {tuple(mask.shape)} ([B, T] like the loss mask)"
-        )
-    advantages = masked(result.advantages.float(), mask)
-    if params.normalize_advantages:
-        advantages = whiten(advantages, mask)
-    if params.opd_coef > 0:
-        advantages = advantages + params.opd_coef * _distillation_term(rows, mask)
-    returns = None if result.returns is None else masked(result.returns.float(), mask)
-    rows = replace(rows, advantages=advantages.detach(), returns=None if returns is None else returns.detach())
+    result = estimate_advantages(rows, params, spec)
+    rows = replace(rows, advantages=result.advantages, returns=result.returns)
     return layout.restore(batch, rows, ("advantages", "returns"), {})
-
-
-def _distillation_term(batch: TrainBatch, mask: torch.Tensor) -> torch.Tensor:
-    """``[B, T]``: ``log pi_teacher - log pi_student`` on trainable tokens (reverse-KL reward)."""
-    if batch.teacher_logprobs is None:
-        raise ValueError("algorithm.opd_coef > 0 needs teacher log-probs (batch.teacher_logprobs is None)")
-    student = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
-    return masked(batch.teacher_logprobs.float(), mask) - masked(student.float(), mask)
 
 
 def actor_loss(
@@ -246,26 +225,3 @@ def _check_shape(name: str, tensor: torch.Tensor, batch: TrainBatch) -> None:
         )
 
 
-
-class CompleteEstimator:
-    """What the plugin registers: an estimator plus the batch-global terms of
-    :func:`compute_advantages` (whitening, distillation), as one
-    ``(batch, params) -> AdvantageResult`` callable.
-
-    The RL loop (in the kernel, which cannot import this package) only sees the registry, so the
-    registered object must be the whole advantage computation, not just the estimator's core.
-    """
-
-    def __init__(self, estimator: AdvantageEstimator) -> None:
-        self.estimator = estimator
-        self.needs_critic = getattr(estimator, "needs_critic", False)
-        self.zero_sum_groups = getattr(estimator, "zero_sum_groups", False)
-        self.policy_loss = getattr(estimator, "policy_loss", None)
-
-    def __call__(self, batch: TrainBatch, params: AlgorithmParams) -> AdvantageResult:
-        done = compute_advantages(batch, params, self.estimator)
-        assert done.advantages is not None  # compute_advantages always fills them
-        return AdvantageResult(done.advantages, done.returns, advantage_metrics(done))
-
-    def __repr__(self) -> str:
-        return f"CompleteEstimator({type(self.estimator).__name__})"

@@ -12,47 +12,30 @@ torch is imported only when a registry is collected, not when ``miles plugins`` 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from miles import hookimpl
-from miles.errors import ConfigError
 from miles.registry import Register
-
-if TYPE_CHECKING:
-    from miles.config import MilesConfig
+from miles_contracts import AdvantageSpec, CorrectionSpec, PolicyLossSpec
 
 
 @hookimpl
-def miles_register_advantages(register: Register) -> None:
-    from miles_algorithms.estimators import ESTIMATORS
-    from miles_algorithms.objective import CompleteEstimator
+def miles_register_advantages(register: Register[AdvantageSpec]) -> None:
+    from miles_algorithms.estimators import ADVANTAGES
 
-    for name, estimator in ESTIMATORS.items():
-        register(name, CompleteEstimator(estimator))
+    for name, spec in ADVANTAGES.items():
+        register(name, spec)
 
 
 @hookimpl
-def miles_register_policy_losses(register: Register) -> None:
+def miles_register_policy_losses(register: Register[PolicyLossSpec]) -> None:
     from miles_algorithms.losses import POLICY_LOSSES
 
     for name, loss in POLICY_LOSSES.items():
-        register(name, loss)
+        register(name, PolicyLossSpec(loss))
 
 
 @hookimpl
-def miles_register_mismatch_corrections(register: Register) -> None:
+def miles_register_mismatch_corrections(register: Register[CorrectionSpec]) -> None:
     from miles_algorithms.corrections import CORRECTIONS
 
     for name, correction in CORRECTIONS.items():
-        register(name, correction)
-
-
-@hookimpl
-def miles_configure(config: MilesConfig) -> None:
-    # GSPO is the gspo estimator's advantages *and* the gspo loss's sequence-level ratio; with the
-    # token-level ppo_clip loss it would silently be GRPO, so the pairing is checked up front.
-    if config.algorithm.advantage == "gspo" and config.train.policy_loss != "gspo":
-        raise ConfigError([
-            f"algorithm.advantage 'gspo' needs train.policy_loss: gspo (the sequence-level ratio), got "
-            f"{config.train.policy_loss!r}; for token-level ratios use algorithm.advantage: grpo"
-        ])
+        register(name, CorrectionSpec(correction))

@@ -41,6 +41,7 @@ from miles_fsdp.weights import export_hf, gather_named_weights
 if TYPE_CHECKING:
     from miles.config import MilesConfig
     from miles.kernel import Kernel
+    from miles_algorithms.update import MicroLoss
     from miles_contracts import TrainBatch
 
 NAME = "fsdp"
@@ -178,40 +179,15 @@ class FSDPBackend:
     # ------------------------------------------------------------------ training
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """``train.updates_per_step`` optimiser steps on ``batch`` (which carries advantages)."""
-        from miles_algorithms import objective
+        """``train.updates_per_step`` optimiser steps on ``batch`` (which carries advantages):
+        :func:`miles_algorithms.update.policy_update` over this backend's actor (and critic)."""
+        from miles_algorithms.update import policy_update
 
-        if batch.advantages is None:
-            raise ValueError("train_step needs batch.advantages: run the advantage estimator (compute_advantages) first")
-        if self.critic is not None and batch.returns is None:
-            raise ValueError("train_step with a critic needs batch.returns (and batch.values): use a critic estimator (ppo)")
-        params = self.config.algorithm
-        policy_loss = self.kernel.policy_losses().get(self.config.train.policy_loss)
-        correction = self.kernel.mismatch_corrections().get(params.correction)
-        # the entropy's gradient is computed only when it enters the loss (entropy_coef != 0)
-        with_entropy = self.options.log_entropy or params.entropy_coef != 0
-        actor_loss = objective.micro_batch_actor_loss(params, policy_loss=policy_loss, correction=correction,
-                                                      with_entropy=with_entropy)
-
-        def critic_loss(micro: TrainBatch, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, dict[str, float]]:
-            return objective.critic_loss(outputs[0], micro, params)
-
-        def update(mini: TrainBatch, keep: bool) -> tuple[dict[str, float], torch.Tensor | None]:
-            shares, kept = self.runner.accumulate(
-                "train", self.actor, mini, actor_loss, with_entropy=with_entropy, keep_outputs=keep,
-            )
-            metrics = sum_over_ranks(shares) | self._apply(self.trained[0])
-            kept = all_reduce_sum(kept) if kept is not None else None
-            if self.critic is not None:
-                critic_shares, _ = self.runner.accumulate("critic_train", self.critic, mini, critic_loss)
-                critic_metrics = sum_over_ranks(critic_shares) | self._apply(self.trained[1])
-                metrics |= {f"critic/{k}": v for k, v in critic_metrics.items()}
-            return metrics, kept
-
-        totals = objective.train_in_mini_batches(batch, self.config.train.updates_per_step, update, self.compute_logprobs)
+        critic = _Trainee(self, "critic_train", self.trained[1]) if self.critic is not None else None
+        totals = policy_update(batch, self.config, self.kernel, actor=_Trainee(self, "train", self.trained[0]),
+                               logprobs=self.compute_logprobs, critic=critic, log_entropy=self.options.log_entropy)
         totals["optimizer_steps"] = float(self.optimizer_steps)
         totals["skipped_steps"] = float(self.skipped_steps)
-        totals["train_tokens"] = float(batch.num_tokens)
         return totals
 
     def _apply(self, trained: TrainedModule) -> dict[str, float]:
@@ -270,3 +246,19 @@ class FSDPBackend:
             setattr(self, name, None)
         self.trained = []
         release_distributed(self.dist)
+
+
+class _Trainee:
+    """One trained module of the backend as :func:`~miles_algorithms.update.policy_update` drives it."""
+
+    def __init__(self, backend: FSDPBackend, phase: str, trained: TrainedModule) -> None:
+        self.backend, self.phase, self.trained = backend, phase, trained
+
+    def accumulate(self, batch: TrainBatch, loss: MicroLoss, *, with_entropy: bool,
+                   keep_outputs: bool) -> tuple[dict[str, float], torch.Tensor | None]:
+        shares, kept = self.backend.runner.accumulate(self.phase, self.trained.module, batch, loss,
+                                                      with_entropy=with_entropy, keep_outputs=keep_outputs)
+        return sum_over_ranks(shares), (all_reduce_sum(kept) if kept is not None else None)
+
+    def step(self) -> dict[str, float]:
+        return self.backend._apply(self.trained)

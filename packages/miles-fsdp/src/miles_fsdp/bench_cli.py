@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from miles.cli import Command, emit_json
+from miles.cli import emit_json
 from miles.errors import MilesError
+from miles_contracts import CommandSpec, RunContext
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,10 +63,9 @@ def _fsdp_options(args: argparse.Namespace) -> dict:
     return options
 
 
-def _section_options(args: argparse.Namespace) -> dict:
+def _section_options(args: argparse.Namespace, ctx: RunContext) -> dict:
     """``--option key=value`` pairs as the backend's config section (YAML scalars)."""
     import yaml
-    from miles.kernel import Kernel
     from pydantic import ValidationError
 
     options = {}
@@ -74,18 +74,18 @@ def _section_options(args: argparse.Namespace) -> dict:
         if not sep or not key:
             raise MilesError(f"--option wants KEY=VALUE, got {item!r}")
         options[key.strip()] = yaml.safe_load(value)
-    sections = Kernel.load().config_sections()
+    sections = ctx.kernel.config_sections()
     if args.backend not in sections.names():
         raise MilesError(f"train backend {args.backend!r} registers no config section; known: {', '.join(sections.names())}")
     try:
-        sections.get(args.backend)(**options)
+        sections.get(args.backend).model(**options)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise MilesError(f"bad --option for {args.backend}: {problems}") from None
     return options
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, ctx: RunContext) -> int:
     from miles_fsdp.bench import PRESETS, run_benchmark
 
     if args.tiny:
@@ -104,10 +104,10 @@ def _run(args: argparse.Namespace) -> int:
     report = run_benchmark(
         preset=args.model, seq_lens=seq_lens, tokens_per_step=args.tokens_per_step, warmup=args.warmup,
         steps=args.steps, device=args.device, gradient_checkpointing=args.gradient_checkpointing,
-        options=_fsdp_options(args) if fsdp else _section_options(args), baseline=not args.no_baseline,
+        options=_fsdp_options(args) if fsdp else _section_options(args, ctx), baseline=not args.no_baseline,
         peak_tflops=args.peak_tflops, micro_batch_tokens=args.micro_batch_tokens, backend=args.backend,
         section=None if fsdp else args.backend, work_dir=args.work_dir, profile_dir=args.profile,
-        length_spread=args.length_spread,
+        length_spread=args.length_spread, kernel=ctx.kernel,
     )
     import os
 
@@ -116,9 +116,9 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCH_TRAIN = Command(
-    help="tokens/s and MFU of an fsdp training step (bf16 on CUDA) against a plain transformers loop",
-    run=_run,
+BENCH_TRAIN = CommandSpec(
+    "tokens/s and MFU of an fsdp training step (bf16 on CUDA) against a plain transformers loop",
+    _run,
     add_arguments=_add_arguments,
     description=(
         "Trains a random-weight model (default: a Qwen3-0.6B config) on full random sequences of each --seq-lens "

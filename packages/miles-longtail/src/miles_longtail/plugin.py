@@ -11,33 +11,35 @@ import argparse
 from typing import Any
 
 from miles import hookimpl
-from miles.cli import Command
 from miles.registry import Register
+from miles_contracts import AgentSpec, CommandSpec, ConfigSectionSpec, RewardSpec, RunContext
 
 from miles_longtail.agent import LongTailAgent, repeated_tokens
 from miles_longtail.workload import LongTailSection
 
 AGENT = LongTailAgent()
+"""The driver's agent; its settings come from the run's ``longtail`` section (``miles_configure``)."""
 
 
 @hookimpl
-def miles_register_agents(register: Register) -> None:
-    register("long_tail", AGENT)
+def miles_register_agents(register: Register[AgentSpec]) -> None:
+    register("long_tail", AgentSpec(AGENT))
 
 
 @hookimpl
-def miles_register_rewards(register: Register) -> None:
-    register("repeated_tokens", repeated_tokens)
+def miles_register_rewards(register: Register[RewardSpec]) -> None:
+    register("repeated_tokens", RewardSpec(repeated_tokens))
 
 
 @hookimpl
-def miles_register_config_sections(register: Register) -> None:
-    register("longtail", LongTailSection)
+def miles_register_config_sections(register: Register[ConfigSectionSpec]) -> None:
+    register("longtail", ConfigSectionSpec(LongTailSection))
 
 
 @hookimpl
-def miles_configure(config: Any) -> None:
-    AGENT.settings = config.section("longtail", LongTailSection)
+def miles_configure(config: Any, ctx: RunContext) -> None:
+    if ctx.process.kind == "driver":  # agents run in the driver only
+        AGENT.settings = config.section("longtail", LongTailSection)
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,17 +48,17 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, ctx: RunContext) -> int:
     from miles_longtail.bench import run
 
     return run(args)
 
 
 @hookimpl
-def miles_register_commands(register: Register) -> None:
-    register("bench async", Command(
-        help="sync vs one_step_off vs fully_async on a long-tail agentic workload: time to N steps, samples/s, rewards",
-        run=_run, add_arguments=_add_arguments,
+def miles_register_commands(register: Register[CommandSpec]) -> None:
+    register("bench async", CommandSpec(
+        "sync vs one_step_off vs fully_async on a long-tail agentic workload: time to N steps, samples/s, rewards",
+        _run, add_arguments=_add_arguments,
         description="Trains the same run (prompts, seeds, episodes) in each loop mode and reports each mode's speedup "
                     "over sync measured in the same invocation; --png plots the reward curves side by side.",
     ))

@@ -45,6 +45,7 @@ from miles_megatron.weights import WeightGather, describe_shards
 if TYPE_CHECKING:
     from miles.config import MilesConfig
     from miles.kernel import Kernel
+    from miles_algorithms.update import MicroLoss
     from miles_contracts import TrainBatch
 
 NAME = "megatron"
@@ -198,28 +199,14 @@ class MegatronBackend:
 
     @_on_megatron
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """``train.updates_per_step`` optimizer steps on ``batch`` (which carries advantages)."""
-        from miles_algorithms import objective
+        """``train.updates_per_step`` optimizer steps on ``batch`` (which carries advantages):
+        :func:`miles_algorithms.update.policy_update` over the actor's chunks."""
+        from miles_algorithms.update import policy_update
 
-        if batch.advantages is None:
-            raise ValueError("train_step needs batch.advantages: run the advantage estimator (compute_advantages) first")
-        params = self.config.algorithm
-        policy_loss = self.kernel.policy_losses().get(self.config.train.policy_loss)
-        correction = self.kernel.mismatch_corrections().get(params.correction)
-        with_entropy = self.options.log_entropy or params.entropy_coef != 0
-        actor_loss = objective.micro_batch_actor_loss(params, policy_loss=policy_loss, correction=correction,
-                                                      with_entropy=with_entropy)
-
-        runner = self._runner(self.actor)
-
-        def update(mini: TrainBatch, keep: bool) -> tuple[dict[str, float], torch.Tensor | None]:
-            shares, kept = runner.accumulate("train", mini, actor_loss, with_entropy=with_entropy, keep_outputs=keep)
-            return sum_over_ranks(shares) | self._apply(), kept
-
-        totals = objective.train_in_mini_batches(batch, self.config.train.updates_per_step, update, self.compute_logprobs)
+        totals = policy_update(batch, self.config, self.kernel, actor=_Trainee(self, self._runner(self.actor)),
+                               logprobs=self.compute_logprobs, log_entropy=self.options.log_entropy)
         totals["optimizer_steps"] = float(self.optimizer_steps)
         totals["skipped_steps"] = float(self.skipped_steps)
-        totals["train_tokens"] = float(batch.num_tokens)
         return totals
 
     def _apply(self) -> dict[str, float]:
@@ -314,3 +301,18 @@ class MegatronBackend:
             r for r in RouterReplay.global_router_replay_instances if id(r) not in mine]
         self.actor = self.ref = None
         parallel.release()
+
+
+class _Trainee:
+    """The actor's chunks as :func:`~miles_algorithms.update.policy_update` drives them."""
+
+    def __init__(self, backend: MegatronBackend, runner: PassRunner) -> None:
+        self.backend, self.runner = backend, runner
+
+    def accumulate(self, batch: TrainBatch, loss: MicroLoss, *, with_entropy: bool,
+                   keep_outputs: bool) -> tuple[dict[str, float], torch.Tensor | None]:
+        shares, kept = self.runner.accumulate("train", batch, loss, with_entropy=with_entropy, keep_outputs=keep_outputs)
+        return sum_over_ranks(shares), kept
+
+    def step(self) -> dict[str, float]:
+        return self.backend._apply()

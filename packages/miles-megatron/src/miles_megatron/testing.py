@@ -37,8 +37,8 @@ def hf_gradients(backend: Any, batch: Any) -> dict[str, Any]:
     from miles_megatron.weights import WeightGather
 
     params = backend.config.algorithm
-    policy_loss = backend.kernel.policy_losses().get("ppo_clip")
-    correction = backend.kernel.mismatch_corrections().get("none")
+    policy_loss = backend.kernel.policy_losses().get("ppo_clip").loss
+    correction = backend.kernel.mismatch_corrections().get("none").correct
 
     def loss_fn(micro, outputs):
         return objective.actor_loss(outputs[0], micro, params, policy_loss=policy_loss, correction=correction)

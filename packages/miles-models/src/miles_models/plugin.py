@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 
 from miles import hookimpl
-from miles.cli import Command
 from miles.registry import Register
+from miles_contracts import CommandSpec, RunContext
 
 
-def _pull(args: argparse.Namespace) -> int:
+def _pull(args: argparse.Namespace, ctx: RunContext) -> int:
     from miles_models.pull import pull
 
     path = pull(args.name, force=args.force)
@@ -24,7 +24,7 @@ def _pull_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="fetch and convert again even if cached")
 
 
-def _list(args: argparse.Namespace) -> int:
+def _list(args: argparse.Namespace, ctx: RunContext) -> int:
     from miles_models.cache import list_cached, models_dir
     from miles_models.catalog import CATALOG
 
@@ -41,10 +41,10 @@ def _list(args: argparse.Namespace) -> int:
 
 
 @hookimpl
-def miles_register_commands(register: Register) -> None:
-    register("models pull", Command(help="fetch a known model and convert it to safetensors in the cache",
-                                    run=_pull, add_arguments=_pull_args))
-    register("models list", Command(help="list known models and what is cached", run=_list))
+def miles_register_commands(register: Register[CommandSpec]) -> None:
+    register("models pull", CommandSpec("fetch a known model and convert it to safetensors in the cache",
+                                        _pull, add_arguments=_pull_args))
+    register("models list", CommandSpec("list known models and what is cached", _list))
 
 
 @hookimpl

@@ -40,7 +40,7 @@ from miles_weights.sync import BucketedTransport, TransportOptions, describe_buc
 
 if TYPE_CHECKING:
     import torch
-    from miles.config import MilesConfig
+    from miles_contracts import RunContext
 
 _GROW = 1 << 20
 
@@ -82,7 +82,9 @@ class MooncakeTransport(BucketedTransport):
         self._buffers: list[_Buffer] = []
 
     @classmethod
-    def from_config(cls, config: MilesConfig) -> MooncakeTransport:
+    def from_context(cls, ctx: RunContext) -> MooncakeTransport:
+        """The transport of the run of ``ctx`` (its ``weights`` and ``weight_transport`` sections)."""
+        config = ctx.config
         from miles_mooncake.settings import MooncakeSection
 
         section = config.section("mooncake", MooncakeSection)

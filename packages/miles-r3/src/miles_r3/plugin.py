@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles import hookimpl
 from miles.registry import Register
+from miles_contracts import CommandSpec, ConfigSectionSpec, RunContext
 
 from miles_r3 import ROUTED_EXPERTS_NAME
 
@@ -85,32 +86,31 @@ def _bind(ctx: ForwardContext, stats: RoutingStats) -> Replayer | None:
 
 
 @hookimpl
-def miles_register_config_sections(register: Register) -> None:
+def miles_register_config_sections(register: Register[ConfigSectionSpec]) -> None:
     from miles_r3.config import R3Section
 
-    register("r3", R3Section)
+    register("r3", ConfigSectionSpec(R3Section))
 
 
 @hookimpl
-def miles_configure(config: MilesConfig) -> None:
+def miles_configure(config: MilesConfig, ctx: RunContext) -> None:
+    """This process's settings (the trainer ranks' replay reads them)."""
     from miles_r3.config import R3Section
 
     STATE.settings = config.section("r3", R3Section)
 
 
 @hookimpl
-def miles_engine_captures(config: MilesConfig) -> list[EngineCapture]:
-    """The routed-experts capture when ``r3.enabled`` and the model is a MoE model."""
+def miles_engine_captures(config: MilesConfig, ctx: RunContext) -> list[EngineCapture]:
+    """The routed-experts capture when ``r3.enabled`` and the model is a MoE model (in the driver)."""
     from miles_r3.config import R3Section
 
     if not config.section("r3", R3Section).enabled:
         return []
-    from miles.kernel import Kernel
-
     from miles_r3.capture import RoutedExpertsCapture
     from miles_r3.layer_map import layer_map_of_run
 
-    layer_map = layer_map_of_run(config, Kernel.load(config.plugin_selection))
+    layer_map = layer_map_of_run(config, ctx.kernel)
     if layer_map is None:
         log.info("r3: %s is a dense model; there is no routing to record or replay", config.model.name)
         return []
@@ -153,21 +153,19 @@ def _table(ctx: ForwardContext, experts: Any, replayer: Replayer) -> Any:
 
 
 @hookimpl
-def miles_register_commands(register: Register) -> None:
-    from miles.cli import Command
-
+def miles_register_commands(register: Register[CommandSpec]) -> None:
     def add_arguments(parser: Any) -> None:
         from miles_r3.bench import add_arguments as add
 
         add(parser)
 
-    def run(args: Any) -> int:
+    def run(args: Any, ctx: RunContext) -> int:
         from miles_r3.bench import run as bench
 
-        return bench(args)
+        return bench(args, ctx)
 
-    register("bench r3", Command(help="routing replay: train/rollout log-prob gap and routing agreement with and "
-                                      "without replay (MoE), its cost (dense)", run=run, add_arguments=add_arguments))
+    register("bench r3", CommandSpec("routing replay: train/rollout log-prob gap and routing agreement with and "
+                                     "without replay (MoE), its cost (dense)", run, add_arguments=add_arguments))
 
 
 @hookimpl

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from miles import hookimpl
 from miles.registry import Register
+from miles_contracts import RewardSpec
 
 from miles_rm_math.reward import MathReward
 
 
 @hookimpl
-def miles_register_rewards(register: Register) -> None:
-    register("math", MathReward())
+def miles_register_rewards(register: Register[RewardSpec]) -> None:
+    reward = MathReward()  # bound to reward.timeout by the run
+    register("math", RewardSpec(reward, bind=reward.bind))

@@ -13,7 +13,7 @@ from miles_contracts import Sample
 from miles_rm_math.verify import check_answer, warm_up
 
 if TYPE_CHECKING:
-    from miles.sections import RewardSection
+    from miles_contracts import RunContext
 
 _SHARED_POOL: WorkerPool | None = None
 
@@ -40,8 +40,9 @@ class MathReward:
     check_timeout: int = 5
     pool: WorkerPool = field(default_factory=shared_pool, repr=False, compare=False)
 
-    def bind(self, config: RewardSection) -> MathReward:
-        return replace(self, deadline=config.timeout)
+    def bind(self, ctx: RunContext) -> MathReward:
+        """This run's math reward (its deadline is ``reward.timeout``)."""
+        return replace(self, deadline=ctx.config.reward.timeout)
 
     async def __call__(self, samples: Sequence[Sample]) -> list[float]:
         scores = [math.nan] * len(samples)

@@ -8,34 +8,35 @@ being restarted, so requests in flight on the other engines are not lost.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
+from miles_contracts import ServiceSpec
 from miles_contracts.cluster import ENGINE, ROUTER, ServiceLaunch
 
 _TIMEOUT_S = 30.0
 
 
-class RouterService:
-    role: ClassVar[str] = ROUTER
-    needs: ClassVar[tuple[str, ...]] = (ENGINE,)
-    health_path: ClassVar[str | None] = "/health"
-    config_sections: ClassVar[tuple[str, ...]] = ("router",)
+def router_service_command(launch: ServiceLaunch) -> list[str]:
+    """argv of the run's router, in front of the engines' URLs."""
+    from miles_router.config import RouterSection
+    from miles_router.server import router_command
 
-    def command(self, launch: ServiceLaunch) -> list[str]:
-        from miles_router.config import RouterSection
-        from miles_router.server import router_command
+    section = launch.config.section("router", RouterSection)
+    return router_command(list(launch.upstream.get(ENGINE, ())), port=launch.endpoint.port,
+                          host=launch.endpoint.host, section=section)
 
-        section = launch.config.section("router", RouterSection)
-        return router_command(list(launch.upstream.get(ENGINE, ())), port=launch.endpoint.port,
-                              host=launch.endpoint.host, section=section)
 
-    def upstream_moved(self, url: str, role: str, old: str, new: str) -> None:
-        import httpx
-        from miles_contracts.wire.auth import auth_headers
+def follow_moved_engine(url: str, role: str, old: str, new: str) -> None:
+    """Swap the router's worker ``old`` for ``new`` (an engine that came back elsewhere)."""
+    import httpx
+    from miles_contracts.wire.auth import auth_headers
 
-        # control routes take the run's token
-        with httpx.Client(timeout=_TIMEOUT_S, headers=auth_headers(), trust_env=False) as client:
-            removed = client.post(f"{url}/remove_worker", params={"url": old})
-            if removed.status_code not in (200, 404):  # 404: already gone
-                removed.raise_for_status()
-            client.post(f"{url}/add_worker", params={"url": new}).raise_for_status()
+    # control routes take the run's token
+    with httpx.Client(timeout=_TIMEOUT_S, headers=auth_headers(), trust_env=False) as client:
+        removed = client.post(f"{url}/remove_worker", params={"url": old})
+        if removed.status_code not in (200, 404):  # 404: already gone
+            removed.raise_for_status()
+        client.post(f"{url}/add_worker", params={"url": new}).raise_for_status()
+
+
+ROUTER_SERVICE = ServiceSpec(ROUTER, router_service_command, needs=(ENGINE,), config_sections=("router",),
+                             upstream_moved=follow_moved_engine)
+"""What this package registers as service ``router``."""

@@ -3,7 +3,7 @@
 :func:`launch_plan` is a pure function from (engine spec, ``sglang`` section, token, GPUs) to the
 argv and the environment of the process, so any launcher can use it: :class:`SGLangEngine` folds
 the environment into the argv (``env K=V ... python -m sglang.launch_server ...``), and
-:class:`SGLangService` is what the package registers through ``miles_register_services`` (role
+:data:`SGLANG_SERVICE` (an :class:`SGLangService`'s spec) is what the package registers through ``miles_register_services`` (role
 ``engine``): the executor picks host, port and GPUs (``CUDA_VISIBLE_DEVICES``), the service the rest.
 
 SGLang runs in its own environment (``sglang.python``, ``sglang.env``): it pins a transformers
@@ -22,8 +22,9 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
+from miles_contracts import ServiceSpec
 from miles_contracts.cluster import ENGINE
 
 from miles_sglang.settings import SGLangSection
@@ -161,13 +162,12 @@ class SGLangService:
     ``CUDA_VISIBLE_DEVICES``, set by the executor.
     """
 
-    role: ClassVar[str] = ENGINE
-    needs: ClassVar[tuple[str, ...]] = ()
-    health_path: ClassVar[str | None] = "/health"
-    config_sections: ClassVar[tuple[str, ...]] = ("model", "sglang")
-
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         self._engine = SGLangEngine(environ)
+
+    def spec(self) -> ServiceSpec:
+        """This engine as the service spec the package registers."""
+        return ServiceSpec(ENGINE, self.command, config_sections=("model", "sglang"))
 
     def command(self, launch: ServiceLaunch) -> list[str]:
         from miles_contracts import EngineSpec
@@ -182,3 +182,7 @@ class SGLangService:
                           device=config.model.device, dtype=config.model.dtype, options=section.options(),
                           deterministic=config.run.deterministic)
         return self._engine.command(spec)
+
+
+SGLANG_SERVICE = SGLangService().spec()
+"""What this package registers as service ``sglang``."""

@@ -13,8 +13,17 @@ from collections.abc import Callable
 from typing import Any
 
 from miles import hookimpl
-from miles.cli import Command
 from miles.registry import Register
+from miles_contracts import (
+    CommandSpec,
+    ConfigSectionSpec,
+    GenerateContext,
+    GeneratorSpec,
+    RunContext,
+    Sample,
+    ServiceSpec,
+    ToolSpec,
+)
 from miles_contracts.cluster import SESSION
 
 from miles_tito.calculator import Calculator
@@ -30,59 +39,61 @@ def _lazy(module: str, attribute: str) -> Callable[..., Any]:
 
 
 class _LazyGenerator:
-    """Defers importing a generator (and what it imports) to its first call.
+    """Defers importing a generator (and what it imports) to its first call."""
 
-    ``services`` are the roles of services a run using it must start (``session``: the session
-    server, which this package registers too).
-    """
-
-    def __init__(self, module: str, cls: str, services: tuple[str, ...] = ()) -> None:
+    def __init__(self, module: str, cls: str) -> None:
         self._module, self._cls = module, cls
         self._instance: Any = None
-        self.services = services
 
-    async def __call__(self, sample: Any, ctx: Any) -> Any:
+    async def __call__(self, sample: Sample, ctx: GenerateContext) -> Sample:
         if self._instance is None:
             from importlib import import_module
 
             self._instance = getattr(import_module(self._module), self._cls)()
-        return await self._instance(sample, ctx)
+        result: Sample = await self._instance(sample, ctx)
+        return result
 
 
 @hookimpl
-def miles_register_generators(register: Register) -> None:
-    register("multi_turn", _LazyGenerator("miles_tito.generators.multi_turn", "MultiTurnGenerator"))
-    register("agentic", _LazyGenerator("miles_tito.generators.agentic", "AgenticGenerator", services=(SESSION,)))
+def miles_register_generators(register: Register[GeneratorSpec]) -> None:
+    register("multi_turn", GeneratorSpec(_LazyGenerator("miles_tito.generators.multi_turn", "MultiTurnGenerator")))
+    # the session server (registered below) records the agent's turns token-exact
+    register("agentic", GeneratorSpec(_LazyGenerator("miles_tito.generators.agentic", "AgenticGenerator"),
+                                      services=(SESSION,), needs_agent=True))
 
 
 @hookimpl
-def miles_register_services(register: Register) -> None:
-    from miles_tito.server.launch import SessionServerService
+def miles_register_services(register: Register[ServiceSpec]) -> None:
+    from miles_tito.server.launch import SESSION_SERVICE
 
-    register("session", SessionServerService())
-
-
-@hookimpl
-def miles_register_tools(register: Register) -> None:
-    register("calculator", Calculator())
+    register("session", SESSION_SERVICE)
 
 
 @hookimpl
-def miles_register_config_sections(register: Register) -> None:
+def miles_register_tools(register: Register[ToolSpec]) -> None:
+    register("calculator", ToolSpec(Calculator()))
+
+
+@hookimpl
+def miles_register_config_sections(register: Register[ConfigSectionSpec]) -> None:
     from miles_tito.config import TitoSection
 
-    register("tito", TitoSection)
+    register("tito", ConfigSectionSpec(TitoSection))
 
 
-def _command(module: str, help: str, description: str | None = None) -> Command:
+def _command(module: str, help: str, description: str | None = None) -> CommandSpec:
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         _lazy(module, "add_arguments")(parser)
 
-    return Command(help=help, run=_lazy(module, "run"), add_arguments=add_arguments, description=description)
+    def run(args: argparse.Namespace, ctx: RunContext) -> int:
+        code: int = _lazy(module, "run")(args)
+        return code
+
+    return CommandSpec(help, run, add_arguments=add_arguments, description=description)
 
 
 @hookimpl
-def miles_register_commands(register: Register) -> None:
+def miles_register_commands(register: Register[CommandSpec]) -> None:
     register("serve session", _command(
         "miles_tito.server.cli",
         "session server: OpenAI-compatible chat per session, token-exact records (TITO)",

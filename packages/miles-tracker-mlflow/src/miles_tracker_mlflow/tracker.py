@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from miles_tracker_mlflow.config import MlflowSection
 
 if TYPE_CHECKING:
-    from miles.config import MilesConfig
+    from miles_contracts import RunContext
 
 RUN_ID_FILE = "mlflow-run-id"
 STORE_SUBDIR = "mlruns"
@@ -63,7 +63,9 @@ def resolve_tracking_uri(section: MlflowSection, run_dir: Path) -> str:
     return uri
 
 
-def mlflow_tracker(config: MilesConfig, run_dir: Path) -> MlflowTracker:
+def mlflow_tracker(ctx: RunContext) -> MlflowTracker:
+    """The tracker of the run of ``ctx`` (in the driver; it writes under the run folder)."""
+    config, run_dir = ctx.config, ctx.require_run_dir("the mlflow tracker")
     from mlflow.tracking import MlflowClient
 
     section = config.section("mlflow", MlflowSection)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from miles import hookimpl
 from miles.registry import Register
+from miles_contracts import TrackerSpec
 
 from miles_tracker_tensorboard.tracker import tensorboard_tracker
 
 
 @hookimpl
-def miles_register_trackers(register: Register) -> None:
-    register("tensorboard", tensorboard_tracker)
+def miles_register_trackers(register: Register[TrackerSpec]) -> None:
+    register("tensorboard", TrackerSpec(tensorboard_tracker))

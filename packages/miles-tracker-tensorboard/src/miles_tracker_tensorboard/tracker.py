@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from miles.config import MilesConfig
+    from miles_contracts import RunContext
 
 LOG_SUBDIR = "tensorboard"
 
@@ -37,5 +37,7 @@ class TensorBoardTracker:
         self._writer.close()
 
 
-def tensorboard_tracker(config: MilesConfig, run_dir: Path) -> TensorBoardTracker:
+def tensorboard_tracker(ctx: RunContext) -> TensorBoardTracker:
+    """The tracker of the run of ``ctx`` (in the driver; it writes under the run folder)."""
+    run_dir = ctx.require_run_dir("the tensorboard tracker")
     return TensorBoardTracker(run_dir / LOG_SUBDIR)

@@ -9,13 +9,12 @@ console is not captured (``console="off"``): it would interleave with Miles' pro
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles_tracker_wandb.config import WandbSection
 
 if TYPE_CHECKING:
-    from miles.config import MilesConfig
+    from miles_contracts import RunContext
 
 RUN_ID_FILE = "wandb-run-id"
 
@@ -31,7 +30,9 @@ class WandbTracker:
         self.run.finish()
 
 
-def wandb_tracker(config: MilesConfig, run_dir: Path) -> WandbTracker:
+def wandb_tracker(ctx: RunContext) -> WandbTracker:
+    """The tracker of the run of ``ctx`` (in the driver; it writes under the run folder)."""
+    config, run_dir = ctx.config, ctx.require_run_dir("the wandb tracker")
     import wandb
 
     section = config.section("wandb", WandbSection)

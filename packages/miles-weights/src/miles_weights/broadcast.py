@@ -52,7 +52,7 @@ LAYOUTS = (FLATTENED_BUCKET_FORMAT, "per_tensor")
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
-    from miles.config import MilesConfig
+    from miles_contracts import RunContext
 
 
 def _release(flat: object) -> None:
@@ -123,7 +123,9 @@ class BroadcastTransport(BucketedTransport):
         self._group: _Group | None = None
 
     @classmethod
-    def from_config(cls, config: MilesConfig) -> BroadcastTransport:
+    def from_context(cls, ctx: RunContext) -> BroadcastTransport:
+        """The transport of the run of ``ctx`` (its ``weights`` and ``weight_transport`` sections)."""
+        config = ctx.config
         from miles_weights.settings import WeightTransportSection
 
         extra = config.section("weight_transport", WeightTransportSection)

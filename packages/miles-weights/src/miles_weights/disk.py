@@ -25,7 +25,7 @@ from miles_weights.sync import BucketedTransport, TransportOptions
 
 if TYPE_CHECKING:
     import torch
-    from miles.config import MilesConfig
+    from miles_contracts import RunContext
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -79,11 +79,13 @@ class DiskTransport(BucketedTransport):
         self.directory = Path(directory).expanduser().resolve()
 
     @classmethod
-    def from_config(cls, config: MilesConfig) -> DiskTransport:
+    def from_context(cls, ctx: RunContext) -> DiskTransport:
+        """The transport of the run of ``ctx`` (its ``weights`` and ``weight_transport`` sections)."""
+        config = ctx.config
         from miles_weights.settings import WeightTransportSection
 
         extra = config.section("weight_transport", WeightTransportSection)
-        directory = extra.disk_dir or config.run.output_dir / config.run.name / "weight_sync"
+        directory = extra.disk_dir or ctx.require_run_dir("the disk transport without weight_transport.disk_dir") / "weight_sync"
         return cls(directory, TransportOptions.from_config(config))
 
     @contextmanager

@@ -9,52 +9,48 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from miles import hookimpl
-from miles.cli import Command
 from miles.registry import Register
+from miles_contracts import CommandSpec, ConfigSectionSpec, RunContext, WeightTransportSpec
 
 from miles_weights.settings import WeightTransportSection
 
 if TYPE_CHECKING:
-    from miles.config import MilesConfig
     from miles_contracts import WeightTransport
 
 
-def disk(config: MilesConfig) -> WeightTransport:
+def disk(ctx: RunContext) -> WeightTransport:
     from miles_weights.disk import DiskTransport
 
-    return DiskTransport.from_config(config)
+    return DiskTransport.from_context(ctx)
 
 
-def shared_memory(config: MilesConfig) -> WeightTransport:
+def shared_memory(ctx: RunContext) -> WeightTransport:
     from miles_weights.shared_memory import SharedMemoryTransport
 
-    return SharedMemoryTransport.from_config(config)
+    return SharedMemoryTransport.from_context(ctx)
 
 
-# CUDA IPC: an engine opens the trainer's GPU memory, so with GPUs it must sit on that GPU
-# (a colocated placement); the run refuses a disaggregated one before anything starts
-shared_memory.needs_shared_gpu = True  # type: ignore[attr-defined]
-
-
-def broadcast(config: MilesConfig) -> WeightTransport:
+def broadcast(ctx: RunContext) -> WeightTransport:
     from miles_weights.broadcast import BroadcastTransport
 
-    return BroadcastTransport.from_config(config)
+    return BroadcastTransport.from_context(ctx)
 
 
 @hookimpl
-def miles_register_weight_transports(register: Register) -> None:
-    register("disk", disk)
-    register("shared_memory", shared_memory)
-    register("broadcast", broadcast)
+def miles_register_weight_transports(register: Register[WeightTransportSpec]) -> None:
+    register("disk", WeightTransportSpec(disk))
+    # CUDA IPC: an engine opens the trainer's GPU memory, so with GPUs it must sit on that GPU
+    # (a colocated placement); the run refuses a disaggregated one before anything starts
+    register("shared_memory", WeightTransportSpec(shared_memory, needs_shared_gpu=True))
+    register("broadcast", WeightTransportSpec(broadcast))
 
 
 @hookimpl
-def miles_register_config_sections(register: Register) -> None:
-    register("weight_transport", WeightTransportSection)
+def miles_register_config_sections(register: Register[ConfigSectionSpec]) -> None:
+    register("weight_transport", ConfigSectionSpec(WeightTransportSection))
 
 
-def _cleanup(args: object) -> int:
+def _cleanup(args: object, ctx: RunContext) -> int:
     from miles_contracts.wire.tensors import remove_stale_shm_files, shm_dir
 
     removed = remove_stale_shm_files()
@@ -65,14 +61,13 @@ def _cleanup(args: object) -> int:
 
 
 @hookimpl
-def miles_register_commands(register: Register) -> None:
+def miles_register_commands(register: Register[CommandSpec]) -> None:
     from miles_weights.bench import add_arguments, run
 
-    register("bench weights", Command(
-        help="GB/s of a full weight sync trainer -> engine per transport, against a memory copy",
-        run=run, add_arguments=add_arguments,
+    register("bench weights", CommandSpec(
+        "GB/s of a full weight sync trainer -> engine per transport, against a memory copy",
+        run, add_arguments=add_arguments,
     ))
-    register("weights cleanup", Command(
-        help="remove /dev/shm weight buckets left by runs that were killed (their process is gone)",
-        run=_cleanup,
+    register("weights cleanup", CommandSpec(
+        "remove /dev/shm weight buckets left by runs that were killed (their process is gone)", _cleanup,
     ))

@@ -29,7 +29,7 @@ from miles_weights.prefetch import prefetched
 from miles_weights.sync import BucketedTransport, TransportOptions, describe_bucket
 
 if TYPE_CHECKING:
-    from miles.config import MilesConfig
+    from miles_contracts import RunContext
 
 
 def _local_hosts() -> set[str]:
@@ -56,7 +56,9 @@ class SharedMemoryTransport(BucketedTransport):
         self._sglang_engines = False  # this sync also goes to engines that take SGLang's format
 
     @classmethod
-    def from_config(cls, config: MilesConfig) -> SharedMemoryTransport:
+    def from_context(cls, ctx: RunContext) -> SharedMemoryTransport:
+        """The transport of the run of ``ctx`` (its ``weights`` and ``weight_transport`` sections)."""
+        config = ctx.config
         return cls(TransportOptions.from_config(config))
 
     def close(self) -> None:

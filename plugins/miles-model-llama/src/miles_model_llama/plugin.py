@@ -5,10 +5,12 @@ Kept light: ``miles plugins`` imports this module, so nothing here imports torch
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from miles import hookimpl
+from miles.registry import Register
+from miles_contracts.chat import ChatFamily
 
 from miles_model_llama.bridge import LlamaBridge
 
@@ -20,7 +22,7 @@ def miles_model_bridge(hf_config: Mapping[str, Any]) -> LlamaBridge | None:
 
 
 @hookimpl
-def miles_register_chat_families(register: Callable[[str, Any], None]) -> None:
+def miles_register_chat_families(register: Register[ChatFamily]) -> None:
     """The ChatML family of SmolLM2 for TITO sessions (``tito.family: chatml``)."""
     from miles_model_llama.chat import chatml_family
 

@@ -5,14 +5,16 @@ Kept light: ``miles plugins`` imports this module, so families and bridges are b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from miles import hookimpl
+from miles.registry import Register
+from miles_contracts.chat import ChatFamily
 
 
 @hookimpl
-def miles_register_chat_families(register: Callable[[str, Any], None]) -> None:
+def miles_register_chat_families(register: Register[ChatFamily]) -> None:
     """The Qwen3 family for TITO sessions (``tito.family: qwen3``): fixed template, hermes tool calls."""
     from miles_model_qwen3.chat import qwen3_family
 

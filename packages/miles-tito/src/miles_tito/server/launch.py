@@ -5,23 +5,22 @@ section and the rollout limits spelled out as flags (:func:`miles_tito.server.cl
 from __future__ import annotations
 
 import sys
-from typing import ClassVar
 
+from miles_contracts import ServiceSpec
 from miles_contracts.cluster import ROUTER, SESSION, ServiceLaunch
 
 
-class SessionServerService:
-    role: ClassVar[str] = SESSION
-    needs: ClassVar[tuple[str, ...]] = (ROUTER,)
-    health_path: ClassVar[str | None] = "/health"
-    config_sections: ClassVar[tuple[str, ...]] = ("tito", "rollout")
+def session_command(launch: ServiceLaunch) -> list[str]:
+    """argv of the run's session server, behind its router."""
+    from miles_tito.server.cli import session_arguments
 
-    def command(self, launch: ServiceLaunch) -> list[str]:
-        from miles_tito.server.cli import session_arguments
+    routers = list(launch.upstream.get(ROUTER, ()))
+    if not routers:
+        raise ValueError("the session server needs the run's router URL")
+    return [sys.executable, "-m", "miles_tito.server", "--host", launch.endpoint.host,
+            "--port", str(launch.endpoint.port), "--router", routers[0], "--model", launch.model_path,
+            *session_arguments(launch.config)]
 
-        routers = list(launch.upstream.get(ROUTER, ()))
-        if not routers:
-            raise ValueError("the session server needs the run's router URL")
-        return [sys.executable, "-m", "miles_tito.server", "--host", launch.endpoint.host,
-                "--port", str(launch.endpoint.port), "--router", routers[0], "--model", launch.model_path,
-                *session_arguments(launch.config)]
+
+SESSION_SERVICE = ServiceSpec(SESSION, session_command, needs=(ROUTER,), config_sections=("tito", "rollout"))
+"""What this package registers as service ``session``."""

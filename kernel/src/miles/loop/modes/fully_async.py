@@ -10,9 +10,8 @@
                             evaluation: in the background, on the same engines; its metrics join the
                             step during which it finished (``eval/step`` says which step it measured)
 
-The loop drives the run through :class:`~miles.loop.runner.Run`'s own steps (``_train``,
-``_sync_weights``, ``_evaluate``, ``_save``, ``_log``), so it runs wherever those run. The
-design and the buffer's contract: ``docs/design/async.md``.
+The loop drives the run through the public step operations (:class:`~miles.loop.steps.StepOps`),
+like every mode. The design and the buffer's contract: ``docs/design/async.md``.
 """
 
 from __future__ import annotations
@@ -21,8 +20,8 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from miles_contracts import Sample
 
@@ -32,96 +31,109 @@ from miles.loop.buffer import Admit, Group, GroupBuffer
 from miles.loop.interrupts import stop_requested
 from miles.loop.producer import RolloutWorkers
 from miles.loop.rollout import StepRollout, rollout_metrics
-from miles.loop.run_dir import dump_samples
 
 if TYPE_CHECKING:
+    from miles.config import MilesConfig
     from miles.kernel import Kernel
-    from miles.loop.runner import Run
+    from miles.loop.progress import Progress
+    from miles.loop.steps import RunState, StepOps
 
 
-async def run_fully_async(run: Run) -> None:
-    """Train ``run.config.run.steps`` steps in ``fully_async`` mode."""
-    cfg = run.config
+async def run(ops: StepOps) -> None:
+    """Train ``run.steps`` steps in ``fully_async`` mode."""
+    cfg = ops.config
     rollout = cfg.rollout
+    state = ops.state
     buffer = GroupBuffer(rollout.buffer_groups or 2 * rollout.prompts_per_step, max_staleness=rollout.max_staleness,
-                         unused=rollout.unused_groups, admit=filter_pipeline(rollout.filters, run.kernel),
-                         start_version=run.version)
-    workers = RolloutWorkers(run.rollout, buffer, version=lambda: run.version)
-    evaluation = BackgroundEvaluation(run)
-    assert run.services is not None
-    await asyncio.to_thread(run.services.wait_ready, cfg.executor.startup_timeout, router=True)
+                         unused=rollout.unused_groups, admit=filter_pipeline(rollout.filters, ops.kernel),
+                         start_version=state.version)
+    workers = RolloutWorkers(ops.rollouts, buffer, version=lambda: state.version)
+    evaluation = BackgroundEvaluation(ops)
+    await ops.wait_engines(router=True)
     workers.start()
     last_take = time.perf_counter()
     try:
-        while run.step < cfg.run.steps and not stop_requested():  # a swallowed cancellation still stops
-            run.step += 1
-            step, final = run.step, run.step == cfg.run.steps
+        while not ops.finished and not stop_requested():  # a swallowed cancellation still stops
+            step = ops.next_step()
+            final = ops.finished
             started = time.perf_counter()
             stop = asyncio.Event()
-            watcher = asyncio.create_task(_resync_restarted_engines(run, stop), name="miles-resync")
+            watcher = asyncio.create_task(_resync_restarted_engines(ops, stop), name="miles-resync")
             try:
-                groups = await _take(run, buffer, workers)
+                groups = await _take(ops, buffer, workers)
             finally:
                 stop.set()
                 await watcher
             now = time.perf_counter()
             batch = StepRollout([g.samples for g in groups], [s for g in groups for s in g.samples])
-            batch.metrics = batch_metrics(groups, buffer, run.version, waited=now - started, interval=now - last_take)
+            batch.metrics = batch_metrics(groups, buffer, state.version, waited=now - started, interval=now - last_take)
             batch.metrics.update(workers.take_metrics())
             last_take = now
             # off the event loop: it drives every request and agent in flight (the batch is no longer touched)
-            await asyncio.to_thread(dump_samples, run.run_dir, step, batch.all_samples, tokens=cfg.run.dump_tokens)
+            await asyncio.to_thread(ops.dump, step, batch.all_samples)
             metrics = dict(batch.metrics)
-            metrics.update(await run._train(batch))
+            metrics.update(await ops.train(batch, in_thread=True))
             if final or step % cfg.weights.update_interval == 0:
-                metrics.update(await asyncio.to_thread(run._sync_weights))
+                metrics.update(await asyncio.to_thread(ops.sync_weights))
             if final:  # the final evaluation is never skipped; an earlier one would only be overwritten
                 await evaluation.supersede()
             if evaluation.due(step):
                 evaluation.start(step)
             metrics.update(await evaluation.finish() if final else evaluation.collect())
-            if run._checkpoint_due(step):
-                metrics["time/checkpoint"] = await run._save()
-            run._log(step, metrics)
+            if ops.checkpoint_due(step):
+                metrics["time/checkpoint"] = await ops.save()
+            ops.log(step, metrics)
     finally:
         await evaluation.cancel()
         leftovers = await workers.stop()
         if leftovers:  # finished but never trained on: kept with the run's samples
-            dump_samples(run.run_dir, run.step, [s for g in leftovers for s in g.samples], kind="unconsumed",
-                         tokens=cfg.run.dump_tokens)
+            ops.dump(state.step, [s for g in leftovers for s in g.samples], kind="unconsumed")
 
 
-async def _resync_restarted_engines(run: Run, stop: asyncio.Event, every: float = 2.0) -> None:
+async def _resync_restarted_engines(ops: StepOps, stop: asyncio.Event, every: float = 2.0) -> None:
     """While the trainer waits for a batch (it is idle): an engine the supervisor restarted has
     the base model's weights and the router holds it back until a weight update reaches it. With
     one engine nothing is generated meanwhile, so no batch, and no update would ever come: give
     it the current weights now."""
-    assert run.services is not None
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), every)
-        if not stop.is_set() and run.services.stale_engines:
-            await asyncio.to_thread(run._resync_restarted_engines)
+        if not stop.is_set() and ops.stale_engines:
+            await asyncio.to_thread(ops.resync_restarted_engines)
 
 
-async def _take(run: Run, buffer: GroupBuffer, workers: RolloutWorkers, report_every: float = 60.0,
+class _Waiting(Protocol):
+    """What :func:`_take` reads of the run while it waits (a :class:`StepOps`)."""
+
+    @property
+    def config(self) -> MilesConfig: ...
+
+    @property
+    def state(self) -> RunState: ...
+
+    @property
+    def progress(self) -> Progress: ...
+
+
+async def _take(run: _Waiting, buffer: GroupBuffer, workers: RolloutWorkers, report_every: float = 60.0,
                 aborted_windows: int = 2) -> list[Group]:
     """The next batch; says what the trainer is waiting on when that takes long (filters dropping
     every group would otherwise look like a hang), and stops the run when for ``aborted_windows``
     reports in a row every group that finished was aborted (engines that refuse every request: the
     run would otherwise wait forever on groups that never come)."""
     wanted = run.config.rollout.prompts_per_step
+    step = run.state.step
     seen: dict[str, int] = {}  # the buffer's counts at the previous report
     streak = 0  # reports in a row whose window saw only aborted groups finish
     while True:
         try:
-            return await asyncio.wait_for(buffer.take(wanted, run.version), timeout=report_every)
+            return await asyncio.wait_for(buffer.take(wanted, run.state.version), timeout=report_every)
         except TimeoutError:  # take() put back what it had: nothing is lost by asking again
             pending = dict(buffer.counts)
             window = {k: n - seen.get(k, 0) for k, n in pending.items() if n > seen.get(k, 0)}
             seen = pending
             run.progress.message(
-                f"step {run.step}: waiting for {wanted} groups: {len(buffer)} queued, {workers.in_flight} samples "
+                f"step {step}: waiting for {wanted} groups: {len(buffer)} queued, {workers.in_flight} samples "
                 f"in flight, since the last batch {pending or 'nothing finished'}"
             )
             if any(k == "queued" or k.startswith("filtered_") for k in window):
@@ -129,7 +141,7 @@ async def _take(run: Run, buffer: GroupBuffer, workers: RolloutWorkers, report_e
             elif window or streak:  # only aborts (or nothing new after them: the producer gave up)
                 streak += 1
             if streak >= aborted_windows:
-                raise MilesError(f"step {run.step}: for {streak * report_every:.0f} s every group that finished was "
+                raise MilesError(f"step {step}: for {streak * report_every:.0f} s every group that finished was "
                                  f"aborted ({pending}); the last one: {buffer.last_abort}. Unused groups are kept in "
                                  f"<run>/unconsumed/") from None
 
@@ -182,27 +194,32 @@ def token_lag_metrics(samples: Sequence[Sample], version: int) -> dict[str, floa
             "async/offpolicy_token_frac": sum(lag > 0 for lag in lags) / len(lags)}
 
 
+class _Evaluating(Protocol):
+    def evaluation_due(self, step: int) -> bool: ...
+
+    def evaluate(self, step: int) -> Coroutine[Any, Any, dict[str, float]]: ...
+
+
 class BackgroundEvaluation:
     """Evaluations on the training engines without stopping training: one at a time (a due one
     that finds the previous still running is skipped and counted), its metrics logged with the
     step during which it finished. The last step evaluates the final weights and waits for that;
     one still unlogged then is dropped for it (:meth:`supersede`)."""
 
-    def __init__(self, run: Run) -> None:
-        self.run = run
+    def __init__(self, ops: _Evaluating) -> None:
+        self.ops = ops
         self.task: asyncio.Task[dict[str, float]] | None = None
         self.step = 0
         self.skipped = 0
 
     def due(self, step: int) -> bool:
-        every, steps = self.run.config.eval.every, self.run.config.run.steps
-        return bool(every) and (step % every == 0 or step == steps)
+        return self.ops.evaluation_due(step)
 
     def start(self, step: int) -> None:
         if self.task is not None and not self.task.done():
             self.skipped += 1
             return
-        self.task, self.step = asyncio.create_task(self.run._evaluate(step), name=f"miles-eval-{step}"), step
+        self.task, self.step = asyncio.create_task(self.ops.evaluate(step), name=f"miles-eval-{step}"), step
 
     def collect(self) -> dict[str, Any]:
         """The metrics of a finished evaluation (once), else nothing. An evaluation that failed fails the run."""

@@ -1,0 +1,98 @@
+"""The registry kinds: for each, its hook, its spec and what to install when none is registered.
+
+One row per ``miles_register_<kind>`` hook. :class:`~miles.kernel.Kernel` collects a kind's
+registry from its hook the first time it is asked for, checks that every registered object is the
+kind's spec, and adapts a bare object of the old style (a function with capability attributes)
+through :mod:`miles.legacy`, with a :class:`~miles.errors.MilesDeprecationWarning`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from miles_contracts.chat import ChatFamily
+from miles_contracts.specs import (
+    AdvantageSpec,
+    AgentSpec,
+    CommandSpec,
+    ConfigSectionSpec,
+    CorrectionSpec,
+    DataSourceSpec,
+    ExecutorSpec,
+    FilterSpec,
+    GeneratorSpec,
+    PolicyLossSpec,
+    RewardSpec,
+    RouterMiddlewareSpec,
+    ServiceSpec,
+    ToolSpec,
+    TrackerSpec,
+    TrainBackendSpec,
+    WeightTransportSpec,
+)
+
+from miles import legacy
+
+S = TypeVar("S")
+
+
+@dataclass(frozen=True, slots=True)
+class Kind(Generic[S]):
+    """One registry kind.
+
+    :ivar name: the kind's key (``Choice("advantage")`` in config models refers to it).
+    :ivar hook: the ``miles_register_<kind>`` hook that fills it.
+    :ivar human: how messages name one entry (``advantage estimator``).
+    :ivar spec: the type every entry must be.
+    :ivar adapt: turns a bare object of the pre-spec style into the spec (kept for one release).
+    :ivar provides: what to install when nothing is registered.
+    """
+
+    name: str
+    hook: str
+    human: str
+    spec: type[S]
+    adapt: Callable[[Any], S] | None = None
+    provides: str = ""
+
+
+GENERATOR = Kind("generator", "miles_register_generators", "generator", GeneratorSpec, legacy.generator,
+                 "pip install miles-tito for multi_turn and agentic")
+TOOL = Kind("tool", "miles_register_tools", "tool", ToolSpec, legacy.tool, "pip install miles-tito for the calculator")
+AGENT = Kind("agent", "miles_register_agents", "agent", AgentSpec, legacy.agent)
+DATA_SOURCE = Kind("data_source", "miles_register_data_sources", "data source", DataSourceSpec, legacy.data_source)
+REWARD = Kind("reward", "miles_register_rewards", "reward", RewardSpec, legacy.reward,
+              "pip install miles-rm-math for the math reward")
+FILTER = Kind("filter", "miles_register_filters", "filter", FilterSpec, legacy.filter_)
+ADVANTAGE = Kind("advantage", "miles_register_advantages", "advantage estimator", AdvantageSpec, legacy.advantage,
+                 "pip install miles-algorithms")
+POLICY_LOSS = Kind("policy_loss", "miles_register_policy_losses", "policy loss", PolicyLossSpec, legacy.policy_loss,
+                   "pip install miles-algorithms")
+MISMATCH_CORRECTION = Kind("mismatch_correction", "miles_register_mismatch_corrections", "mismatch correction",
+                           CorrectionSpec, legacy.correction, "pip install miles-algorithms")
+CHAT_FAMILY = Kind("chat_family", "miles_register_chat_families", "chat family", ChatFamily, None,
+                   "pip install miles-model-llama or miles-model-qwen3")
+TRAIN_BACKEND = Kind("train_backend", "miles_register_train_backends", "train backend", TrainBackendSpec,
+                     legacy.train_backend, "pip install miles-fsdp (or miles-megatron)")
+WEIGHT_TRANSPORT = Kind("weight_transport", "miles_register_weight_transports", "weight transport",
+                        WeightTransportSpec, legacy.weight_transport, "pip install miles-weights")
+SERVICE = Kind("service", "miles_register_services", "service", ServiceSpec, legacy.service,
+               "pip install miles-engine miles-router")
+ROUTER_MIDDLEWARE = Kind("router_middleware", "miles_register_router_middlewares", "router middleware",
+                         RouterMiddlewareSpec, legacy.router_middleware, "pip install miles-router")
+EXECUTOR = Kind("executor", "miles_register_executors", "executor", ExecutorSpec, legacy.executor,
+                "pip install miles-ray for the ray executor")
+TRACKER = Kind("tracker", "miles_register_trackers", "tracker", TrackerSpec, legacy.tracker,
+               "pip install miles-tracker-tensorboard, -wandb or -mlflow")
+CONFIG_SECTION = Kind("config_section", "miles_register_config_sections", "config section", ConfigSectionSpec,
+                      legacy.config_section)
+COMMAND = Kind("command", "miles_register_commands", "command", CommandSpec, legacy.command)
+
+KINDS: dict[str, Kind[Any]] = {kind.name: kind for kind in (
+    GENERATOR, TOOL, AGENT, DATA_SOURCE, REWARD, FILTER, ADVANTAGE, POLICY_LOSS, MISMATCH_CORRECTION,
+    CHAT_FAMILY, TRAIN_BACKEND, WEIGHT_TRANSPORT, SERVICE, ROUTER_MIDDLEWARE, EXECUTOR, TRACKER,
+    CONFIG_SECTION, COMMAND,
+)}
+"""Every kind by name, in the order ``docs/plugins/hooks.md`` lists them."""
