@@ -12,7 +12,7 @@ from miles.errors import ConfigError, MilesError
 from miles.kernel import Kernel
 from miles.loop.services import _waves, plan_services
 from miles.placement import plan_placement
-from miles_contracts import Endpoint, Node, ServiceLaunch
+from miles_contracts import Endpoint, GeneratorSpec, Node, ServiceLaunch
 
 
 def _plan(kernel: Kernel, **sections):
@@ -32,37 +32,36 @@ def test_the_agentic_generator_asks_for_the_session_server_which_needs_the_route
                             tito={"max_rollback_turns": 2})
     assert [[p.name for p in wave] for wave in _waves(planned)] == [["engine-0"], ["router"], ["session"]]
     session = next(p for p in planned if p.role == "session")
-    argv = session.service.command(ServiceLaunch(config, "/models/m", Endpoint("127.0.0.1", 4000),
+    argv = session.service.command(ServiceLaunch(config, "/runs/r/config.yaml", "/models/m", Endpoint("127.0.0.1", 4000),
                                                  {"router": ["http://127.0.0.1:3000"]}))
     assert argv[:3] == [sys.executable, "-m", "miles_tito.server"]
     assert argv[argv.index("--router") + 1] == "http://127.0.0.1:3000" and argv[argv.index("--port") + 1] == "4000"
-    assert argv[argv.index("--max-rollback-turns") + 1] == "2"  # from the tito section
+    # the tito section reaches the process in the run's config file, not spelled as flags
+    assert argv[argv.index("--config") + 1] == "/runs/r/config.yaml" and "--max-rollback-turns" not in argv
 
 
-def test_the_router_gets_its_engines_and_every_setting_of_its_section() -> None:
+def test_the_router_gets_its_engines_and_the_runs_config_file() -> None:
     config, planned = _plan(Kernel.load(), router={"forward_client": "httpx", "max_attempts": 5})
     router = next(p for p in planned if p.role == "router")
     assert router.service.config_sections == ("router",)
-    argv = router.service.command(ServiceLaunch(config, "/m", Endpoint("10.0.0.1", 3000),
+    argv = router.service.command(ServiceLaunch(config, "/runs/r/config.yaml", "/m", Endpoint("10.0.0.1", 3000),
                                                 {"engine": ["http://10.0.0.2:1", "http://10.0.0.3:2"]}))
     assert argv[argv.index("--host") + 1] == "10.0.0.1"
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "--worker"] == ["http://10.0.0.2:1", "http://10.0.0.3:2"]
-    assert argv[argv.index("--forward-client") + 1] == "httpx" and argv[argv.index("--max-attempts") + 1] == "5"
+    assert argv[argv.index("--config") + 1] == "/runs/r/config.yaml"
+    assert "--forward-client" not in argv and "--max-attempts" not in argv  # the section travels in the file
 
 
-class _NeedsJudge:
-    """A third-party generator that needs a service role nobody registers."""
-
-    services = ("judge",)
-
-    async def __call__(self, sample, ctx):
-        return sample
+async def _judged(sample, ctx):
+    return sample
 
 
 class _ThirdParty:
+    """A third-party generator that needs a service role nobody registers."""
+
     @hookimpl
     def miles_register_generators(self, register):
-        register("judged", _NeedsJudge())
+        register("judged", GeneratorSpec(_judged, services=("judge",)))
 
 
 @pytest.fixture

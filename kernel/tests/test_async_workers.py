@@ -10,16 +10,17 @@ import asyncio
 import pytest
 from miles import hookimpl
 from miles.config import MilesConfig
+from miles.context import context_for
 from miles.data.source import open_data_source
 from miles.errors import PluginError
 from miles.kernel import Kernel
 from miles.loop.buffer import GroupBuffer
-from miles.loop.fully_async import filter_pipeline
+from miles.loop.modes.fully_async import filter_pipeline
 from miles.loop.producer import RolloutWorkers
 from miles.loop.rollout import RolloutManager
 from miles.plugins import PluginSelection
 from miles.sections import AlgorithmSection, RolloutSection, RunSection
-from miles_contracts import ExitReason, FilterVerdict, Sample, Status
+from miles_contracts import ExitReason, FilterSpec, FilterVerdict, GeneratorSpec, Sample, Status
 
 
 async def instant(sample: Sample, ctx: object) -> Sample:
@@ -37,11 +38,11 @@ def breaks_on_group_2(group: list[Sample]) -> FilterVerdict:
 class Workload:
     @hookimpl
     def miles_register_generators(self, register):
-        register("instant", instant)
+        register("instant", GeneratorSpec(instant))
 
     @hookimpl
     def miles_register_filters(self, register):
-        register("breaks_on_group_2", breaks_on_group_2)
+        register("breaks_on_group_2", FilterSpec(breaks_on_group_2))
 
 
 def _workers(filters: list[str]) -> tuple[RolloutWorkers, GroupBuffer]:
@@ -51,7 +52,7 @@ def _workers(filters: list[str]) -> tuple[RolloutWorkers, GroupBuffer]:
     config = MilesConfig(run=RunSection(mode="fully_async"), algorithm=AlgorithmSection(correction="tis"),
                          rollout=RolloutSection(generator="instant", samples_per_prompt=2, prompts_per_step=2,
                                                 concurrency=4, filters=filters))
-    manager = RolloutManager(config, kernel, open_data_source(config.data, kernel), engine=None, tokenizer=None)
+    manager = RolloutManager(context_for(config, kernel=kernel), open_data_source(context_for(config, kernel=kernel)), engine=None, tokenizer=None)
     buffer = GroupBuffer(4, admit=filter_pipeline(filters, kernel))
     return RolloutWorkers(manager, buffer, version=lambda: 0), buffer
 
@@ -91,7 +92,7 @@ async def refused(sample: Sample, ctx: object) -> Sample:
 class Refused:
     @hookimpl
     def miles_register_generators(self, register):
-        register("refused", refused)
+        register("refused", GeneratorSpec(refused))
 
 
 def _refusing_kernel() -> Kernel:
@@ -106,17 +107,18 @@ def test_a_run_whose_every_group_aborts_stops_with_the_reason() -> None:
     from types import SimpleNamespace
 
     from miles.errors import MilesError
-    from miles.loop.fully_async import _take
+    from miles.loop.modes.fully_async import _take
 
     kernel = _refusing_kernel()
     config = MilesConfig(run=RunSection(mode="fully_async"), algorithm=AlgorithmSection(correction="tis"),
                          rollout=RolloutSection(generator="refused", samples_per_prompt=2, prompts_per_step=2,
                                                 concurrency=4))
-    manager = RolloutManager(config, kernel, open_data_source(config.data, kernel), engine=None, tokenizer=None)
+    manager = RolloutManager(context_for(config, kernel=kernel), open_data_source(context_for(config, kernel=kernel)), engine=None, tokenizer=None)
     buffer = GroupBuffer(4)
     workers = RolloutWorkers(manager, buffer, version=lambda: 0)
     messages: list[str] = []
-    run = SimpleNamespace(config=config, step=1, version=0, progress=SimpleNamespace(message=messages.append))
+    run = SimpleNamespace(config=config, state=SimpleNamespace(step=1, version=0),
+                          progress=SimpleNamespace(message=messages.append))
 
     async def scenario() -> None:
         workers.start()
@@ -138,7 +140,7 @@ def test_aborts_after_a_queued_group_still_stop_the_run_and_one_success_resets_t
     from types import SimpleNamespace
 
     from miles.errors import MilesError
-    from miles.loop.fully_async import _take
+    from miles.loop.modes.fully_async import _take
 
     class Buffer:  # the part of GroupBuffer _take reads; each take() waits one window, then `events` happen
         def __init__(self, windows: list[dict[str, int]]) -> None:
@@ -154,8 +156,8 @@ def test_aborts_after_a_queued_group_still_stop_the_run_and_one_success_resets_t
 
     def taken(windows: list[dict[str, int]]) -> tuple[int, str]:
         messages: list[str] = []
-        run = SimpleNamespace(config=SimpleNamespace(rollout=SimpleNamespace(prompts_per_step=2)), step=1, version=0,
-                              progress=SimpleNamespace(message=messages.append))
+        run = SimpleNamespace(config=SimpleNamespace(rollout=SimpleNamespace(prompts_per_step=2)),
+                              state=SimpleNamespace(step=1, version=0), progress=SimpleNamespace(message=messages.append))
         with pytest.raises(MilesError, match="every group that finished was aborted") as error:
             asyncio.run(_take(run, Buffer(windows), SimpleNamespace(in_flight=4), report_every=0.05))
         return len(messages), str(error.value)
@@ -173,7 +175,7 @@ def test_a_step_stops_drawing_prompts_after_a_round_in_which_every_sample_aborte
     kernel = _refusing_kernel()
     config = MilesConfig(rollout=RolloutSection(generator="refused", samples_per_prompt=2, prompts_per_step=3,
                                                 filters=["no_aborted"]))
-    manager = RolloutManager(config, kernel, open_data_source(config.data, kernel), engine=None, tokenizer=None)
+    manager = RolloutManager(context_for(config, kernel=kernel), open_data_source(context_for(config, kernel=kernel)), engine=None, tokenizer=None)
     before = manager.over_sampler.state_dict()
     rollout = asyncio.run(manager.collect(1))
     assert len(rollout.all_samples) == 6 and rollout.groups == []  # one round of 3 groups, no more
@@ -187,7 +189,7 @@ def test_the_last_steps_evaluation_supersedes_one_still_running_and_a_failed_one
     and the last step waits for the final weights' evaluation. One that failed still fails the run."""
     from types import SimpleNamespace
 
-    from miles.loop.fully_async import BackgroundEvaluation
+    from miles.loop.modes.fully_async import BackgroundEvaluation
 
     async def evaluate(step: int) -> dict[str, float]:
         await asyncio.sleep(0.3 if step < 3 else 0.01)
@@ -195,8 +197,10 @@ def test_the_last_steps_evaluation_supersedes_one_still_running_and_a_failed_one
             raise RuntimeError("the eval data is broken")
         return {"eval/accuracy": float(step)}
 
-    run = SimpleNamespace(config=SimpleNamespace(eval=SimpleNamespace(every=2), run=SimpleNamespace(steps=3)),
-                          _evaluate=evaluate)
+    def due(step: int) -> bool:  # eval.every=2 over 3 steps, as StepOps.evaluation_due says
+        return step % 2 == 0 or step == 3
+
+    run = SimpleNamespace(evaluation_due=due, evaluate=evaluate)
 
     async def last_step() -> dict:
         evaluation = BackgroundEvaluation(run)
@@ -224,14 +228,14 @@ def test_evaluation_numbers_its_samples_apart_from_training() -> None:
     survive a checkpoint."""
     kernel = _refusing_kernel()
     config = MilesConfig(rollout=RolloutSection(generator="refused", samples_per_prompt=2, prompts_per_step=1))
-    manager = RolloutManager(config, kernel, open_data_source(config.data, kernel), engine=None, tokenizer=None)
+    manager = RolloutManager(context_for(config, kernel=kernel), open_data_source(context_for(config, kernel=kernel)), engine=None, tokenizer=None)
     first = manager.make_groups(manager.data.next_prompts(1), 2)
     evaluated = manager.make_groups(manager.data.next_prompts(2), 3, evaluation=True)
     second = manager.make_groups(manager.data.next_prompts(1), 2)
     assert [(s.group_index, s.index) for g in first + second for s in g] == [(0, 0), (0, 1), (1, 2), (1, 3)]
     assert [(s.group_index, s.index) for g in evaluated for s in g] == [(0, 0), (0, 1), (0, 2), (1, 3), (1, 4), (1, 5)]
     state = manager.state_dict()
-    again = RolloutManager(config, kernel, open_data_source(config.data, kernel), engine=None, tokenizer=None)
+    again = RolloutManager(context_for(config, kernel=kernel), open_data_source(context_for(config, kernel=kernel)), engine=None, tokenizer=None)
     again.load_state_dict(state)
     assert [s.index for g in again.make_groups(again.data.next_prompts(1), 2, evaluation=True) for s in g] == [6, 7]
     assert [s.index for g in again.make_groups(again.data.next_prompts(1), 2) for s in g] == [4, 5]

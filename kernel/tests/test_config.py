@@ -10,6 +10,21 @@ from miles.config import MilesConfig, load_config
 from miles.errors import ConfigError
 from miles.kernel import Kernel
 from miles.plugins import PluginSelection
+from miles_contracts import (
+    AdvantageSpec,
+    ConfigSectionSpec,
+    CorrectionSpec,
+    DataSourceSpec,
+    ExecutorSpec,
+    FilterSpec,
+    GeneratorSpec,
+    PolicyLossSpec,
+    RewardSpec,
+    ServiceSpec,
+    TrackerSpec,
+    TrainBackendSpec,
+    WeightTransportSpec,
+)
 from pydantic import BaseModel, ConfigDict
 
 
@@ -17,6 +32,10 @@ class ToyOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     depth: int = 2
     label: str = "x"
+
+
+def _unused(*args: object, **kwargs: object) -> object:
+    raise AssertionError("config validation must not call an implementation")
 
 
 class DefaultsPlugin:
@@ -28,68 +47,59 @@ class DefaultsPlugin:
 
     @hookimpl
     def miles_register_config_sections(self, register):
-        register("toy", ToyOptions)
+        register("toy", ConfigSectionSpec(ToyOptions))
 
     @hookimpl
     def miles_register_data_sources(self, register):
-        register("arithmetic", object)
-        register("jsonl", object)
+        register("arithmetic", DataSourceSpec(_unused))
+        register("jsonl", DataSourceSpec(_unused))
 
     @hookimpl
     def miles_register_generators(self, register):
-        register("single_turn", object)
+        register("single_turn", GeneratorSpec(_unused))
 
     @hookimpl
     def miles_register_services(self, register):
-        class Engine:
-            role = "engine"
-
-        register("embedded", Engine())
+        register("embedded", ServiceSpec("engine", _unused))
 
     @hookimpl
     def miles_register_filters(self, register):
-        register("no_aborted", object)
-        register("zero_variance", object)
+        register("no_aborted", FilterSpec(_unused))
+        register("zero_variance", FilterSpec(_unused))
 
     @hookimpl
     def miles_register_rewards(self, register):
-        register("exact_match", object)
+        register("exact_match", RewardSpec(_unused))
 
     @hookimpl
     def miles_register_advantages(self, register):
-        class Grpo:
-            needs_critic = False
-
-        class Gae:
-            needs_critic = True
-
-        register("grpo", Grpo)
-        register("ppo", Gae)
+        register("grpo", AdvantageSpec(_unused))
+        register("ppo", AdvantageSpec(_unused, needs_critic=True))
 
     @hookimpl
     def miles_register_policy_losses(self, register):
-        register("ppo_clip", object)
+        register("ppo_clip", PolicyLossSpec(_unused))
 
     @hookimpl
     def miles_register_mismatch_corrections(self, register):
-        register("none", object)
-        register("tis", object)
+        register("none", CorrectionSpec(_unused))
+        register("tis", CorrectionSpec(_unused))
 
     @hookimpl
     def miles_register_train_backends(self, register):
-        register("fsdp", object)
+        register("fsdp", TrainBackendSpec(_unused))
 
     @hookimpl
     def miles_register_weight_transports(self, register):
-        register("shared_memory", object)
+        register("shared_memory", WeightTransportSpec(_unused))
 
     @hookimpl
     def miles_register_trackers(self, register):
-        register("jsonl", object)
+        register("jsonl", TrackerSpec(_unused))
 
     @hookimpl
     def miles_register_executors(self, register):
-        register("local", object)
+        register("local", ExecutorSpec(_unused))
 
 
 @pytest.fixture
@@ -195,7 +205,7 @@ def test_async_settings_are_checked_against_the_mode(kernel: Kernel) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(None, ["weights.update_interval=2", "rollout.max_staleness=1"], kernel=kernel)
     assert "weights.update_interval (2) applies to run.mode fully_async only" in str(err.value)
-    assert "rollout.max_staleness applies to run.mode fully_async only" in str(err.value)
+    assert "rollout.max_staleness (1) applies to run.mode fully_async only" in str(err.value)
     with pytest.raises(ConfigError) as err:
         load_config(None, ["run.mode=fully_async", "rollout.concurrency=2", "rollout.samples_per_prompt=4"], kernel=kernel)
     assert "rollout.concurrency (2) must be at least rollout.samples_per_prompt (4)" in str(err.value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from miles.context import context_for
 from miles.data import DataError, eval_prompts, open_data_source
 from miles.data.arithmetic import ArithmeticTask, Problem
 from miles.kernel import Kernel
@@ -21,7 +22,7 @@ def kernel() -> Kernel:
 
 
 def task(kernel: Kernel, seed: int = 0, **options) -> ArithmeticTask:
-    return open_data_source(DataSection(source="arithmetic", seed=seed, options=options), kernel)
+    return open_data_source(context_for(kernel=kernel), DataSection(source="arithmetic", seed=seed, options=options))
 
 
 def test_problems_follow_operator_precedence() -> None:
@@ -61,8 +62,8 @@ def test_held_out_problems_never_appear_in_training(kernel: Kernel, options: dic
 
 def test_the_eval_split_is_the_same_for_every_seed_and_call(kernel: Kernel) -> None:
     config = DataSection(source="arithmetic", seed=1)
-    first = [s.metadata["expression"] for s in eval_prompts(config, kernel, 16)]
-    assert first == [s.metadata["expression"] for s in eval_prompts(config.model_copy(update={"seed": 9}), kernel, 16)]
+    first = [s.metadata["expression"] for s in eval_prompts(context_for(kernel=kernel), 16, config=config)]
+    assert first == [s.metadata["expression"] for s in eval_prompts(context_for(kernel=kernel), 16, config=config.model_copy(update={"seed": 9}))]
     assert len(first) == len(set(first)) == 16
     small_space = task(kernel).eval_prompts(1000)  # single-digit addition: 100 problems, about 20 held out
     assert 5 < len(small_space) < 40

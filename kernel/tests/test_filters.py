@@ -10,7 +10,7 @@ from miles.filtering import FilterResult, OverSampler, apply_filters, over_sampl
 from miles.kernel import Kernel
 from miles.plugins import PluginSelection, load_plugins
 from miles.registry import Register, UnknownNameError
-from miles_contracts import ExitReason, FilterVerdict, Sample, Status
+from miles_contracts import ExitReason, FilterSpec, FilterVerdict, Sample, Status
 from miles_contracts.testing.filter import check_filter
 
 
@@ -22,8 +22,8 @@ def group(*rewards: float | None, statuses: tuple[Status, ...] | None = None, in
 class FiltersForTests:
     @hookimpl
     def miles_register_filters(self, register: Register) -> None:
-        register("crashes", lambda g: 1 / 0)
-        register("says_yes", lambda g: True)
+        register("crashes", FilterSpec(lambda g: 1 / 0))
+        register("says_yes", FilterSpec(lambda g: True))
 
 
 @pytest.fixture(scope="module")

@@ -3,21 +3,30 @@
 from __future__ import annotations
 
 import pytest
-from miles.errors import PluginError
+from miles.errors import MilesDeprecationWarning, PluginError
 from miles.kernel import Kernel
 from miles.plugins import PluginSelection
 from miles.registry import UnknownNameError
-from miles_contracts import ForwardContext
+from miles_contracts import (
+    ConfigSectionSpec,
+    ForwardContext,
+    GeneratorSpec,
+    Process,
+    RewardSpec,
+    RunContext,
+    ServiceSpec,
+)
 
 REWARD_PLUGIN = """
     from miles import hookimpl
+    from miles_contracts import RewardSpec
 
     def shout(samples):
         return [1.0 for _ in samples]
 
     @hookimpl
     def miles_register_rewards(register):
-        register("shout", shout)
+        register("shout", RewardSpec(shout))
 """
 
 
@@ -31,8 +40,80 @@ def test_builtins_are_loaded_through_entry_points(fresh_kernels: None) -> None:
 def test_external_plugin_registers_by_name_with_its_origin(extra_plugins) -> None:
     extra_plugins("shouty", REWARD_PLUGIN)
     kernel = Kernel.load()
-    assert kernel.rewards().get("shout")([object(), object()]) == [1.0, 1.0]
+    spec = kernel.rewards().get("shout")
+    assert isinstance(spec, RewardSpec)
+    assert spec.score([object(), object()]) == [1.0, 1.0]
     assert kernel.rewards().entry("shout").plugin == "shouty"
+
+
+def test_a_bare_object_of_the_old_style_is_adapted_with_a_warning_naming_the_spec(extra_plugins) -> None:
+    """Plugins written before specs keep working for one release: their capability attributes
+    become the spec's fields, and the warning says what to register instead."""
+    extra_plugins("old", """
+        from miles import hookimpl
+
+        def shout(samples):
+            return [1.0 for _ in samples]
+
+        def make_backend(config):
+            return ("backend for", config)
+        make_backend.weights_on_rank0 = True
+
+        class Estimator:
+            needs_critic = True
+            policy_loss = "gspo"
+
+            def __call__(self, batch, params):
+                raise AssertionError("not called")
+
+        @hookimpl
+        def miles_register_rewards(register):
+            register("shout", shout)
+
+        @hookimpl
+        def miles_register_train_backends(register):
+            register("old_backend", make_backend)
+
+        @hookimpl
+        def miles_register_advantages(register):
+            register("old_estimator", Estimator())
+    """)
+    kernel = Kernel.load()
+    with pytest.warns(MilesDeprecationWarning, match="reward 'shout' as a bare function; register miles_contracts.RewardSpec"):
+        reward = kernel.rewards().get("shout")
+    assert reward.score([object()]) == [1.0]
+    with pytest.warns(MilesDeprecationWarning, match="TrainBackendSpec.*weights_on_rank0 become spec fields"):
+        backend = kernel.train_backends().get("old_backend")
+    assert backend.weights_on_rank0 is True
+    config = object()
+    ctx = RunContext(config, kernel, Process.trainer_rank(0))  # type: ignore[arg-type]
+    assert backend.create(ctx) == ("backend for", config)  # the old factory took the config
+    with pytest.warns(MilesDeprecationWarning, match="AdvantageSpec"):
+        estimator = kernel.advantages().get("old_estimator")
+    assert (estimator.needs_critic, estimator.zero_sum_groups, estimator.policy_loss) == (True, False, "gspo")
+
+
+def test_what_cannot_be_a_spec_is_refused_naming_the_spec(extra_plugins) -> None:
+    extra_plugins("wrong", """
+        from miles import hookimpl
+
+        @hookimpl
+        def miles_register_services(register):
+            register("nothing", 42)
+    """)
+    with pytest.raises(PluginError, match="plugin 'wrong' registered service 'nothing' as a int.*ServiceSpec"):
+        Kernel.load().services()
+
+
+def test_specs_check_their_fields_when_the_plugin_registers() -> None:
+    with pytest.raises(TypeError, match="RewardSpec.score must be callable"):
+        RewardSpec(42)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="GeneratorSpec.services must be a tuple of non-empty names"):
+        GeneratorSpec(lambda s, c: s, services="session")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="health_path must start with '/'"):
+        ServiceSpec("engine", lambda launch: [], health_path="health")
+    with pytest.raises(TypeError, match="pydantic model class"):
+        ConfigSectionSpec(dict)  # type: ignore[arg-type]
 
 
 def test_disable_blocks_before_loading(extra_plugins) -> None:

@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from miles.config import MilesConfig
+from miles.context import context_for
 from miles.kernel import Kernel
 from miles.plugins import PluginSelection, load_plugins
 from miles.rewards import score_samples_blocking
@@ -137,7 +139,7 @@ def test_score_binds_the_config_and_fails_only_rejected_samples(server: str) -> 
     selection = PluginSelection(enable=("rewards",))
     kernel = Kernel(load_plugins(selection), selection)
     samples = [completed("fine", "1", 0), completed("boom", "1", 1)]
-    report = score_samples_blocking(samples, kernel, RewardSection(name="remote", remote_url=f"{server}/picky"))
+    report = score_samples_blocking(samples, context_for(MilesConfig(reward=RewardSection(name="remote", remote_url=f"{server}/picky")), kernel=kernel))
     assert samples[0].reward == 1.0
     assert samples[1].status is Status.FAILED and samples[1].exit_reason is ExitReason.REWARD_ERROR
     assert "HTTP 422" in samples[1].exit_detail

@@ -8,12 +8,14 @@ from collections.abc import Sequence
 
 import pytest
 from miles import hookimpl
+from miles.config import MilesConfig
+from miles.context import context_for
 from miles.kernel import Kernel
 from miles.plugins import PluginSelection, load_plugins
 from miles.registry import Register, UnknownNameError
 from miles.rewards import score_samples, score_samples_blocking
 from miles.sections import RewardSection
-from miles_contracts import ExitReason, Sample, Status
+from miles_contracts import ExitReason, RewardSpec, Sample, Status
 
 RELEASE = threading.Event()
 
@@ -38,11 +40,11 @@ def waits_for_the_loop(samples: Sequence[Sample]) -> list[float]:
 class RewardsForTests:
     @hookimpl
     def miles_register_rewards(self, register: Register) -> None:
-        register("picky", picky)
-        register("slow", slow)
-        register("waits_for_the_loop", waits_for_the_loop)
-        register("nothing", lambda samples: [])
-        register("nan_for_empty", lambda samples: [float("nan") if not s.response else 1.0 for s in samples])
+        register("picky", RewardSpec(picky))
+        register("slow", RewardSpec(slow))
+        register("waits_for_the_loop", RewardSpec(waits_for_the_loop))
+        register("nothing", RewardSpec(lambda samples: []))
+        register("nan_for_empty", RewardSpec(lambda samples: [float("nan") if not s.response else 1.0 for s in samples]))
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +62,7 @@ def completed(response: str, label: str | None = "4", reward: str | None = None,
 
 def test_scores_every_sample_with_its_reward(kernel: Kernel) -> None:
     samples = [completed("4", index=0), completed("5", index=1), completed("anything", reward="picky", index=2)]
-    report = score_samples_blocking(samples, kernel, RewardSection(name="exact_match"))
+    report = score_samples_blocking(samples, context_for(MilesConfig(reward=RewardSection(name="exact_match")), kernel=kernel))
     assert [s.reward for s in samples] == [1.0, 0.0, 1.0]
     assert all(s.status is Status.COMPLETED for s in samples)
     assert (report.scored, report.failed, report.skipped) == (3, 0, 0)
@@ -70,7 +72,7 @@ def test_scores_every_sample_with_its_reward(kernel: Kernel) -> None:
 
 def test_a_raising_reward_fails_only_the_sample_it_cannot_score(kernel: Kernel) -> None:
     samples = [completed("fine", index=0), completed("boom", index=1), completed("also fine", index=2)]
-    report = score_samples_blocking(samples, kernel, RewardSection(name="picky"))
+    report = score_samples_blocking(samples, context_for(MilesConfig(reward=RewardSection(name="picky")), kernel=kernel))
     assert [s.reward for s in samples] == [1.0, None, 1.0]
     bad = samples[1]
     assert bad.status is Status.FAILED and bad.exit_reason is ExitReason.REWARD_ERROR
@@ -80,7 +82,7 @@ def test_a_raising_reward_fails_only_the_sample_it_cannot_score(kernel: Kernel) 
 
 def test_a_reward_that_times_out_fails_its_samples_not_the_others(kernel: Kernel) -> None:
     samples = [completed("hang", reward="slow", index=0), completed("4", index=1)]
-    report = score_samples_blocking(samples, kernel, RewardSection(name="exact_match", timeout=0.2))
+    report = score_samples_blocking(samples, context_for(MilesConfig(reward=RewardSection(name="exact_match", timeout=0.2)), kernel=kernel))
     assert samples[0].status is Status.FAILED
     assert "did not finish within 0.2 s (reward.timeout)" in samples[0].exit_detail
     assert samples[1].reward == 1.0 and samples[1].status is Status.COMPLETED
@@ -90,7 +92,7 @@ def test_a_reward_that_times_out_fails_its_samples_not_the_others(kernel: Kernel
 def test_nan_and_wrong_shapes_mark_samples(kernel: Kernel) -> None:
     samples = [completed("", reward="nan_for_empty", index=0), completed("x", reward="nan_for_empty", index=1),
                completed("x", reward="nothing", index=2)]
-    score_samples_blocking(samples, kernel, RewardSection())
+    score_samples_blocking(samples, context_for(MilesConfig(reward=RewardSection()), kernel=kernel))
     assert "returned nan" in samples[0].exit_detail and samples[0].status is Status.FAILED
     assert samples[1].reward == 1.0
     assert "returned 0 values for 1 samples" in samples[2].exit_detail
@@ -98,18 +100,18 @@ def test_nan_and_wrong_shapes_mark_samples(kernel: Kernel) -> None:
 
 def test_samples_without_a_response_are_skipped(kernel: Kernel) -> None:
     aborted = completed("", index=0).finish(Status.ABORTED, ExitReason.ABORT)
-    report = score_samples_blocking([aborted, completed("4", index=1)], kernel, RewardSection())
+    report = score_samples_blocking([aborted, completed("4", index=1)], context_for(MilesConfig(reward=RewardSection()), kernel=kernel))
     assert aborted.reward is None and aborted.status is Status.ABORTED and aborted.exit_reason is ExitReason.ABORT
     assert (report.scored, report.skipped) == (1, 1)
 
 
 def test_unknown_reward_names_are_errors_naming_the_sample(kernel: Kernel) -> None:
     with pytest.raises(UnknownNameError, match=r'metadata\["reward"\] of sample 7: unknown reward \'exact_mach\'.*exact_match'):
-        score_samples_blocking([completed("4", reward="exact_mach", index=7)], kernel, RewardSection())
+        score_samples_blocking([completed("4", reward="exact_mach", index=7)], context_for(MilesConfig(reward=RewardSection()), kernel=kernel))
     bad = completed("4", index=8)
     bad.metadata["reward"] = {"name": "f1"}
     with pytest.raises(TypeError, match=r'metadata\["reward"\] of sample 8 is \{\'name\': \'f1\'\}; expected the name'):
-        score_samples_blocking([bad], kernel, RewardSection())
+        score_samples_blocking([bad], context_for(MilesConfig(reward=RewardSection()), kernel=kernel))
 
 
 def test_sync_rewards_run_off_the_event_loop(kernel: Kernel) -> None:
@@ -121,7 +123,7 @@ def test_sync_rewards_run_off_the_event_loop(kernel: Kernel) -> None:
             await asyncio.sleep(0)
             RELEASE.set()
 
-        await asyncio.gather(score_samples(samples, kernel, RewardSection()), release())
+        await asyncio.gather(score_samples(samples, context_for(MilesConfig(reward=RewardSection()), kernel=kernel)), release())
 
     asyncio.run(main())
     assert samples[0].reward == 1.0  # 0.0 would mean the reward blocked the loop until its wait gave up

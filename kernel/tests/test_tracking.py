@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 from miles import hookimpl
 from miles.config import MilesConfig
+from miles.context import context_for
 from miles.errors import PluginError
 from miles.kernel import Kernel
 from miles.plugins import PluginSelection, load_plugins
 from miles.registry import Register
 from miles.sections import TrackingSection
 from miles.tracking import METRICS_FILE, open_trackers, read_metrics
+from miles_contracts import TrackerSpec
 
 
 class ListTracker:
@@ -43,9 +45,9 @@ MADE: dict[str, ListTracker] = {}
 class TrackersForTests:
     @hookimpl
     def miles_register_trackers(self, register: Register) -> None:
-        register("memory", lambda config, run_dir: MADE.setdefault("memory", ListTracker()))
-        register("flaky", lambda config, run_dir: MADE.setdefault("flaky", Flaky()))
-        register("broken", lambda config, run_dir: (_ for _ in ()).throw(RuntimeError("no API key")))
+        register("memory", TrackerSpec(lambda ctx: MADE.setdefault("memory", ListTracker())))
+        register("flaky", TrackerSpec(lambda ctx: MADE.setdefault("flaky", Flaky())))
+        register("broken", TrackerSpec(lambda ctx: (_ for _ in ()).throw(RuntimeError("no API key"))))
 
 
 @pytest.fixture
@@ -63,7 +65,7 @@ def config(*trackers: str) -> MilesConfig:
 
 def test_jsonl_always_runs_one_flushed_object_per_step(kernel: Kernel, tmp_path: Path) -> None:
     run_dir = tmp_path / "runs" / "demo"
-    logger = open_trackers(config(), run_dir, kernel)  # no tracker named: jsonl anyway
+    logger = open_trackers(context_for(config(), run_dir=run_dir, kernel=kernel))  # no tracker named: jsonl anyway
     assert logger.names == ["jsonl"]
     logger.log({"reward/mean": 0.25, "eval/pass@1": float("nan"), "train/steps": 3, "flag": True}, step=1)
     lines = (run_dir / METRICS_FILE).read_text().splitlines()  # readable before close: flushed
@@ -75,14 +77,14 @@ def test_jsonl_always_runs_one_flushed_object_per_step(kernel: Kernel, tmp_path:
     logger.close()
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
 
-    resumed = open_trackers(config("jsonl"), run_dir, kernel)
+    resumed = open_trackers(context_for(config("jsonl"), run_dir=run_dir, kernel=kernel))
     resumed.log({"reward/mean": 0.75}, step=3)
     resumed.close()
     assert [r["reward/mean"] for r in read_metrics(run_dir / METRICS_FILE)] == [0.25, 0.5, 0.75]
 
 
 def test_jsonl_rejects_bad_metrics(kernel: Kernel, tmp_path: Path) -> None:
-    logger = open_trackers(config(), tmp_path, kernel)
+    logger = open_trackers(context_for(config(), run_dir=tmp_path, kernel=kernel))
     with pytest.raises(ValueError, match="metric name 'step' is reserved"):
         logger.log({"step": 1.0}, step=1)
     with pytest.raises(TypeError, match="metric 'status' is 'ok'; metrics are numbers"):
@@ -91,7 +93,7 @@ def test_jsonl_rejects_bad_metrics(kernel: Kernel, tmp_path: Path) -> None:
 
 
 def test_optional_trackers_get_every_step_and_a_failing_one_never_ends_the_run(kernel: Kernel, tmp_path: Path, caplog) -> None:
-    logger = open_trackers(config("flaky", "memory", "flaky"), tmp_path, kernel)
+    logger = open_trackers(context_for(config("flaky", "memory", "flaky"), run_dir=tmp_path, kernel=kernel))
     assert logger.names == ["jsonl", "flaky", "memory"]
     with caplog.at_level(logging.WARNING):
         for step in (1, 2, 3):
@@ -106,7 +108,7 @@ def test_optional_trackers_get_every_step_and_a_failing_one_never_ends_the_run(k
 
 def test_a_tracker_that_cannot_start_is_an_error_naming_it(kernel: Kernel, tmp_path: Path) -> None:
     with pytest.raises(PluginError, match=r"tracker 'broken' \(plugin trackers_for_tests\) could not start: RuntimeError: no API key"):
-        open_trackers(config("memory", "broken"), tmp_path, kernel)
+        open_trackers(context_for(config("memory", "broken"), run_dir=tmp_path, kernel=kernel))
     assert MADE["memory"].closed  # trackers already started are closed again
 
 
@@ -114,7 +116,7 @@ def test_a_resume_supersedes_the_records_of_steps_that_run_again(kernel: Kernel,
     from miles.tracking.jsonl import SUPERSEDED_FILE, supersede_after
 
     config = MilesConfig()
-    logger = open_trackers(config, tmp_path, kernel)
+    logger = open_trackers(context_for(config, run_dir=tmp_path, kernel=kernel))
     for step in range(1, 8):
         logger.log({"reward/mean": step / 10}, step)
     logger.close()
@@ -127,7 +129,7 @@ def test_a_resume_supersedes_the_records_of_steps_that_run_again(kernel: Kernel,
     superseded = (tmp_path / SUPERSEDED_FILE).read_text().splitlines()
     assert [json.loads(line)["step"] for line in superseded[:2]] == [6, 7] and superseded[2] == '{"step": 8, "rew'
 
-    logger = open_trackers(config, tmp_path, kernel)  # the resumed run appends after step 5
+    logger = open_trackers(context_for(config, run_dir=tmp_path, kernel=kernel))  # the resumed run appends after step 5
     logger.log({"reward/mean": 0.65}, 6)
     logger.close()
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]

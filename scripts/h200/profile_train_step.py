@@ -37,7 +37,9 @@ def make_batch(vocab: int, rows: int = 256, seed: int = 0):
 
 def run(config_dir: Path, fsdp: dict, batch, profile_to: Path | None) -> dict:
     from miles.config import MilesConfig
+    from miles.context import context_for
     from miles.sections import ModelSection, RunSection, TrainSection
+    from miles_contracts import Process
     from miles_fsdp.backend import FSDPBackend
     from miles_fsdp.config import FSDPSection
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -47,7 +49,7 @@ def run(config_dir: Path, fsdp: dict, batch, profile_to: Path | None) -> dict:
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation="sdpa")
     config = MilesConfig(model=ModelSection(device="cuda"), run=RunSection(steps=100),
                          train=TrainSection(lr=1e-6, micro_batch_tokens=16384), extra={"fsdp": FSDPSection(**fsdp)})
-    backend = FSDPBackend(config, actor=model)
+    backend = FSDPBackend(context_for(config, Process.trainer_rank(0)), actor=model)
     try:
         for _ in range(3):
             backend.train_step(batch)

@@ -19,13 +19,15 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
+    from miles.config import MilesConfig
+    from miles.context import context_for
     from miles.data.source import eval_prompts
-    from miles.kernel import Kernel
     from miles.rewards.exact_match import exact_match_score
     from miles.sections import DataSection
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    prompts = eval_prompts(DataSection(source="arithmetic", options={"digits": 2}), Kernel.load(), limit=args.n)
+    prompts = eval_prompts(context_for(MilesConfig(data=DataSection(source="arithmetic", options={"digits": 2}))),
+                           args.n)
     results = {}
     for path in args.model:
         tokenizer = AutoTokenizer.from_pretrained(path)

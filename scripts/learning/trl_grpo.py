@@ -29,15 +29,15 @@ def main() -> None:
 
     import torch
     from datasets import Dataset
+    from miles.config import MilesConfig
+    from miles.context import context_for
     from miles.data.source import open_data_source
-    from miles.kernel import Kernel
     from miles.rewards.exact_match import exact_match_score
     from miles.sections import DataSection
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    kernel = Kernel.load()
-    source = open_data_source(DataSection(source="arithmetic", options={"digits": 2}), kernel)
+    source = open_data_source(context_for(MilesConfig(data=DataSection(source="arithmetic", options={"digits": 2}))))
     prompts = source.next_prompts(args.steps * args.prompts_per_step)
     dataset = Dataset.from_list([{"prompt": s.prompt, "label": s.label} for s in prompts])
 

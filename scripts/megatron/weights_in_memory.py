@@ -18,17 +18,18 @@ CHILD = """
 import json, resource, sys, time
 import torch
 torch.set_num_threads(1)
-from miles.kernel import Kernel
+from miles.context import context_for
+from miles_contracts import Process
 from miles_megatron import loading
 from miles_megatron.backend import MegatronBackend
 from miles_megatron.testing import config_for
 model, mode = sys.argv[1], sys.argv[2]
 if mode == "whole":
     loading.takes_partial = lambda method: False
-path = Kernel.load().resolve_model(model)
+path = context_for().kernel.resolve_model(model)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 start = time.perf_counter()
-backend = MegatronBackend(config_for(path))
+backend = MegatronBackend(context_for(config_for(path), Process.trainer_rank(0)))
 print(json.dumps({"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "imports_gb": before,
                   "seconds": time.perf_counter() - start}))
 """

@@ -38,10 +38,11 @@ def router(engine: Served) -> Iterator[Served]:
 
 @pytest.fixture(scope="session")
 def session_server(engine: Served, tiny_dense: Path) -> Iterator[Served]:
+    from miles.context import context_for
     from miles_tito.server.background import BackgroundServer
     from miles_tito.server.factory import app_factory, load_tito
 
-    tito = load_tito(tiny_dense, "chatml")
+    tito = load_tito(tiny_dense, "chatml", kernel=context_for().kernel)
     make = app_factory(engine.url, tito, model_name="tiny", max_context_len=128, default_max_tokens=4,
                        max_body_bytes=MAX_BODY)
     with BackgroundServer(make) as server, \

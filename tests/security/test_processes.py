@@ -99,10 +99,11 @@ def test_a_killed_drivers_shared_memory_buckets_are_private_and_removed_at_the_n
     live = create_shm_file(16)  # this process's own bucket stays
     ShmArena()  # the next transport start
     assert not orphan.exists() and live.exists()
+    from miles.context import context_for
     from miles_weights.plugin import _cleanup
 
     live.unlink()
-    assert _cleanup(None) == 0
+    assert _cleanup(None, context_for()) == 0
 
 
 def test_an_interrupted_run_never_exits_0() -> None:
@@ -134,7 +135,7 @@ def _step(*statuses: Any) -> Any:
 
 
 def test_a_step_in_which_every_sample_failed_stops_the_run() -> None:
-    from miles.loop.runner import failed_step_error
+    from miles.loop.steps import failed_step_error
     from miles_contracts import Status
 
     refused = failed_step_error(3, _step(Status.FAILED, Status.ABORTED), retried=False)
@@ -147,19 +148,20 @@ def test_a_step_in_which_every_sample_failed_stops_the_run() -> None:
 
 
 def test_a_step_whose_samples_were_all_aborted_is_collected_again_after_a_health_probe(tmp_path: Path) -> None:
-    """The runner's side of an engine lost mid-rollout (the end-to-end tests kill real engines at
-    a point they choose, this one walks every branch): the step waits for engines that answer a
-    health probe, gives a restarted engine the trainer's weights (or first pushes a one_step_off
-    update that was waiting), collects again and dumps both attempts; a second aborted attempt
-    stops the run, its samples dumped too."""
+    """The step operations' side of an engine lost mid-rollout (the end-to-end tests kill real
+    engines at a point they choose, this one walks every branch): the step waits for engines that
+    answer a health probe, gives a restarted engine the trainer's weights (or first pushes a
+    one_step_off update that was waiting), collects again and dumps both attempts; a second
+    aborted attempt stops the run, its samples dumped too."""
     from miles.config import load_config
+    from miles.context import context_for
     from miles.loop.progress import Progress
-    from miles.loop.runner import Run
+    from miles.loop.steps import RunState, StepOps
     from miles_contracts import Status
 
     events: list[str] = []
 
-    class Services:
+    class Services:  # the part of miles.loop.services.Services the step operations use here
         stale_engines: set[str] = set()
 
         def wait_ready(self, timeout: float, *, router: bool = False, probe: bool = False) -> float:
@@ -176,17 +178,21 @@ def test_a_step_whose_samples_were_all_aborted_is_collected_again_after_a_health
             events.append("collect")
             return self.results.pop(0)
 
+    services = Services()
+
     def sync_weights(*, bump: bool = True) -> dict[str, float]:
         events.append("sync" if bump else "resync")
-        restarted = len(run.services.stale_engines)
-        run.services.stale_engines.clear()
+        restarted = len(services.stale_engines)
+        services.stale_engines.clear()
         return {"time/sync": 0.5, "weights/engines_restarted": float(restarted), "weights/version": 2.0}
 
-    run = Run.__new__(Run)
-    run.config, run.run_dir, run.services, run._unsynced, run.version = load_config(None), tmp_path, Services(), False, 2
-    run.progress, run._sync_weights = Progress(3), sync_weights
-    run.rollout = Rollout(_step(Status.ABORTED, Status.ABORTED), _step(Status.COMPLETED, Status.ABORTED))
-    rollout = asyncio.run(run._rollout(2, None))
+    config = load_config(None)
+    ops = StepOps(config=config, kernel=context_for(config).kernel, run_dir=tmp_path, state=RunState(2, 2),
+                  progress=Progress(3), rollouts=Rollout(_step(Status.ABORTED, Status.ABORTED),
+                                                         _step(Status.COMPLETED, Status.ABORTED)),
+                  learner=None, trainer=None, services=services, metrics=None, eval_prompts=[])  # type: ignore[arg-type]
+    ops.sync_weights = sync_weights  # type: ignore[method-assign]  # no trainer here: record the pushes
+    rollout = asyncio.run(ops.rollout_step(2))
     assert events == ["wait engines", "wait router", "collect",  # the first attempt
                       "wait engines (probe)", "resync", "wait router", "collect"]  # the restarted engine synced first
     assert [s.status for s in rollout.all_samples] == [Status.ABORTED, Status.ABORTED, Status.COMPLETED, Status.ABORTED]
@@ -195,10 +201,15 @@ def test_a_step_whose_samples_were_all_aborted_is_collected_again_after_a_health
 
     # one_step_off: the update that waited for this rollout is pushed before generating again
     events.clear()
-    run._unsynced = True
-    run.rollout = Rollout(_step(Status.ABORTED), _step(Status.ABORTED, Status.ABORTED))
+    ops.rollouts = Rollout(_step(Status.ABORTED), _step(Status.ABORTED, Status.ABORTED))  # type: ignore[assignment]
+    pushed: list[bool] = []
+
+    def deferred_push() -> dict[str, float]:
+        pushed.append(True)
+        return sync_weights()
+
     with pytest.raises(MilesError, match="step 3: all 2 samples were aborted or failed in a second attempt"):
-        asyncio.run(run._rollout(3, None))
-    assert events[3:5] == ["sync", "wait engines (probe)"] and not run._unsynced
+        asyncio.run(ops.rollout_step(3, before_retry=deferred_push))
+    assert events[3:5] == ["sync", "wait engines (probe)"] and pushed == [True]
     dumped = (tmp_path / "samples" / "step_000003.jsonl").read_text().splitlines()
     assert len(dumped) == 3  # the first attempt's sample and the second's two

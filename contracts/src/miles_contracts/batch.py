@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -81,7 +81,7 @@ class TrainBatch:
 
         index = torch.as_tensor(rows, dtype=torch.long, device=self.tokens.device)
         width = int(self.attention_mask[index].sum(dim=1).max().item()) if len(index) else 0
-        out = {}
+        out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "extras":
@@ -91,7 +91,7 @@ class TrainBatch:
         return replace(self, **out)
 
     def to(self, device: torch.device | str) -> TrainBatch:
-        out = {}
+        out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "extras":

@@ -97,10 +97,14 @@ class CapturedPiece:
 
 
 class EngineCapture(Protocol):
-    """A plugin's capture: the spec, the stash key of the result, and how pieces join."""
+    """A plugin's capture: the spec, the stash key of the result, and how pieces join (read-only:
+    a frozen dataclass or class attributes satisfy it)."""
 
-    spec: CaptureSpec
-    key: StashKey[Any]
+    @property
+    def spec(self) -> CaptureSpec: ...
+
+    @property
+    def key(self) -> StashKey[Any]: ...
 
     def stitch(self, pieces: Sequence[CapturedPiece], positions: int) -> Any:
         """Join ``pieces`` (already checked to tile ``[0, positions)``, see :func:`check_tiling`)

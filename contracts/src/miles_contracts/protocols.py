@@ -70,7 +70,13 @@ class AdvantageEstimator(Protocol):
 
 
 class EngineClient(Protocol):
-    """Talks to an engine or the router in the engine wire protocol."""
+    """Talks to an engine or the router in the engine wire protocol.
+
+    :ivar base_url: where it sends requests (the router's URL in a run); generators that start a
+        server of their own in front of the engines (an in-process session server) use it.
+    """
+
+    base_url: str
 
     async def generate(self, request: GenerateRequest, *, routing_key: str | None = None) -> GenerateResponse: ...
 
@@ -126,7 +132,10 @@ class Tool(Protocol):
     description: str
     parameters: dict[str, Any]  # JSON schema of the arguments
 
-    async def __call__(self, **arguments: Any) -> str: ...
+    async def __call__(self, *args: Any, **arguments: Any) -> str:
+        """The tool message text for the model's arguments (called with keywords, one per
+        property of :attr:`parameters`; a tool declares its own named parameters)."""
+        ...
 
 
 AgentFn = Callable[[str, Any, dict[str, Any], dict[str, Any]], Awaitable[dict[str, Any] | None]]
@@ -198,6 +207,19 @@ class RouterMiddleware(Protocol):
     async def __call__(
         self, request: RouterRequest, call_next: Callable[[RouterRequest], Awaitable[RouterResponse]]
     ) -> RouterResponse: ...
+
+
+@runtime_checkable
+class MiddlewareReport(Protocol):
+    """What a middleware whose spec says ``reports=True`` also offers the router's ``/metrics``."""
+
+    def snapshot(self) -> dict[str, Any]:
+        """Its state as JSON data (``GET /metrics``, under the middleware's name)."""
+        ...
+
+    def prometheus(self) -> str:
+        """Its metrics in Prometheus' text format (``GET /metrics?format=prometheus``); may be empty."""
+        ...
 
 
 # --------------------------------------------------------------------------- training and weights

@@ -115,12 +115,18 @@ class AgentSpec:
     """An agent the ``agentic`` generator runs (``rollout.agent``). Runs in the driver.
 
     :ivar run: ``async run_agent(base_url, prompt, request_kwargs, metadata) -> dict | None``.
+    :ivar bind: for an agent that reads the run's settings (a section of its own): ``(ctx) ->
+        AgentFn``, the agent this run runs (called in the driver, with the driver's context).
     """
 
     run: AgentFn
+    _: KW_ONLY
+    bind: Callable[[RunContext], AgentFn] | None = None
 
     def __post_init__(self) -> None:
         _check_callable(self, run=self.run)
+        if self.bind is not None:
+            _check_callable(self, bind=self.bind)
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,9 +321,13 @@ class RouterMiddlewareSpec:
 
     :ivar create: ``(ctx, options) -> RouterMiddleware``; ``options`` is the middleware's entry of
         ``router.middleware_options``. Raise ``ValueError`` for bad options (reported as config errors).
+    :ivar reports: the middleware also is a :class:`~miles_contracts.protocols.MiddlewareReport`
+        (``snapshot()``, ``prometheus()``): the router's ``/metrics`` includes what it reports.
     """
 
     create: Callable[[RunContext, Mapping[str, Any]], RouterMiddleware]
+    _: KW_ONLY
+    reports: bool = False
 
     def __post_init__(self) -> None:
         _check_callable(self, create=self.create)

@@ -18,7 +18,9 @@ def test_the_tool_answers_and_reports_mistakes_as_text() -> None:
 
 
 def test_the_agent_is_registered_by_its_entry_point() -> None:
-    from miles.kernel import Kernel
+    from miles.context import context_for
+    from miles_contracts import AgentSpec
 
-    entry = Kernel.load().agents().entry("calculator_agent")
+    entry = context_for().kernel.agents().entry("calculator_agent")
     assert entry.distribution == "miles-example-calculator-agent"
+    assert isinstance(entry.spec, AgentSpec) and callable(entry.spec.run)

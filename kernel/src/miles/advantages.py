@@ -50,9 +50,10 @@ def estimate_advantages(batch: TrainBatch, params: AlgorithmParams, spec: Advant
         advantages = whiten(advantages, mask)
     if params.opd_coef > 0:
         advantages = advantages + params.opd_coef * distillation_term(batch, mask)
+    final = advantages.detach()
     returns = None if result.returns is None else masked(result.returns.float(), mask).detach()
-    done = replace(batch, advantages=advantages.detach(), returns=returns)
-    return AdvantageResult(done.advantages, returns, {**result.metrics, **advantage_metrics(done)})
+    done = replace(batch, advantages=final, returns=returns)
+    return AdvantageResult(final, returns, {**result.metrics, **advantage_metrics(done)})
 
 
 def distillation_term(batch: TrainBatch, mask: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -84,7 +84,8 @@ class MilesConfig:
         return out
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        text: str = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        return text
 
     @property
     def plugin_selection(self) -> PluginSelection:
@@ -286,7 +287,7 @@ def build_config(data: Mapping[str, Any], *, source: str | None = None, kernel: 
 
     core = {name: values[name] for name in CORE_SECTIONS}
     extra = {name: values[name] for name in extra_models}
-    cfg = MilesConfig(**core, extra=extra)
+    cfg = MilesConfig(**cast(dict[str, Any], core), extra=extra)  # each core section validated by its own model
     errors = _cross_section_errors(cfg, kernel)
     if errors:
         raise ConfigError(errors, source=source)

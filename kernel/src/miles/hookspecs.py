@@ -39,29 +39,7 @@ if TYPE_CHECKING:
     from collections.abc import Generator, Mapping, Sequence
     from pathlib import Path
 
-    from miles_contracts import (
-        AdvantageSpec,
-        AgentSpec,
-        CommandSpec,
-        ConfigSectionSpec,
-        CorrectionSpec,
-        DataSourceSpec,
-        EngineCapture,
-        ExecutorSpec,
-        FilterSpec,
-        ForwardContext,
-        GeneratorSpec,
-        ModelBridge,
-        PolicyLossSpec,
-        RewardSpec,
-        RouterMiddlewareSpec,
-        RunContext,
-        ServiceSpec,
-        ToolSpec,
-        TrackerSpec,
-        TrainBackendSpec,
-        WeightTransportSpec,
-    )
+    from miles_contracts import EngineCapture, ForwardContext, ModelBridge, RunContext, specs
     from miles_contracts.chat import ChatFamily
 
     from miles.config import MilesConfig
@@ -76,7 +54,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec
-def miles_register_generators(register: Register[GeneratorSpec]) -> None:
+def miles_register_generators(register: Register[specs.GeneratorSpec]) -> None:
     """Register rollout generators by name (``rollout.generator`` picks one).
 
     **Runs in** the driver (generators run there, on its event loop).
@@ -91,7 +69,7 @@ def miles_register_generators(register: Register[GeneratorSpec]) -> None:
 
 
 @hookspec
-def miles_register_tools(register: Register[ToolSpec]) -> None:
+def miles_register_tools(register: Register[specs.ToolSpec]) -> None:
     """Register tools the ``multi_turn`` generator can offer the model (``rollout.tools``).
 
     **Runs in** the driver (tools are called there, by the generator).
@@ -104,7 +82,7 @@ def miles_register_tools(register: Register[ToolSpec]) -> None:
 
 
 @hookspec
-def miles_register_agents(register: Register[AgentSpec]) -> None:
+def miles_register_agents(register: Register[specs.AgentSpec]) -> None:
     """Register agents the ``agentic`` generator can run (``rollout.agent``).
 
     **Runs in** the driver (agents run there, on its event loop, against the session server).
@@ -121,8 +99,8 @@ def miles_register_agents(register: Register[AgentSpec]) -> None:
 def miles_engine_captures(config: MilesConfig, ctx: RunContext) -> Sequence[EngineCapture]:
     """Say what per-position data every engine call of this run's rollouts must return.
 
-    **Runs in** the driver, once, when the rollout starts; every implementation is called and the captures are
-    concatenated. Return an empty list unless the run's config asks for your feature (installing a
+    **Runs in** the driver, once, when the rollout starts; every implementation is called and the
+    captures are concatenated. Return an empty list unless the run's config asks for your feature (installing a
     package must not change a run). The generators add each capture's request fields to every
     generate request (session servers receive the specs when a session is created), keep each
     answer's payload, and store the stitched data in the sample's stash under ``capture.key``; a
@@ -136,7 +114,7 @@ def miles_engine_captures(config: MilesConfig, ctx: RunContext) -> Sequence[Engi
 
 
 @hookspec
-def miles_register_data_sources(register: Register[DataSourceSpec]) -> None:
+def miles_register_data_sources(register: Register[specs.DataSourceSpec]) -> None:
     """Register prompt sources (``data.source``): file readers and task generators.
 
     **Runs in** the driver (sources are opened and drawn from there).
@@ -151,7 +129,7 @@ def miles_register_data_sources(register: Register[DataSourceSpec]) -> None:
 
 
 @hookspec
-def miles_register_rewards(register: Register[RewardSpec]) -> None:
+def miles_register_rewards(register: Register[specs.RewardSpec]) -> None:
     """Register reward functions (``reward.name``, or per sample ``metadata["reward"]``).
 
     **Runs in** the driver (rewards score finished groups there; a reward may hand work to its
@@ -166,7 +144,7 @@ def miles_register_rewards(register: Register[RewardSpec]) -> None:
 
 
 @hookspec
-def miles_register_filters(register: Register[FilterSpec]) -> None:
+def miles_register_filters(register: Register[specs.FilterSpec]) -> None:
     """Register group filters (``rollout.filters`` lists the pipeline, in order; all must keep).
 
     **Runs in** the driver.
@@ -179,7 +157,7 @@ def miles_register_filters(register: Register[FilterSpec]) -> None:
 
 
 @hookspec
-def miles_register_advantages(register: Register[AdvantageSpec]) -> None:
+def miles_register_advantages(register: Register[specs.AdvantageSpec]) -> None:
     """Register advantage estimators (``algorithm.advantage``).
 
     **Runs in** the driver (advantages are computed there, between rewards and the train step).
@@ -198,7 +176,7 @@ def miles_register_advantages(register: Register[AdvantageSpec]) -> None:
 
 
 @hookspec
-def miles_register_policy_losses(register: Register[PolicyLossSpec]) -> None:
+def miles_register_policy_losses(register: Register[specs.PolicyLossSpec]) -> None:
     """Register policy losses (``train.policy_loss``; default ``ppo_clip``).
 
     **Runs in** every trainer rank (inside the backend's train step).
@@ -215,7 +193,7 @@ def miles_register_policy_losses(register: Register[PolicyLossSpec]) -> None:
 
 
 @hookspec
-def miles_register_mismatch_corrections(register: Register[CorrectionSpec]) -> None:
+def miles_register_mismatch_corrections(register: Register[specs.CorrectionSpec]) -> None:
     """Register train/rollout mismatch corrections (``algorithm.correction``: none, tis, mis).
 
     **Runs in** every trainer rank (inside the backend's train step).
@@ -280,7 +258,7 @@ def miles_register_chat_families(register: Register[ChatFamily]) -> None:
 
 
 @hookspec
-def miles_register_train_backends(register: Register[TrainBackendSpec]) -> None:
+def miles_register_train_backends(register: Register[specs.TrainBackendSpec]) -> None:
     """Register training backends (``train.backend``: fsdp, megatron).
 
     **Runs in** every trainer rank (``create``) and the driver (the spec's capabilities are read
@@ -328,7 +306,7 @@ def miles_forward(ctx: ForwardContext) -> Generator[None, Any, Any]:
 
 
 @hookspec
-def miles_register_weight_transports(register: Register[WeightTransportSpec]) -> None:
+def miles_register_weight_transports(register: Register[specs.WeightTransportSpec]) -> None:
     """Register weight transports (``weights.transport``: disk, shared_memory, broadcast).
 
     **Runs in** the trainer ranks that push weights (``create``) and the driver (the spec's
@@ -345,7 +323,7 @@ def miles_register_weight_transports(register: Register[WeightTransportSpec]) ->
 
 
 @hookspec
-def miles_register_services(register: Register[ServiceSpec]) -> None:
+def miles_register_services(register: Register[specs.ServiceSpec]) -> None:
     """Register long-running servers a run can start: inference engines, the router, the session
     server (``rollout.engine`` picks the engine; the run starts a router and what its generator's
     spec lists in ``services``).
@@ -365,7 +343,7 @@ def miles_register_services(register: Register[ServiceSpec]) -> None:
 
 
 @hookspec
-def miles_register_router_middlewares(register: Register[RouterMiddlewareSpec]) -> None:
+def miles_register_router_middlewares(register: Register[specs.RouterMiddlewareSpec]) -> None:
     """Register router middleware (``router.middlewares`` lists the chain, outermost first).
 
     **Runs in** the router process (loaded with the run's plugin selection from its config).
@@ -381,7 +359,7 @@ def miles_register_router_middlewares(register: Register[RouterMiddlewareSpec]) 
 
 
 @hookspec
-def miles_register_executors(register: Register[ExecutorSpec]) -> None:
+def miles_register_executors(register: Register[specs.ExecutorSpec]) -> None:
     """Register executors (``executor.name``: local, ray).
 
     **Runs in** the driver (the executor starts and supervises every other process).
@@ -394,7 +372,7 @@ def miles_register_executors(register: Register[ExecutorSpec]) -> None:
 
 
 @hookspec
-def miles_register_trackers(register: Register[TrackerSpec]) -> None:
+def miles_register_trackers(register: Register[specs.TrackerSpec]) -> None:
     """Register metric trackers (``tracking.trackers`` lists those to use; jsonl always runs).
 
     **Runs in** the driver.
@@ -409,7 +387,7 @@ def miles_register_trackers(register: Register[TrackerSpec]) -> None:
 
 
 @hookspec
-def miles_register_config_sections(register: Register[ConfigSectionSpec]) -> None:
+def miles_register_config_sections(register: Register[specs.ConfigSectionSpec]) -> None:
     """Contribute top-level config sections, each validated by the plugin's own pydantic model.
 
     **Runs in** every process that loads a config: the driver, trainer ranks, services, CLI
@@ -423,7 +401,7 @@ def miles_register_config_sections(register: Register[ConfigSectionSpec]) -> Non
 
 
 @hookspec
-def miles_register_commands(register: Register[CommandSpec]) -> None:
+def miles_register_commands(register: Register[specs.CommandSpec]) -> None:
     """Contribute ``miles`` CLI commands.
 
     **Runs in** the CLI process (``miles ...``), before arguments are parsed.

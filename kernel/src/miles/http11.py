@@ -140,7 +140,8 @@ class _Connection(asyncio.Protocol):
             while self._write_paused and not self.closed:
                 self._drain = self._loop.create_future()
                 await self._drain
-            return await waiter
+            response: HttpResponse = await waiter
+            return response
         except BaseException:
             self.reusable = False  # cancelled or failed mid-exchange: the stream's state is unknown
             raise

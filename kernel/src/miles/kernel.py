@@ -40,29 +40,7 @@ from miles.plugins import LoadedPlugins, PluginInfo, PluginSelection, load_plugi
 from miles.registry import Entry, Registry
 
 if TYPE_CHECKING:
-    from miles_contracts import (
-        AdvantageSpec,
-        AgentSpec,
-        CommandSpec,
-        ConfigSectionSpec,
-        CorrectionSpec,
-        DataSourceSpec,
-        EngineCapture,
-        ExecutorSpec,
-        FilterSpec,
-        ForwardContext,
-        GeneratorSpec,
-        ModelBridge,
-        PolicyLossSpec,
-        RewardSpec,
-        RouterMiddlewareSpec,
-        RunContext,
-        ServiceSpec,
-        ToolSpec,
-        TrackerSpec,
-        TrainBackendSpec,
-        WeightTransportSpec,
-    )
+    from miles_contracts import EngineCapture, ForwardContext, ModelBridge, RunContext, specs
     from miles_contracts.chat import ChatFamily
 
     from miles.config import MilesConfig
@@ -158,8 +136,9 @@ class Kernel:
             except PluginError:
                 raise
             except Exception as exc:
+                origin = f" ({dist} {version})" if dist else ""
                 raise PluginError(
-                    f"plugin {plugin_name!r} ({dist} {version}) failed in {kind.hook}: {type(exc).__name__}: {exc}"
+                    f"plugin {plugin_name!r}{origin} failed in {kind.hook}: {type(exc).__name__}: {exc}"
                 ) from exc
         return registry
 
@@ -186,64 +165,65 @@ class Kernel:
                       MilesDeprecationWarning, stacklevel=3)
         return spec
 
-    def generators(self) -> Registry[GeneratorSpec]:
+    def generators(self) -> Registry[specs.GeneratorSpec]:
         return self._typed(GENERATOR)
 
-    def tools(self) -> Registry[ToolSpec]:
+    def tools(self) -> Registry[specs.ToolSpec]:
         return self._typed(TOOL)
 
-    def agents(self) -> Registry[AgentSpec]:
+    def agents(self) -> Registry[specs.AgentSpec]:
         return self._typed(AGENT)
 
-    def data_sources(self) -> Registry[DataSourceSpec]:
+    def data_sources(self) -> Registry[specs.DataSourceSpec]:
         return self._typed(DATA_SOURCE)
 
-    def rewards(self) -> Registry[RewardSpec]:
+    def rewards(self) -> Registry[specs.RewardSpec]:
         return self._typed(REWARD)
 
-    def filters(self) -> Registry[FilterSpec]:
+    def filters(self) -> Registry[specs.FilterSpec]:
         return self._typed(FILTER)
 
-    def advantages(self) -> Registry[AdvantageSpec]:
+    def advantages(self) -> Registry[specs.AdvantageSpec]:
         return self._typed(ADVANTAGE)
 
-    def policy_losses(self) -> Registry[PolicyLossSpec]:
+    def policy_losses(self) -> Registry[specs.PolicyLossSpec]:
         return self._typed(POLICY_LOSS)
 
-    def mismatch_corrections(self) -> Registry[CorrectionSpec]:
+    def mismatch_corrections(self) -> Registry[specs.CorrectionSpec]:
         return self._typed(MISMATCH_CORRECTION)
 
     def chat_families(self) -> Registry[ChatFamily]:
         return self._typed(CHAT_FAMILY)
 
-    def train_backends(self) -> Registry[TrainBackendSpec]:
+    def train_backends(self) -> Registry[specs.TrainBackendSpec]:
         return self._typed(TRAIN_BACKEND)
 
-    def weight_transports(self) -> Registry[WeightTransportSpec]:
+    def weight_transports(self) -> Registry[specs.WeightTransportSpec]:
         return self._typed(WEIGHT_TRANSPORT)
 
-    def services(self) -> Registry[ServiceSpec]:
+    def services(self) -> Registry[specs.ServiceSpec]:
         return self._typed(SERVICE)
 
-    def router_middlewares(self) -> Registry[RouterMiddlewareSpec]:
+    def router_middlewares(self) -> Registry[specs.RouterMiddlewareSpec]:
         return self._typed(ROUTER_MIDDLEWARE)
 
-    def executors(self) -> Registry[ExecutorSpec]:
+    def executors(self) -> Registry[specs.ExecutorSpec]:
         return self._typed(EXECUTOR)
 
-    def trackers(self) -> Registry[TrackerSpec]:
+    def trackers(self) -> Registry[specs.TrackerSpec]:
         return self._typed(TRACKER)
 
-    def config_sections(self) -> Registry[ConfigSectionSpec]:
+    def config_sections(self) -> Registry[specs.ConfigSectionSpec]:
         return self._typed(CONFIG_SECTION)
 
-    def commands(self) -> Registry[CommandSpec]:
+    def commands(self) -> Registry[specs.CommandSpec]:
         return self._typed(COMMAND)
 
     # ------------------------------------------------------------------ claims
 
     def find_model_bridge(self, hf_config: Mapping[str, Any]) -> ModelBridge | None:
-        return self._pm.hook.miles_model_bridge(hf_config=hf_config)
+        bridge: ModelBridge | None = self._pm.hook.miles_model_bridge(hf_config=hf_config)
+        return bridge
 
     def model_bridge(self, hf_config: Mapping[str, Any]) -> ModelBridge:
         bridge = self.find_model_bridge(hf_config)
@@ -293,7 +273,8 @@ class Kernel:
         def innermost(ctx: ForwardContext) -> T:
             return forward()
 
-        return self._pm.hook.miles_forward.call_extra([innermost], {"ctx": ctx})
+        result: T = self._pm.hook.miles_forward.call_extra([innermost], {"ctx": ctx})
+        return result
 
     def _check_forward_wrappers(self) -> None:
         for impl in self._pm.hook.miles_forward.get_hookimpls():

@@ -12,26 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from miles_contracts import specs
 from miles_contracts.chat import ChatFamily
-from miles_contracts.specs import (
-    AdvantageSpec,
-    AgentSpec,
-    CommandSpec,
-    ConfigSectionSpec,
-    CorrectionSpec,
-    DataSourceSpec,
-    ExecutorSpec,
-    FilterSpec,
-    GeneratorSpec,
-    PolicyLossSpec,
-    RewardSpec,
-    RouterMiddlewareSpec,
-    ServiceSpec,
-    ToolSpec,
-    TrackerSpec,
-    TrainBackendSpec,
-    WeightTransportSpec,
-)
 
 from miles import legacy
 
@@ -58,37 +40,37 @@ class Kind(Generic[S]):
     provides: str = ""
 
 
-GENERATOR = Kind("generator", "miles_register_generators", "generator", GeneratorSpec, legacy.generator,
+GENERATOR = Kind("generator", "miles_register_generators", "generator", specs.GeneratorSpec, legacy.generator,
                  "pip install miles-tito for multi_turn and agentic")
-TOOL = Kind("tool", "miles_register_tools", "tool", ToolSpec, legacy.tool, "pip install miles-tito for the calculator")
-AGENT = Kind("agent", "miles_register_agents", "agent", AgentSpec, legacy.agent)
-DATA_SOURCE = Kind("data_source", "miles_register_data_sources", "data source", DataSourceSpec, legacy.data_source)
-REWARD = Kind("reward", "miles_register_rewards", "reward", RewardSpec, legacy.reward,
+TOOL = Kind("tool", "miles_register_tools", "tool", specs.ToolSpec, legacy.tool, "pip install miles-tito for the calculator")
+AGENT = Kind("agent", "miles_register_agents", "agent", specs.AgentSpec, legacy.agent)
+DATA_SOURCE = Kind("data_source", "miles_register_data_sources", "data source", specs.DataSourceSpec, legacy.data_source)
+REWARD = Kind("reward", "miles_register_rewards", "reward", specs.RewardSpec, legacy.reward,
               "pip install miles-rm-math for the math reward")
-FILTER = Kind("filter", "miles_register_filters", "filter", FilterSpec, legacy.filter_)
-ADVANTAGE = Kind("advantage", "miles_register_advantages", "advantage estimator", AdvantageSpec, legacy.advantage,
+FILTER = Kind("filter", "miles_register_filters", "filter", specs.FilterSpec, legacy.filter_)
+ADVANTAGE = Kind("advantage", "miles_register_advantages", "advantage estimator", specs.AdvantageSpec, legacy.advantage,
                  "pip install miles-algorithms")
-POLICY_LOSS = Kind("policy_loss", "miles_register_policy_losses", "policy loss", PolicyLossSpec, legacy.policy_loss,
+POLICY_LOSS = Kind("policy_loss", "miles_register_policy_losses", "policy loss", specs.PolicyLossSpec, legacy.policy_loss,
                    "pip install miles-algorithms")
 MISMATCH_CORRECTION = Kind("mismatch_correction", "miles_register_mismatch_corrections", "mismatch correction",
-                           CorrectionSpec, legacy.correction, "pip install miles-algorithms")
+                           specs.CorrectionSpec, legacy.correction, "pip install miles-algorithms")
 CHAT_FAMILY = Kind("chat_family", "miles_register_chat_families", "chat family", ChatFamily, None,
                    "pip install miles-model-llama or miles-model-qwen3")
-TRAIN_BACKEND = Kind("train_backend", "miles_register_train_backends", "train backend", TrainBackendSpec,
+TRAIN_BACKEND = Kind("train_backend", "miles_register_train_backends", "train backend", specs.TrainBackendSpec,
                      legacy.train_backend, "pip install miles-fsdp (or miles-megatron)")
 WEIGHT_TRANSPORT = Kind("weight_transport", "miles_register_weight_transports", "weight transport",
-                        WeightTransportSpec, legacy.weight_transport, "pip install miles-weights")
-SERVICE = Kind("service", "miles_register_services", "service", ServiceSpec, legacy.service,
+                        specs.WeightTransportSpec, legacy.weight_transport, "pip install miles-weights")
+SERVICE = Kind("service", "miles_register_services", "service", specs.ServiceSpec, legacy.service,
                "pip install miles-engine miles-router")
 ROUTER_MIDDLEWARE = Kind("router_middleware", "miles_register_router_middlewares", "router middleware",
-                         RouterMiddlewareSpec, legacy.router_middleware, "pip install miles-router")
-EXECUTOR = Kind("executor", "miles_register_executors", "executor", ExecutorSpec, legacy.executor,
+                         specs.RouterMiddlewareSpec, legacy.router_middleware, "pip install miles-router")
+EXECUTOR = Kind("executor", "miles_register_executors", "executor", specs.ExecutorSpec, legacy.executor,
                 "pip install miles-ray for the ray executor")
-TRACKER = Kind("tracker", "miles_register_trackers", "tracker", TrackerSpec, legacy.tracker,
+TRACKER = Kind("tracker", "miles_register_trackers", "tracker", specs.TrackerSpec, legacy.tracker,
                "pip install miles-tracker-tensorboard, -wandb or -mlflow")
-CONFIG_SECTION = Kind("config_section", "miles_register_config_sections", "config section", ConfigSectionSpec,
+CONFIG_SECTION = Kind("config_section", "miles_register_config_sections", "config section", specs.ConfigSectionSpec,
                       legacy.config_section)
-COMMAND = Kind("command", "miles_register_commands", "command", CommandSpec, legacy.command)
+COMMAND = Kind("command", "miles_register_commands", "command", specs.CommandSpec, legacy.command)
 
 KINDS: dict[str, Kind[Any]] = {kind.name: kind for kind in (
     GENERATOR, TOOL, AGENT, DATA_SOURCE, REWARD, FILTER, ADVANTAGE, POLICY_LOSS, MISMATCH_CORRECTION,

@@ -16,26 +16,8 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from miles_contracts import specs
 from miles_contracts.context import RunContext
-from miles_contracts.specs import (
-    AdvantageSpec,
-    AgentSpec,
-    CommandSpec,
-    ConfigSectionSpec,
-    CorrectionSpec,
-    DataSourceSpec,
-    ExecutorSpec,
-    FilterSpec,
-    GeneratorSpec,
-    PolicyLossSpec,
-    RewardSpec,
-    RouterMiddlewareSpec,
-    ServiceSpec,
-    ToolSpec,
-    TrackerSpec,
-    TrainBackendSpec,
-    WeightTransportSpec,
-)
 
 
 def _declared(obj: object, name: str, default: Any) -> Any:
@@ -46,86 +28,86 @@ def _declared(obj: object, name: str, default: Any) -> Any:
     return value
 
 
-def generator(obj: Any) -> GeneratorSpec:
-    return GeneratorSpec(obj, services=tuple(_declared(obj, "services", ())))
+def generator(obj: Any) -> specs.GeneratorSpec:
+    return specs.GeneratorSpec(obj, services=tuple(_declared(obj, "services", ())))
 
 
-def tool(obj: Any) -> ToolSpec:
-    return ToolSpec(obj)
+def tool(obj: Any) -> specs.ToolSpec:
+    return specs.ToolSpec(obj)
 
 
-def agent(obj: Any) -> AgentSpec:
-    return AgentSpec(obj)
+def agent(obj: Any) -> specs.AgentSpec:
+    return specs.AgentSpec(obj)
 
 
-def data_source(factory: Any) -> DataSourceSpec:
-    return DataSourceSpec(lambda ctx, data: factory(data))
+def data_source(factory: Any) -> specs.DataSourceSpec:
+    return specs.DataSourceSpec(lambda ctx, data: factory(data))
 
 
-def reward(obj: Any) -> RewardSpec:
-    return RewardSpec(obj)
+def reward(obj: Any) -> specs.RewardSpec:
+    return specs.RewardSpec(obj)
 
 
-def filter_(obj: Any) -> FilterSpec:
-    return FilterSpec(obj)
+def filter_(obj: Any) -> specs.FilterSpec:
+    return specs.FilterSpec(obj)
 
 
-def advantage(obj: Any) -> AdvantageSpec:
-    return AdvantageSpec(obj, needs_critic=bool(_declared(obj, "needs_critic", False)),
+def advantage(obj: Any) -> specs.AdvantageSpec:
+    return specs.AdvantageSpec(obj, needs_critic=bool(_declared(obj, "needs_critic", False)),
                          zero_sum_groups=bool(_declared(obj, "zero_sum_groups", False)),
                          policy_loss=_declared(obj, "policy_loss", None))
 
 
-def policy_loss(obj: Any) -> PolicyLossSpec:
-    return PolicyLossSpec(obj)
+def policy_loss(obj: Any) -> specs.PolicyLossSpec:
+    return specs.PolicyLossSpec(obj)
 
 
-def correction(obj: Any) -> CorrectionSpec:
-    return CorrectionSpec(obj)
+def correction(obj: Any) -> specs.CorrectionSpec:
+    return specs.CorrectionSpec(obj)
 
 
-def train_backend(factory: Any) -> TrainBackendSpec:
-    return TrainBackendSpec(lambda ctx: factory(ctx.config),
+def train_backend(factory: Any) -> specs.TrainBackendSpec:
+    return specs.TrainBackendSpec(lambda ctx: factory(ctx.config),
                             weights_on_rank0=bool(_declared(factory, "weights_on_rank0", False)))
 
 
-def weight_transport(factory: Any) -> WeightTransportSpec:
-    return WeightTransportSpec(lambda ctx: factory(ctx.config),
+def weight_transport(factory: Any) -> specs.WeightTransportSpec:
+    return specs.WeightTransportSpec(lambda ctx: factory(ctx.config),
                                needs_shared_gpu=bool(_declared(factory, "needs_shared_gpu", False)))
 
 
-def service(obj: Any) -> ServiceSpec:
+def service(obj: Any) -> specs.ServiceSpec:
     moved = _declared(obj, "upstream_moved", None)
-    return ServiceSpec(
+    return specs.ServiceSpec(
         obj.role, obj.command, needs=tuple(obj.needs), health_path=obj.health_path,
         config_sections=tuple(obj.config_sections), upstream_moved=obj.upstream_moved if moved is not None else None,
     )
 
 
-def router_middleware(factory: Any) -> RouterMiddlewareSpec:
-    return RouterMiddlewareSpec(lambda ctx, options: factory(dict(options)))
+def router_middleware(factory: Any) -> specs.RouterMiddlewareSpec:
+    return specs.RouterMiddlewareSpec(lambda ctx, options: factory(dict(options)))
 
 
 def _run_dir(ctx: RunContext) -> Any:
     return ctx.require_run_dir("a pre-spec executor or tracker factory (config, run_dir)")
 
 
-def executor(factory: Any) -> ExecutorSpec:
-    return ExecutorSpec(lambda ctx: factory(ctx.config, _run_dir(ctx)))
+def executor(factory: Any) -> specs.ExecutorSpec:
+    return specs.ExecutorSpec(lambda ctx: factory(ctx.config, _run_dir(ctx)))
 
 
-def tracker(factory: Any) -> TrackerSpec:
-    return TrackerSpec(lambda ctx: factory(ctx.config, _run_dir(ctx)))
+def tracker(factory: Any) -> specs.TrackerSpec:
+    return specs.TrackerSpec(lambda ctx: factory(ctx.config, _run_dir(ctx)))
 
 
-def config_section(model: Any) -> ConfigSectionSpec:
-    return ConfigSectionSpec(model)
+def config_section(model: Any) -> specs.ConfigSectionSpec:
+    return specs.ConfigSectionSpec(model)
 
 
-def command(obj: Any) -> CommandSpec:
+def command(obj: Any) -> specs.CommandSpec:
     """A ``miles.cli.Command`` (whose ``run`` takes the arguments only)."""
     run = obj.run
-    return CommandSpec(obj.help, lambda args, ctx: run(args), add_arguments=obj.add_arguments,
+    return specs.CommandSpec(obj.help, lambda args, ctx: run(args), add_arguments=obj.add_arguments,
                        description=obj.description)
 
 

@@ -1,4 +1,12 @@
-"""What every Miles server process shares: its security flags and how it stops on a signal."""
+"""What every Miles server process shares: where its settings come from (``--config``, the flags
+derived from its config sections, ``--run-dir``), its security flags, and how it stops on a signal.
+
+A service of a run is started with ``--config <run>/config.yaml`` and the values the launch
+decides (host, port, model folder, upstream URLs, ``--run-dir``); every other setting is read from
+the config, as trainer ranks read it. :func:`context_from_args` makes the process's
+:class:`~miles_contracts.RunContext` from those arguments: the file, the flags given on top of it
+(:mod:`miles.cli.section_args`), the kernel for the config's own ``plugins`` section.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +16,35 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from miles_contracts.wire.auth import TOKEN_ENV
 from miles_contracts.wire.guard import DEFAULT_MAX_BODY_BYTES
+
+from miles.cli.section_args import add_config_file_argument, section_overrides
+
+if TYPE_CHECKING:
+    from miles_contracts import RunContext
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--config FILE`` and ``--run-dir DIR``: what a run gives each of its services."""
+    add_config_file_argument(parser)
+    parser.add_argument("--run-dir", default=None, metavar="DIR",
+                        help="the run's folder, when the server belongs to a run (a run passes it)")
+
+
+def context_from_args(args: argparse.Namespace, role: str) -> RunContext:
+    """The service context of this process: ``args.config`` loaded with the derived flags given as
+    overrides, validated, the kernel loaded for its ``plugins`` section, ``miles_configure``
+    called. Raises :class:`~miles.errors.ConfigError` / :class:`~miles.errors.PluginError`."""
+    from miles.context import service_context
+
+    run_dir = getattr(args, "run_dir", None)
+    return service_context(getattr(args, "config", None), role, section_overrides(args),
+                           run_dir=Path(run_dir) if run_dir else None)
 
 
 def add_server_security_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,3 +99,24 @@ def _exit_after(grace: float, code: int) -> None:
     time.sleep(grace)
     print(f"miles: still running {grace:g} s after the stop signal; exiting now", file=sys.stderr, flush=True)
     os._exit(code)
+
+
+def server_main(prog: str, description: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+                run: Callable[[argparse.Namespace], int], argv: Sequence[str] | None = None, *,
+                errors: tuple[type[Exception], ...] = ()) -> int:
+    """The ``python -m <server>`` entry point every Miles server shares: parse ``argv``, ``run``,
+    and turn a :class:`~miles.errors.MilesError` (a bad config, a plugin that cannot load: what the
+    executor shows from the log) or one of ``errors`` into ``error: ...`` and exit status 2, Ctrl-C
+    into 130."""
+    from miles.errors import MilesError
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (MilesError, *errors) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

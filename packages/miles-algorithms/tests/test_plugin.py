@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
+from miles.config import build_config
 from miles.errors import ConfigError
 from miles.kernel import Kernel
-from miles.sections import AlgorithmSection, TrainSection
-from miles_algorithms import plugin
 
 
 def test_every_name_is_registered():
@@ -28,12 +26,11 @@ def test_importing_the_plugin_does_not_import_torch():
     assert out.stdout.strip() == "False"
 
 
-def config(advantage: str, policy_loss: str) -> SimpleNamespace:
-    return SimpleNamespace(algorithm=AlgorithmSection(advantage=advantage), train=TrainSection(policy_loss=policy_loss))
-
-
 def test_gspo_advantage_needs_the_gspo_loss():
-    with pytest.raises(ConfigError, match="algorithm.advantage 'gspo' needs train.policy_loss: gspo"):
-        plugin.miles_configure(config=config("gspo", "ppo_clip"))
-    plugin.miles_configure(config=config("gspo", "gspo"))
-    plugin.miles_configure(config=config("grpo", "gspo"))  # GRPO advantages with sequence ratios: allowed
+    # the pairing is the spec's (AdvantageSpec.policy_loss), checked by the kernel with the config
+    assert Kernel.load().advantages().get("gspo").policy_loss == "gspo"
+    with pytest.raises(ConfigError, match="algorithm.advantage 'gspo' needs train.policy_loss: gspo, got 'ppo_clip'"):
+        build_config({"algorithm": {"advantage": "gspo"}, "train": {"policy_loss": "ppo_clip"}})
+    build_config({"algorithm": {"advantage": "gspo"}, "train": {"policy_loss": "gspo"}})
+    # GRPO advantages with sequence ratios: allowed
+    build_config({"algorithm": {"advantage": "grpo"}, "train": {"policy_loss": "gspo"}})

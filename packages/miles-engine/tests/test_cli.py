@@ -1,21 +1,28 @@
 """The engine as the rest of Miles starts it: the ``embedded`` inference engine's argv (a real
-``python -m miles_engine`` process), ``miles serve engine``, and the ``engine`` config section."""
+``python -m miles_engine`` process reading its settings from a config file, as a run's engines
+read the run's ``config.yaml``), ``miles serve engine``, and the one table of engine options (the
+``engine`` config section, the flags, ``Engine(path, **options)``)."""
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
 from engine_support import free_port, wait_until
 from miles.cli.main import main as miles_main
-from miles.config import ConfigError, build_config
+from miles.cli.section_args import section_overrides
+from miles.config import ConfigError, build_config, load_config
 from miles.kernel import Kernel
-from miles_contracts import EngineSpec
+from miles_contracts import Endpoint, ServiceLaunch
 from miles_contracts.wire.auth import auth_headers
-from miles_engine.launcher import EmbeddedEngine, EngineService
-from miles_engine.options import EngineSection, options_argv
+from miles_engine.config import EngineConfig, engine_config, engine_config_of
+from miles_engine.launcher import ENGINE_SERVICE
+from miles_engine.options import EngineSection
+from miles_engine.serve import add_arguments
 
 
 @pytest.fixture(scope="module")
@@ -23,16 +30,23 @@ def kernel():
     return Kernel.load()
 
 
-def test_embedded_engine_is_registered_and_starts_a_server(kernel, dense_path):
-    assert isinstance(kernel.services().get("embedded"), EngineService)
-    engine = EmbeddedEngine()
-    spec = EngineSpec(model_path=str(dense_path), port=free_port(), device="cpu",
-                      options={"max_running_requests": 4, "context_length": 512})
-    argv = engine.command(spec)
+def _launch(config, config_path: Path, model: str = "m", *, port: int = 1, run_dir: str = "") -> ServiceLaunch:
+    return ServiceLaunch(config, str(config_path), model, Endpoint("127.0.0.1", port), run_dir=run_dir)
+
+
+def test_embedded_engine_is_registered_and_starts_a_server_from_the_config(kernel, dense_path, tmp_path):
+    assert kernel.services().get("embedded") is ENGINE_SERVICE
+    config = build_config({"model": {"device": "cpu"}, "engine": {"max_running_requests": 4, "context_length": 512}},
+                          kernel=kernel)
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(config.to_yaml())
+    port = free_port()
+    argv = ENGINE_SERVICE.command(_launch(config, config_path, str(dense_path), port=port, run_dir=str(tmp_path)))
     assert argv[:3] == [sys.executable, "-m", "miles_engine"]
+    assert "--max-running-requests" not in argv  # the settings travel in the file
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        with httpx.Client(base_url=spec.url, timeout=60, headers=auth_headers()) as client:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60, headers=auth_headers()) as client:
             def healthy() -> bool:
                 if process.poll() is not None:
                     raise AssertionError(f"engine exited: {process.stderr.read()[-2000:]}")
@@ -51,13 +65,23 @@ def test_embedded_engine_is_registered_and_starts_a_server(kernel, dense_path):
         process.wait(30)
 
 
+def test_the_run_decides_only_the_launch_values(tmp_path):
+    config = load_config()
+    argv = ENGINE_SERVICE.command(_launch(config, tmp_path / "config.yaml", "/models/m", port=4000,
+                                          run_dir=str(tmp_path)))
+    assert argv[3:] == ["--model", "/models/m", "--host", "127.0.0.1", "--port", "4000",
+                        "--config", str(tmp_path / "config.yaml"), "--run-dir", str(tmp_path)]
+    with pytest.raises(ValueError, match="resources.gpus_per_engine=1"):
+        ENGINE_SERVICE.command(ServiceLaunch(config, "c.yaml", "m", Endpoint("127.0.0.1", 1), gpus=2))
+
+
 def test_serve_engine_command_is_registered_with_its_flags(capsys):
     with pytest.raises(SystemExit) as exit_info:
         miles_main(["serve", "engine", "--help"])
     assert exit_info.value.code == 0
     help_text = capsys.readouterr().out
-    for flag in ("--model", "--port", "--device", "--dtype", "--max-running-requests", "--context-length",
-                 "--max-kv-tokens", "--plain-linear"):
+    for flag in ("--model", "--port", "--config", "--device", "--dtype", "--max-running-requests", "--context-length",
+                 "--max-kv-tokens", "--plain-linear", "--enable-deterministic-inference"):
         assert flag in help_text
 
 
@@ -66,27 +90,46 @@ def test_serve_engine_with_an_unknown_model_fails_clearly(capsys):
     assert "neither a local folder nor a known model" in capsys.readouterr().err
 
 
-def test_engine_options_become_flags_and_unknown_ones_are_refused():
-    assert options_argv({"max_running_requests": 8, "plain_linear": True, "context_length": None}) == [
-        "--max-running-requests", "8", "--plain-linear"]
-    with pytest.raises(ValueError, match="unknown embedded-engine option"):
-        options_argv({"max_runing_requests": 8})
+def test_every_engine_option_is_a_flag_and_a_config_key():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--max-running-requests", "8", "--plain-linear", "--weight-dir", "/a", "--weight-dir",
+                              "/b", "--device", "cpu", "--enable-deterministic-inference"])
+    overrides = section_overrides(args)
+    assert overrides == ["model.device=cpu", "run.deterministic=true", "engine.max_running_requests=8",
+                         "engine.plain_linear=true", "engine.weight_dir=[/a, /b]"]
+    settings = engine_config_of(load_config(None, overrides), "/models/m", run_dir="/runs/r")
+    assert (settings.max_running_requests, settings.plain_linear, settings.device) == (8, True, "cpu")
+    assert settings.enable_deterministic_inference and settings.weight_dir == ["/a", "/b", "/runs/r"]
+    # the one table: each option of the section is a keyword of Engine(path, **options) and a flag
+    flags = {option for action in parser._actions for option in action.option_strings}
+    for name in EngineSection.model_fields:
+        assert name in EngineConfig.model_fields and "--" + name.replace("_", "-") in flags
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-runing-requests", "8"])
 
 
-def test_engine_config_section(kernel):
+def test_engine_config_section(kernel, tmp_path):
     cfg = build_config({"engine": {"max_running_requests": 16}}, kernel=kernel)
-    section = cfg.section("engine", EngineSection)
-    assert section.max_running_requests == 16
-    assert options_argv(section.options())[:2] == ["--max-running-requests", "16"]
-    with pytest.raises(ConfigError, match="max_running_requests"):
+    assert cfg.section("engine", EngineSection).max_running_requests == 16
+    with pytest.raises(ConfigError, match="engine.max_running_requests"):
         build_config({"engine": {"max_running_requests": 0}}, kernel=kernel)
     with pytest.raises(ConfigError, match="typo"):
         build_config({"engine": {"typo": 1}}, kernel=kernel)
+    config = tmp_path / "config.yaml"
+    config.write_text("engine:\n  max_running_requests: 16\n")
+    assert miles_main(["serve", "engine", "--config", str(config), "--max-running-requests", "0"]) == 2  # flags win
 
 
-def test_a_deterministic_spec_starts_the_engine_in_deterministic_mode():
-    engine = EmbeddedEngine()
-    plain = engine.command(EngineSpec(model_path="m", port=1, options={"max_running_requests": 4}))
-    seeded = engine.command(EngineSpec(model_path="m", port=1, options={"max_running_requests": 4}, deterministic=True))
-    assert "--enable-deterministic-inference" not in plain
-    assert seeded == [*plain, "--enable-deterministic-inference"]  # SGLang's flag of the same meaning
+def test_the_python_api_validates_options_with_the_same_table():
+    assert engine_config("m", max_running_requests=8, device="cuda:1").max_running_requests == 8
+    with pytest.raises(ValueError, match="max_running_requests must be >= 1, got 0.*unknown option 'max_runing'"):
+        engine_config("m", max_running_requests=0, max_runing=1)
+    with pytest.raises(ValueError, match="device"):
+        engine_config("m", device="tpu")
+
+
+def test_run_deterministic_starts_the_engine_in_deterministic_mode():
+    plain = engine_config_of(load_config(), "m")
+    seeded = engine_config_of(load_config(None, ["run.deterministic=true"]), "m")
+    assert not plain.enable_deterministic_inference and seeded.enable_deterministic_inference

@@ -43,13 +43,16 @@ def make_config() -> Callable[..., Any]:
 
 @pytest.fixture
 def backend_factory(make_config) -> Callable[..., Any]:
-    """``backend_factory(model_dir, **config)``: real backends, all closed at teardown."""
+    """``backend_factory(model_dir, kernel=None, **config)``: real backends (trainer rank 0 of a run of
+    ``kernel``, default the config's plugin selection), all closed at teardown."""
+    from miles.context import context_for
+    from miles_contracts import Process
     from miles_fsdp.backend import FSDPBackend
 
     made: list[FSDPBackend] = []
 
-    def build(model_dir: Path, **kwargs: Any) -> FSDPBackend:
-        backend = FSDPBackend(make_config(model_dir, **kwargs))
+    def build(model_dir: Path, *, kernel: Any = None, **kwargs: Any) -> FSDPBackend:
+        backend = FSDPBackend(context_for(make_config(model_dir, **kwargs), Process.trainer_rank(0), kernel=kernel))
         made.append(backend)
         return backend
 

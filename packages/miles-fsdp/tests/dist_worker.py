@@ -26,8 +26,8 @@ def _gradients(backend, batch):
     from miles_algorithms import objective
 
     params = backend.config.algorithm
-    policy_loss = backend.kernel.policy_losses().get("ppo_clip")
-    correction = backend.kernel.mismatch_corrections().get("none")
+    policy_loss = backend.kernel.policy_losses().get("ppo_clip").loss
+    correction = backend.kernel.mismatch_corrections().get("none").correct
 
     def loss_fn(micro, outputs):
         return objective.actor_loss(outputs[0], micro, params, policy_loss=policy_loss, correction=correction)
@@ -59,18 +59,19 @@ def main() -> None:
 
 def _scenarios(model_dir: Path, *, rank: int, conformance: bool, out: Path) -> dict:
     from miles.config import MilesConfig
-    from miles.kernel import Kernel
+    from miles.context import context_for
     from miles.sections import ModelSection, TrainSection
+    from miles_contracts import Process
     from miles_contracts.testing.backend import check_train_backend, make_test_batch
     from miles_fsdp.backend import FSDPBackend
     from miles_fsdp.config import FSDPSection
 
-    def config() -> MilesConfig:
-        return MilesConfig(model=ModelSection(name=str(model_dir), device="cpu"),
-                           train=TrainSection(lr=1e-3, micro_batch_tokens=20), extra={"fsdp": FSDPSection()})
+    config = MilesConfig(model=ModelSection(name=str(model_dir), device="cpu"),
+                         train=TrainSection(lr=1e-3, micro_batch_tokens=20), extra={"fsdp": FSDPSection()})
+    ctx = context_for(config, Process.trainer_rank(rank))
 
     result: dict = {"rank": rank}
-    backend = FSDPBackend(config())
+    backend = FSDPBackend(ctx)
     batch = make_test_batch(model_dir)
     result["logprobs"], result["entropy"] = backend.compute_logprobs_and_entropy(batch)
     # one row on two ranks: rank 1 has nothing to do and must still keep FSDP in lockstep
@@ -85,8 +86,8 @@ def _scenarios(model_dir: Path, *, rank: int, conformance: bool, out: Path) -> d
     backend.close()
 
     if conformance:
-        bridge = Kernel.load().model_bridge(json.loads((model_dir / "config.json").read_text()))
-        report = check_train_backend(lambda: FSDPBackend(config()), model_dir, work_dir=out / "conformance", bridge=bridge)
+        bridge = ctx.kernel.model_bridge(json.loads((model_dir / "config.json").read_text()))
+        report = check_train_backend(lambda: FSDPBackend(ctx), model_dir, work_dir=out / "conformance", bridge=bridge)
         result["conformance"] = {"loss_before": report.loss_before, "loss_after": report.loss_after}
     return result
 

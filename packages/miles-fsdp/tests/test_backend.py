@@ -8,8 +8,11 @@ from dataclasses import replace
 import pytest
 import torch
 from miles import hookimpl
+from miles.context import context_for
 from miles.kernel import Kernel
+from miles.plugins import PluginSelection, load_plugins
 from miles_algorithms import objective
+from miles_contracts import Process
 from miles_contracts.testing.backend import check_train_backend, make_test_batch, plain_logprobs
 from miles_fsdp.optim import LRMultiplier
 
@@ -35,8 +38,8 @@ def _plain_entropy(model_dir, batch, temperature: float = 1.0) -> torch.Tensor:
 def _actor_gradients(backend, batch, with_entropy: bool = False) -> dict[str, torch.Tensor]:
     """Accumulate one batch's actor gradient (no optimiser step) and return it, full and named."""
     params = backend.config.algorithm
-    policy_loss = backend.kernel.policy_losses().get("ppo_clip")
-    correction = backend.kernel.mismatch_corrections().get("none")
+    policy_loss = backend.kernel.policy_losses().get("ppo_clip").loss
+    correction = backend.kernel.mismatch_corrections().get("none").correct
 
     def loss_fn(micro, outputs):
         entropy = outputs[1] if with_entropy else None
@@ -109,8 +112,8 @@ def test_gradient_equals_plain_autograd_through_full_logits(tiny_dense, backend_
     logp = torch.cat([torch.zeros(batch.size, 1), all_logp.gather(2, batch.tokens[:, 1:, None]).squeeze(2)], 1)
     entropy = torch.cat([torch.zeros(batch.size, 1), -(all_logp.exp() * all_logp).sum(-1)], 1)
     loss, _ = objective.actor_loss(logp, batch, backend.config.algorithm,
-                                   policy_loss=backend.kernel.policy_losses().get("ppo_clip"),
-                                   correction=backend.kernel.mismatch_corrections().get("none"),
+                                   policy_loss=backend.kernel.policy_losses().get("ppo_clip").loss,
+                                   correction=backend.kernel.mismatch_corrections().get("none").correct,
                                    entropy=entropy if entropy_coef else None)
     loss.backward()
     for name, param in model.named_parameters():
@@ -159,8 +162,9 @@ def test_conformance_suite(request, make_config, tmp_path, kind: str) -> None:
     from miles_fsdp.backend import FSDPBackend
 
     model_dir = request.getfixturevalue(f"tiny_{kind}")
-    bridge = Kernel.load().model_bridge(json.loads((model_dir / "config.json").read_text()))
-    report = check_train_backend(lambda: FSDPBackend(make_config(model_dir)), model_dir, work_dir=tmp_path, bridge=bridge)
+    ctx = context_for(make_config(model_dir), Process.trainer_rank(0))
+    bridge = ctx.kernel.model_bridge(json.loads((model_dir / "config.json").read_text()))
+    report = check_train_backend(lambda: FSDPBackend(ctx), model_dir, work_dir=tmp_path, bridge=bridge)
     assert report.loss_after < report.loss_before and report.logprob_max_diff < 1e-4
 
 
@@ -175,12 +179,13 @@ def test_conformance_suite_catches_broken_backends(tiny_dense, make_config, tmp_
         def named_weights(self, dtype=None):
             return ((n, t) for n, t in super().named_weights(dtype) if "layers.1.mlp.up_proj" not in n)
 
-    bridge = Kernel.load().model_bridge(json.loads((tiny_dense / "config.json").read_text()))
+    ctx = context_for(make_config(tiny_dense), Process.trainer_rank(0))
+    bridge = ctx.kernel.model_bridge(json.loads((tiny_dense / "config.json").read_text()))
     for broken, message in ((ShiftedLogprobs, "differ from the plain forward"), (LosesATensor, "missing")):
         made = []
 
         def factory(cls=broken, made=made):
-            made.append(cls(make_config(tiny_dense)))
+            made.append(cls(ctx))
             return made[-1]
 
         with pytest.raises(AssertionError, match=message):
@@ -280,20 +285,18 @@ class _PhaseRecorder:
 
 def test_every_forward_goes_through_the_wrapper_hook(tiny_dense, backend_factory) -> None:
     recorder = _PhaseRecorder()
-    kernel = Kernel.load()
+    selection = PluginSelection.from_settings(None, ())
+    kernel = Kernel(load_plugins(selection), selection)  # a kernel of this test's own: the backend must use it
     kernel.register_plugin(recorder, name="test-phase-recorder")
-    try:
-        backend = backend_factory(tiny_dense, use_reference=True, use_critic=True, teacher_model=str(tiny_dense),
-                                  micro_batch_tokens=20)
-        batch = make_test_batch(tiny_dense)
-        old = backend.compute_logprobs(batch)
-        backend.compute_logprobs(batch, model="ref")
-        backend.compute_logprobs(batch, model="teacher")
-        values = backend.compute_values(batch)
-        advantages = torch.where(batch.loss_mask > 0, torch.ones_like(old), torch.zeros_like(old))
-        backend.train_step(replace(batch, old_logprobs=old, advantages=advantages, values=values, returns=advantages))
-    finally:
-        kernel.unregister_plugin("test-phase-recorder")
+    backend = backend_factory(tiny_dense, kernel=kernel, use_reference=True, use_critic=True,
+                              teacher_model=str(tiny_dense), micro_batch_tokens=20)
+    batch = make_test_batch(tiny_dense)
+    old = backend.compute_logprobs(batch)
+    backend.compute_logprobs(batch, model="ref")
+    backend.compute_logprobs(batch, model="teacher")
+    values = backend.compute_values(batch)
+    advantages = torch.where(batch.loss_mask > 0, torch.ones_like(old), torch.zeros_like(old))
+    backend.train_step(replace(batch, old_logprobs=old, advantages=advantages, values=values, returns=advantages))
     phases = [p for p, _, _ in recorder.seen]
     assert set(phases) == {"old_logprobs", "ref_logprobs", "teacher_logprobs", "values", "train", "critic_train"}
     micro_batches = len(backend.runner.my_micro_batches(batch))
@@ -329,7 +332,7 @@ def test_a_failed_start_leaves_no_process_group(make_config, tmp_path) -> None:
     from miles_fsdp.backend import FSDPBackend
 
     with pytest.raises(Exception, match="nope"):
-        FSDPBackend(make_config(tmp_path / "nope"))
+        FSDPBackend(context_for(make_config(tmp_path / "nope"), Process.trainer_rank(0)))
     assert not torch.distributed.is_initialized()
 
 

@@ -7,11 +7,12 @@ import pytest
 
 @pytest.mark.slow
 def test_bench_train_reports_rates_and_writes_a_profile(tmp_path) -> None:
+    from miles.context import context_for
     from miles_fsdp.bench import run_benchmark
 
-    report = run_benchmark(preset="tiny", seq_lens=[64], tokens_per_step=128, warmup=1, steps=1, device="cpu",
-                           gradient_checkpointing=False, options={"compile": False}, baseline=False, peak_tflops=1.0,
-                           profile_dir=tmp_path / "prof")
+    report = run_benchmark(ctx=context_for(), preset="tiny", seq_lens=[64], tokens_per_step=128, warmup=1, steps=1,
+                           device="cpu", gradient_checkpointing=False, options={"compile": False}, baseline=False,
+                           peak_tflops=1.0, profile_dir=tmp_path / "prof")
     (entry,) = report["results"]
     assert (entry["seq_len"], entry["rows"], entry["tokens_per_step"]) == (64, 2, 128)
     miles = entry["miles"]
@@ -49,11 +50,12 @@ def test_length_spread_gives_varied_rows_and_counts_only_their_tokens() -> None:
 
 @pytest.mark.slow
 def test_bench_train_with_a_length_spread_reports_the_real_tokens() -> None:
+    from miles.context import context_for
     from miles_fsdp.bench import FlopCounter, build_model, run_benchmark
 
-    report = run_benchmark(preset="tiny", seq_lens=[64], tokens_per_step=256, warmup=1, steps=1, device="cpu",
-                           gradient_checkpointing=False, options={"compile": False}, baseline=True, peak_tflops=1.0,
-                           length_spread=0.5)
+    report = run_benchmark(ctx=context_for(), preset="tiny", seq_lens=[64], tokens_per_step=256, warmup=1, steps=1,
+                           device="cpu", gradient_checkpointing=False, options={"compile": False}, baseline=True,
+                           peak_tflops=1.0, length_spread=0.5)
     (entry,) = report["results"]
     lengths = entry["row_lengths"]
     assert report["length_spread"] == 0.5 and len(lengths) == 4 and entry["tokens_per_step"] == sum(lengths) < 256
@@ -61,3 +63,56 @@ def test_bench_train_with_a_length_spread_reports_the_real_tokens() -> None:
     for side in ("miles", "baseline"):
         rates = entry[side]
         assert rates["tflops"] * rates["step_s"] * 1e12 == pytest.approx(sum(counter.sequence(n) for n in lengths))
+
+
+def test_another_backend_is_built_by_the_given_kernel_with_its_section(tmp_path) -> None:
+    """``--backend NAME``: the backend comes from the command's kernel (here one only this test's
+    kernel knows), built by its spec with the benchmark's config and ``options`` as its section."""
+    from miles import hookimpl
+    from miles.context import context_for
+    from miles.kernel import Kernel
+    from miles.plugins import PluginSelection, load_plugins
+    from miles_contracts import ConfigSectionSpec, TrainBackendSpec
+    from miles_fsdp.bench import run_benchmark
+    from pydantic import BaseModel, ConfigDict
+
+    class IdleSection(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        depth: int = 1
+
+    built = []
+
+    class Idle:
+        """Counts its steps and trains nothing."""
+
+        def __init__(self, ctx) -> None:
+            self.ctx, self.steps, self.closed = ctx, 0, False
+
+        def train_step(self, batch) -> dict[str, float]:
+            self.steps += 1
+            return {}
+
+        def close(self) -> None:
+            self.closed = True
+
+    class IdlePlugin:
+        @hookimpl
+        def miles_register_train_backends(self, register) -> None:
+            register("idle", TrainBackendSpec(lambda ctx: built.append(Idle(ctx)) or built[-1]))
+
+        @hookimpl
+        def miles_register_config_sections(self, register) -> None:
+            register("idle", ConfigSectionSpec(IdleSection))
+
+    selection = PluginSelection.from_settings(None, ())
+    kernel = Kernel(load_plugins(selection), selection)
+    kernel.register_plugin(IdlePlugin(), "idle_for_tests")
+    report = run_benchmark(ctx=context_for(kernel=kernel), preset="tiny", seq_lens=[32], tokens_per_step=64, warmup=1,
+                           steps=2, device="cpu", gradient_checkpointing=False, options={"depth": 3}, baseline=False,
+                           peak_tflops=1.0, backend="idle", section="idle", work_dir=tmp_path)
+    (backend,) = built
+    assert backend.ctx.kernel is kernel and backend.steps == 3 and backend.closed
+    config = backend.ctx.config
+    assert config.train.backend == "idle" and config.section("idle", IdleSection).depth == 3
+    assert (tmp_path / "tiny-rank0" / "config.json").is_file() and config.model.name == str(tmp_path / "tiny-rank0")
+    assert report["idle_options"] == {"depth": 3} and report["results"][0]["miles"]["backend"] == "idle"

@@ -14,12 +14,14 @@ from miles_contracts.testing.backend import make_test_batch, plain_logprobs
 
 @pytest.mark.gpu
 def test_bf16_backend_scores_and_trains(tiny_dense, make_config) -> None:
+    from miles.context import context_for
     from miles.sections import ModelSection
+    from miles_contracts import Process
     from miles_fsdp.backend import FSDPBackend
 
     config = make_config(tiny_dense)
     config = replace(config, model=ModelSection(name=str(tiny_dense), device="cuda"))
-    backend = FSDPBackend(config)
+    backend = FSDPBackend(context_for(config, Process.trainer_rank(0)))
     try:
         assert backend.precision.compute == torch.bfloat16 and backend.precision.param == torch.float32
         batch = make_test_batch(tiny_dense)
@@ -47,7 +49,9 @@ def test_bench_runs_on_cuda_at_tiny_size() -> None:
 @pytest.mark.gpu
 def test_compiled_head_and_cudnn_preference_match_eager_on_cuda(tiny_dense, make_config) -> None:
     """``fsdp.compile`` (layers and head) and ``fsdp.sdpa_backends`` change kernels, not results (bf16 rounding aside)."""
+    from miles.context import context_for
     from miles.sections import ModelSection
+    from miles_contracts import Process
     from miles_fsdp.backend import FSDPBackend
 
     batch = make_test_batch(tiny_dense)
@@ -55,7 +59,7 @@ def test_compiled_head_and_cudnn_preference_match_eager_on_cuda(tiny_dense, make
     for fsdp in ({"compile": False}, {"compile": True, "sdpa_backends": ["cudnn", "flash", "efficient", "math"]}):
         config = make_config(tiny_dense, fsdp=fsdp)
         config = replace(config, model=ModelSection(name=str(tiny_dense), device="cuda"))
-        backend = FSDPBackend(config)
+        backend = FSDPBackend(context_for(config, Process.trainer_rank(0)))
         try:
             assert backend.compiled is fsdp["compile"]
             logprobs, entropy = backend.compute_logprobs_and_entropy(batch)

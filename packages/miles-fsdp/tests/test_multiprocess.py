@@ -61,8 +61,8 @@ def _check_against_one_process(model_dir: Path, ranks: list[dict], backend_facto
     old = single.compute_logprobs(batch)
     advantages = torch.where(batch.loss_mask > 0, torch.ones_like(old), torch.zeros_like(old))
     params = single.config.algorithm
-    policy_loss = single.kernel.policy_losses().get("ppo_clip")
-    correction = single.kernel.mismatch_corrections().get("none")
+    policy_loss = single.kernel.policy_losses().get("ppo_clip").loss
+    correction = single.kernel.mismatch_corrections().get("none").correct
     single.runner.accumulate(
         "train", single.actor, objective.prepare_batch(replace(batch, advantages=advantages, old_logprobs=old)),
         lambda micro, out: objective.actor_loss(out[0], micro, params, policy_loss=policy_loss, correction=correction),

@@ -34,17 +34,25 @@ def _trainable(batch, logprobs):
     return replace(batch, advantages=advantages, old_logprobs=logprobs, rollout_logprobs=logprobs)
 
 
+def _context(model_dir: Path, **megatron):
+    """This rank's context for a CPU config of ``model_dir`` with the ``megatron`` options."""
+    from miles.context import context_for
+    from miles_contracts import Process
+    from miles_megatron.testing import config_for
+
+    return context_for(config_for(model_dir, megatron=megatron), Process.trainer_rank(dist.get_rank()))
+
+
 def _scenario(name: str, model_dir: Path, layout: dict, out: Path) -> dict:
-    from miles.kernel import Kernel
     from miles_contracts.testing.backend import check_train_backend, make_test_batch
     from miles_megatron.backend import MegatronBackend
-    from miles_megatron.testing import config_for, hf_gradients
+    from miles_megatron.testing import hf_gradients
 
     result: dict = {}
     # the router's load-balancing loss is a function of each micro-batch's own tokens, so it (alone)
     # differs between layouts: off for the comparison, on (the model's) in the conformance run
     exact = {"distributed_optimizer": False, "moe_aux_loss_coef": 0.0}
-    backend = MegatronBackend(config_for(model_dir, megatron={**layout, **exact}))
+    backend = MegatronBackend(_context(model_dir, **{**layout, **exact}))
     batch = make_test_batch(model_dir)
     result["layers_read"] = backend.layers_read
     result["compiled_layers"] = [getattr(layer, "_compiled_call_impl", None) is not None
@@ -57,8 +65,9 @@ def _scenario(name: str, model_dir: Path, layout: dict, out: Path) -> dict:
         result.update(_resume_at_tp1(backend, model_dir, batch, out))
     backend.close()
     if name in CONFORMANCE:
-        bridge = Kernel.load().model_bridge(json.loads((model_dir / "config.json").read_text()))
-        report = check_train_backend(lambda: MegatronBackend(config_for(model_dir, megatron=layout)), model_dir,
+        ctx = _context(model_dir, **layout)
+        bridge = ctx.kernel.model_bridge(json.loads((model_dir / "config.json").read_text()))
+        report = check_train_backend(lambda: MegatronBackend(ctx), model_dir,
                                      work_dir=out / f"conformance_{name}", bridge=bridge)
         result["conformance"] = {"loss_before": report.loss_before, "loss_after": report.loss_after}
     return result
@@ -67,7 +76,6 @@ def _scenario(name: str, model_dir: Path, layout: dict, out: Path) -> dict:
 def _resume_at_tp1(backend, model_dir: Path, batch, out: Path) -> dict:
     """Save at TP=2, then the next step's loss at TP=2 and, from the checkpoint, at TP=1 (DP=2)."""
     from miles_megatron.backend import MegatronBackend
-    from miles_megatron.testing import config_for
 
     path = out / "tp2_checkpoint"
     backend.save_checkpoint(path, {"step": 1})
@@ -75,7 +83,7 @@ def _resume_at_tp1(backend, model_dir: Path, batch, out: Path) -> dict:
     step = replace(step, advantages=-step.advantages)
     losses = {"tp2_next_loss": backend.train_step(step)["loss"]}
     backend.close()
-    resumed = MegatronBackend(config_for(model_dir, megatron={"distributed_optimizer": False}))
+    resumed = MegatronBackend(_context(model_dir, distributed_optimizer=False))
     assert resumed.load_checkpoint(path) == {"step": 1}
     losses["tp1_next_loss"] = resumed.train_step(step)["loss"]
     resumed.close()

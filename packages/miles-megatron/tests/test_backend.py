@@ -11,15 +11,19 @@ from dataclasses import replace
 import pytest
 import torch
 from miles import hookimpl
+from miles.context import context_for
 from miles.kernel import Kernel
+from miles.plugins import PluginSelection, load_plugins
+from miles_contracts import Process
 from miles_contracts.testing.backend import check_train_backend, make_test_batch, plain_logprobs
 
 
 def test_conformance_dense(tiny_dense, make_config, tmp_path) -> None:
     from miles_megatron.backend import MegatronBackend
 
-    bridge = Kernel.load().model_bridge(json.loads((tiny_dense / "config.json").read_text()))
-    report = check_train_backend(lambda: MegatronBackend(make_config(tiny_dense)), tiny_dense, work_dir=tmp_path, bridge=bridge)
+    ctx = context_for(make_config(tiny_dense), Process.trainer_rank(0))
+    bridge = ctx.kernel.model_bridge(json.loads((tiny_dense / "config.json").read_text()))
+    report = check_train_backend(lambda: MegatronBackend(ctx), tiny_dense, work_dir=tmp_path, bridge=bridge)
     assert report.bridge == "llama" and report.loss_after < report.loss_before
 
 
@@ -64,14 +68,14 @@ def test_unclaimed_model_names_the_installed_bridges(tiny_dense, make_config, tm
     config = json.loads((odd / "config.json").read_text())
     (odd / "config.json").write_text(json.dumps({**config, "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"}))
     with pytest.raises(PluginError, match="llama.*qwen3|qwen3.*llama"):
-        MegatronBackend(make_config(odd))
+        MegatronBackend(context_for(make_config(odd), Process.trainer_rank(0)))
 
 
 def test_bad_layouts_are_refused_with_the_sizes(tiny_dense, make_config) -> None:
     from miles_megatron.backend import MegatronBackend
 
     with pytest.raises(ValueError, match="tensor_parallel x pipeline_parallel x context_parallel = 2 x 1 x 1"):
-        MegatronBackend(make_config(tiny_dense, megatron={"tensor_parallel": 2}))
+        MegatronBackend(context_for(make_config(tiny_dense, megatron={"tensor_parallel": 2}), Process.trainer_rank(0)))
 
 
 def test_reference_model_scores_the_starting_weights(tiny_dense, backend_factory) -> None:
@@ -89,8 +93,8 @@ def test_one_step_matches_the_fsdp_backend(tiny_dense, backend_factory, make_con
     from miles_fsdp.backend import FSDPBackend
     from miles_fsdp.config import FSDPSection
 
-    config = make_config(tiny_dense)
-    fsdp = FSDPBackend(dataclasses.replace(config, extra={"fsdp": FSDPSection()}))
+    ctx = context_for(make_config(tiny_dense), Process.trainer_rank(0))
+    fsdp = FSDPBackend(ctx.with_config(dataclasses.replace(ctx.config, extra={"fsdp": FSDPSection()})))
     megatron = backend_factory(tiny_dense)
     try:
         batch = make_test_batch(tiny_dense)
@@ -131,16 +135,14 @@ class _RouterRecorder:
 
 def test_forward_wrappers_see_the_megatron_model_its_routers_and_token_map(tiny_moe, backend_factory) -> None:
     recorder = _RouterRecorder()
-    kernel = Kernel.load()
+    selection = PluginSelection.from_settings(None, ())
+    kernel = Kernel(load_plugins(selection), selection)  # a kernel of this test's own: the backend must use it
     kernel.register_plugin(recorder, name="test-router-recorder")
-    try:
-        backend = backend_factory(tiny_moe)
-        batch = make_test_batch(tiny_moe)
-        old = backend.compute_logprobs(batch)
-        advantages = torch.where(batch.loss_mask > 0, torch.ones_like(old), torch.zeros_like(old))
-        backend.train_step(replace(batch, old_logprobs=old, advantages=advantages))
-    finally:
-        kernel.unregister_plugin("test-router-recorder")
+    backend = backend_factory(tiny_moe, kernel=kernel)
+    batch = make_test_batch(tiny_moe)
+    old = backend.compute_logprobs(batch)
+    advantages = torch.where(batch.loss_mask > 0, torch.ones_like(old), torch.zeros_like(old))
+    backend.train_step(replace(batch, old_logprobs=old, advantages=advantages))
     assert {phase for phase, *_ in recorder.seen} == {"old_logprobs", "train"}
     assert all(model == "GPTModel" and layers == [1, 2] and ok for _, model, layers, ok in recorder.seen)
 

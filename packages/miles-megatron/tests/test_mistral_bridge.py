@@ -28,29 +28,24 @@ def tiny_mistral(tmp_path_factory, tiny_dense) -> Path:
     return folder
 
 
-def test_mistral_bridge_scores_and_trains(tiny_mistral, make_config, monkeypatch) -> None:
+def test_mistral_bridge_scores_and_trains(tiny_mistral, backend_factory, monkeypatch) -> None:
     from miles.kernel import Kernel
-    from miles_megatron.backend import MegatronBackend
+    from miles.plugins import PluginSelection, load_plugins
 
     monkeypatch.syspath_prepend(str(EXAMPLE / "src"))
     from acme_miles import plugin
 
-    kernel = Kernel.load()
-    kernel.register_plugin(plugin, name="acme")
-    backend = None
-    try:
-        backend = MegatronBackend(make_config(tiny_mistral), kernel=kernel)
-        assert backend.bridge.name == "mistral"
-        batch = make_test_batch(tiny_mistral)
-        before = backend.compute_logprobs(batch)
-        torch.testing.assert_close(before, plain_logprobs(tiny_mistral, batch), rtol=0, atol=1e-4)
-        advantages = torch.where(batch.loss_mask > 0, torch.ones_like(before), torch.zeros_like(before))
-        backend.train_step(replace(batch, advantages=advantages, rollout_logprobs=before))
-        after = backend.compute_logprobs(batch)
-        mask = batch.loss_mask > 0
-        assert float(after[mask].mean()) > float(before[mask].mean())
-        assert {n for n, _ in backend.named_weights()} >= {"lm_head.weight", "model.embed_tokens.weight"}
-    finally:
-        if backend is not None:
-            backend.close()
-        kernel.unregister_plugin("acme")
+    selection = PluginSelection.from_settings(None, ())
+    kernel = Kernel(load_plugins(selection), selection)
+    kernel.register_plugin(plugin, name="acme")  # the bridge exists in this kernel only: the backend must use it
+    backend = backend_factory(tiny_mistral, kernel=kernel)
+    assert backend.bridge.name == "mistral"
+    batch = make_test_batch(tiny_mistral)
+    before = backend.compute_logprobs(batch)
+    torch.testing.assert_close(before, plain_logprobs(tiny_mistral, batch), rtol=0, atol=1e-4)
+    advantages = torch.where(batch.loss_mask > 0, torch.ones_like(before), torch.zeros_like(before))
+    backend.train_step(replace(batch, advantages=advantages, rollout_logprobs=before))
+    after = backend.compute_logprobs(batch)
+    mask = batch.loss_mask > 0
+    assert float(after[mask].mean()) > float(before[mask].mean())
+    assert {n for n, _ in backend.named_weights()} >= {"lm_head.weight", "model.embed_tokens.weight"}

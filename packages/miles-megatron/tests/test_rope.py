@@ -57,12 +57,14 @@ def test_on_cuda_the_compiled_default_matches_megatron_core_s_rope(tiny_dense, m
     compiled rotary embedding gives megatron-core's eager log-probs within bf16 rounding."""
     from dataclasses import replace
 
+    from miles.context import context_for
     from miles.sections import ModelSection
+    from miles_contracts import Process
     from miles_megatron import rope
     from miles_megatron.backend import MegatronBackend
 
     config = replace(make_config(tiny_dense), model=ModelSection(name=str(tiny_dense), device="cuda"))
-    backend = MegatronBackend(config)
+    backend = MegatronBackend(context_for(config, Process.trainer_rank(0)))
     try:
         assert backend.compiled and backend.actor.config.bias_activation_fusion and backend.actor.config.bias_dropout_fusion
         assert all(rope.deferred(chunk) for chunk in backend.actor.chunks)

@@ -11,7 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 from miles.config import ConfigError, build_config
-from miles.kernel import Kernel
+from miles.context import context_for
+from miles_contracts import Process
 from miles_mooncake.settings import MooncakeSection
 from miles_mooncake.transport import MooncakeTransport
 from miles_weights.errors import WeightSyncError
@@ -51,10 +52,12 @@ def test_engines_without_a_mooncake_route_are_refused_before_anything_pauses():
 
 
 def test_the_mooncake_section_and_transport_are_registered():
-    kernel = Kernel.load()
+    kernel = context_for().kernel
     cfg = build_config({"weights": {"transport": "mooncake"}, "mooncake": {"protocol": "rdma", "device_name": "mlx5_0"}},
                        kernel=kernel)
-    transport = kernel.weight_transports().get("mooncake")(cfg)
+    spec = kernel.weight_transports().get("mooncake")
+    assert not spec.needs_shared_gpu  # engines pull over the network: any placement
+    transport = spec.create(context_for(cfg, Process.trainer_rank(0), kernel=kernel))
     try:
         assert isinstance(transport, MooncakeTransport)
         assert (transport.protocol, transport.device_name) == ("rdma", "mlx5_0")

@@ -1,7 +1,12 @@
 """A multi-turn agentic rollout on the tiny MoE: the calculator agent (examples/calculator_agent)
 talks to a session server in front of a real engine; each turn asks the engine only for the
 routing of its new positions, and the stitched rows equal one teacher-forced capture of the final
-token sequence."""
+token sequence.
+
+The generator finds the agent and the chat family as in a run: named by the config
+(``rollout.agent``, ``tito.family``) and registered with the run's kernel; here a kernel of the
+test's own, into which an in-process plugin registers them.
+"""
 
 from __future__ import annotations
 
@@ -15,17 +20,21 @@ import httpx
 import numpy as np
 import pytest
 from calculator_agent.agent import run_agent
+from miles import hookimpl
 from miles.config import MilesConfig
+from miles.context import context_for
 from miles.engine_client import HttpEngineClient
+from miles.kernel import Kernel
+from miles.plugins import PluginSelection, load_plugins
+from miles.registry import Register
 from miles.sections import RolloutSection
-from miles_contracts import GenerateContext, MoeLayerMap, Sample, Status
-from miles_contracts.chat import ParsedTurn, ToolCall
+from miles_contracts import AgentSpec, GenerateContext, MoeLayerMap, Process, Sample, Status
+from miles_contracts.chat import ChatFamily, ParsedTurn, ToolCall
 from miles_contracts.wire.auth import auth_headers
 from miles_contracts.wire.engine import GenerateRequest, GenerateResponse, SamplingParams
 from miles_r3.capture import RoutedExpertsCapture
 from miles_r3.experts import ROUTED_EXPERTS, decode_payload
 from miles_tito.config import TitoSection
-from miles_tito.families import resolve_family
 from miles_tito.generators.agentic import AgenticGenerator
 from miles_tito.server.app import create_app
 from miles_tito.server.background import BackgroundServer
@@ -53,20 +62,50 @@ def always_calls(text: str) -> ParsedTurn:
     return ParsedTurn(content="", tool_calls=(ToolCall("calculator", json.dumps({"expression": "6 * 7"})),))
 
 
+AGENT = "test_calculator"
+
+
+class AgentAndFamily:
+    """An in-process plugin: the calculator agent and the ``calls`` chat family, under the names the
+    test's config gives."""
+
+    def __init__(self, family: ChatFamily) -> None:
+        self.family = family
+
+    @hookimpl
+    def miles_register_agents(self, register: Register[AgentSpec]) -> None:
+        register(AGENT, AgentSpec(run_agent))
+
+    @hookimpl
+    def miles_register_chat_families(self, register: Register[ChatFamily]) -> None:
+        register(self.family.name, self.family)
+
+
+def kernel_with(family: ChatFamily) -> Kernel:
+    """A kernel of the test's own (the installed plugins, fresh) with :class:`AgentAndFamily` in it."""
+    selection = PluginSelection.from_settings(None, ())
+    kernel = Kernel(load_plugins(selection), selection)
+    kernel.register_plugin(AgentAndFamily(family), name="test-agentic")
+    return kernel
+
+
 def test_agentic_routing_stitches_to_a_teacher_forced_capture(moe_engine_url: str, tiny_moe: Path, moe_map: MoeLayerMap) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_moe)
-    family = dataclasses.replace(resolve_family("chatml"), name="calls", parse=always_calls)
+    chatml = context_for().kernel.chat_families().get("chatml")
+    family = dataclasses.replace(chatml, name="calls", parse=always_calls)
+    kernel = kernel_with(family)
     recorder = RecordingEngine(moe_engine_url)
     service = lambda: create_app(SessionService(recorder, TitoTokenizer(tokenizer, family), model_name="tiny",  # noqa: E731
                                                 max_context_len=2048, default_max_tokens=6))
     with BackgroundServer(service) as sessions:
-        config = MilesConfig(rollout=RolloutSection(max_turns=3), extra={"tito": TitoSection(session_server_url=sessions.url)})
+        config = MilesConfig(rollout=RolloutSection(max_turns=3, agent=AGENT),
+                             extra={"tito": TitoSection(session_server_url=sessions.url, family=family.name)})
         ctx = GenerateContext(
             engine=HttpEngineClient(moe_engine_url), tokenizer=tokenizer, max_context_len=2048,
             sampling_params=SamplingParams(max_new_tokens=6, temperature=0.0),
-            resources={"config": config, "agent": run_agent, "chat_family": family},
+            run=context_for(config, Process.driver(), kernel=kernel),
             captures=[RoutedExpertsCapture(moe_map)],
         )
         sample = asyncio.run(_generate(ctx, Sample(prompt="What is 6 * 7?")))

@@ -8,15 +8,20 @@ from pathlib import Path
 
 import torch
 from miles.config import build_config
-from miles.kernel import Kernel
+from miles.context import context_for
 from miles.loop.rollout import RolloutManager, rollout_metrics
-from miles_contracts import ExitReason, ForwardContext, Sample, Status, TrainBatch
+from miles_contracts import ExitReason, ForwardContext, Process, RunContext, Sample, Status, TrainBatch
 from miles_r3.experts import ROUTED_EXPERTS
 
 
+def driver(data: dict) -> RunContext:
+    """The driver's context of a run of ``data`` (its kernel loaded for the run's plugin selection)."""
+    return context_for(build_config(data), Process.driver())
+
+
 def captures_of(data: dict) -> list[str]:
-    config = build_config(data)
-    return [c.spec.name for c in Kernel.load(config.plugin_selection).engine_captures(config)]
+    ctx = driver(data)
+    return [c.spec.name for c in ctx.kernel.engine_captures(ctx)]
 
 
 def test_routing_is_captured_only_when_enabled_and_the_model_is_moe(tiny_moe: Path, tiny_dense: Path) -> None:
@@ -28,8 +33,8 @@ def test_routing_is_captured_only_when_enabled_and_the_model_is_moe(tiny_moe: Pa
 
 
 def test_training_rollouts_carry_the_capture_and_evaluation_does_not(tiny_moe: Path) -> None:
-    config = build_config({"model": {"name": str(tiny_moe)}, "r3": {"enabled": True}})
-    manager = RolloutManager(config, Kernel.load(config.plugin_selection), data=None, engine=None, tokenizer=None)
+    ctx = driver({"model": {"name": str(tiny_moe)}, "r3": {"enabled": True}})
+    manager = RolloutManager(ctx, data=None, engine=None, tokenizer=None)  # type: ignore[arg-type]
     assert [c.spec.name for c in manager.context().captures] == [ROUTED_EXPERTS.name]
     assert list(manager.context(evaluation=True).captures) == []
 
@@ -58,5 +63,5 @@ def test_a_dense_model_forward_is_untouched(tiny_dense: Path) -> None:
                          state={"token_positions": lambda: torch.arange(4)})
     with torch.no_grad():
         plain = model(tokens).logits
-        wrapped = Kernel.load().run_forward(ctx, lambda: model(tokens).logits)
+        wrapped = context_for().kernel.run_forward(ctx, lambda: model(tokens).logits)
     assert torch.equal(plain, wrapped)

@@ -15,9 +15,10 @@ import pytest
 import torch
 from miles.builtin.generators import single_turn
 from miles.config import MilesConfig
+from miles.context import context_for
 from miles.engine_client import HttpEngineClient
 from miles.sections import ModelSection, RolloutSection, RunSection, TrainSection
-from miles_contracts import GenerateContext, MoeLayerMap, Sample, Status, TrainBatch
+from miles_contracts import GenerateContext, MoeLayerMap, Process, Sample, Status, TrainBatch
 from miles_contracts.wire.engine import SamplingParams
 from miles_fsdp.backend import FSDPBackend
 from miles_fsdp.config import FSDPSection
@@ -40,7 +41,8 @@ def rollout_samples(moe_engine_url: str, tiny_moe: Path, moe_map: MoeLayerMap) -
         client = HttpEngineClient(moe_engine_url)
         params = SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True, sampling_seed=3)
         ctx = GenerateContext(engine=client, tokenizer=AutoTokenizer.from_pretrained(tiny_moe), sampling_params=params,
-                              max_context_len=512, captures=[RoutedExpertsCapture(moe_map)])
+                              max_context_len=512, run=context_for(process=Process.driver()),
+                              captures=[RoutedExpertsCapture(moe_map)])
         try:
             return list(await asyncio.gather(*(single_turn(Sample(prompt=p, index=i), ctx) for i, p in enumerate(PROMPTS))))
         finally:
@@ -89,7 +91,7 @@ def backend_with(tiny_moe: Path, moe_map: MoeLayerMap, *, router_noise: float, *
         for layer in moe_map.moe_layers:
             weight = model.get_submodule(moe_map.router_path(layer)).weight
             weight.add_(torch.randn(weight.shape, generator=generator) * router_noise * weight.std())
-    return FSDPBackend(config_for(tiny_moe, **train), actor=model)
+    return FSDPBackend(context_for(config_for(tiny_moe, **train), Process.trainer_rank(0)), actor=model)
 
 
 class ExpertsWatch:
@@ -167,12 +169,11 @@ def test_each_step_reports_routing_agreement_next_to_the_logprob_gap(rollout_sam
     """The loop's learner trains on the samples (their routing reaches the batch on its own) and the
     step's metrics carry the agreement the r3 plugin adds at ``miles_train_step_end`` (called in a
     trainer rank process after each train step; the backend runs in this process here)."""
-    from miles.kernel import Kernel
     from miles.loop.learner import Learner
 
     replay_settings(replay=True)
     backend = backend_with(tiny_moe, moe_map, router_noise=1.0)
-    kernel = Kernel.load()
+    kernel = backend.kernel  # the rank's kernel: its r3 plugin adds the metrics
     rank_side = _RankSide(backend, kernel)
     metrics = Learner(config_for(tiny_moe), kernel, rank_side, pad_token_id=0).train(rollout_samples)
     backend.close()

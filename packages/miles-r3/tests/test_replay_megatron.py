@@ -13,8 +13,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from miles.kernel import Kernel  # noqa: E402
-from miles_contracts import ForwardContext, MoeLayerMap, TrainBatch  # noqa: E402
+from miles.context import context_for  # noqa: E402
+from miles_contracts import ForwardContext, MoeLayerMap, Process, TrainBatch  # noqa: E402
 from miles_contracts.testing.bridge import load_hf_checkpoint  # noqa: E402
 from miles_contracts.testing.megatron import build_gpt_model, cpu_megatron, megatron_logits  # noqa: E402
 from miles_model_llama import LOCAL  # noqa: E402
@@ -51,7 +51,7 @@ def test_megatron_routers_replay_the_recorded_experts(tiny_moe: Path, moe_map: M
     batch = recorded_batch(tokens, hf_model, moe_map)
     with torch.no_grad():
         reference = hf_model(tokens).logits
-    kernel = Kernel.load()
+    kernel = context_for(process=Process.trainer_rank(0)).kernel  # a rank's kernel: the r3 wrapper in it
     saved = r3.STATE._settings
     with cpu_megatron():
         hf_state, hf_config = load_hf_checkpoint(tiny_moe)
@@ -123,7 +123,7 @@ def test_the_megatron_backend_gives_replay_its_token_positions(tiny_moe: Path, m
                        rewards=torch.zeros(2), group_ids=torch.zeros(2, dtype=torch.long), rollout_ids=torch.arange(2),
                        extras={ROUTED_EXPERTS.name: table})
     saved = r3.STATE._settings
-    backend = MegatronBackend(config_for(tiny_moe, micro_batch_tokens=64))
+    backend = MegatronBackend(context_for(config_for(tiny_moe, micro_batch_tokens=64), Process.trainer_rank(0)))
     try:
         r3.STATE.settings = R3Section(enabled=True, replay=True)
         r3.STATE.stats.flush()

@@ -6,11 +6,13 @@ import asyncio
 import math
 
 import pytest
+from miles.config import MilesConfig
+from miles.context import context_for
 from miles.kernel import Kernel
 from miles.plugins import PluginSelection, load_plugins
 from miles.rewards import score_samples_blocking
 from miles.sections import RewardSection
-from miles_contracts import Sample, Status
+from miles_contracts import Process, Sample, Status
 from miles_contracts.testing.reward import check_reward
 from miles_rm_math import MathReward
 from miles_rm_math.reward import shared_pool
@@ -70,7 +72,8 @@ def test_registered_as_math_and_used_by_score() -> None:
     kernel = Kernel(load_plugins(selection), selection)
     samples = [sample("\\boxed{\\frac{3}{6}}", "1/2", 0), sample("\\boxed{3}", "4", 1)]
     samples.append(Sample(prompt="q", response="\\boxed{1}", label=None, status=Status.COMPLETED, index=2))
-    report = score_samples_blocking(samples, kernel, RewardSection(name="math"))
+    ctx = context_for(MilesConfig(reward=RewardSection(name="math")), Process.driver(), kernel=kernel)
+    report = score_samples_blocking(samples, ctx)
     assert [s.reward for s in samples[:2]] == [1.0, 0.0]
     assert samples[2].status is Status.FAILED and "returned nan" in samples[2].exit_detail
     assert (report.scored, report.failed) == (2, 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 
 import pytest
 from miles.errors import ConfigError
@@ -232,36 +233,56 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def test_router_command_round_trips_every_setting() -> None:
-    section = RouterSection(middlewares=["metrics", "access_log"], middleware_options={"access_log": {"path": "x"}},
-                            health_interval=0.25, failure_threshold=2, health_timeout=1.5, request_timeout=60,
-                            max_attempts=4, affinity_capacity=10, check_weight_version=False)
-    argv = router_command([A, B], port=31000, section=section)
+SECTION = RouterSection(middlewares=["metrics", "access_log"], middleware_options={"access_log": {"path": "x"}},
+                        health_interval=0.25, failure_threshold=2, health_timeout=1.5, request_timeout=60,
+                        max_attempts=4, affinity_capacity=10, check_weight_version=False, forward_client="httpx")
+
+
+def test_router_command_hands_the_router_its_config_file(tmp_path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps({"router": SECTION.model_dump(mode="json")}))
+    argv = router_command([A, B], port=31000, config_path=config, run_dir=tmp_path)
     assert argv[1:4] == ["-m", "miles_router", "--host"]
     args = _parse(argv[3:])
-    assert section_from_args(args) == section
-    assert (args.port, args.worker) == (31000, [A, B])
+    assert section_from_args(args) == SECTION  # every setting, from the file
+    assert (args.port, args.worker, args.run_dir) == (31000, [A, B], str(tmp_path))
 
 
-def test_bad_settings_fail_with_every_problem_listed() -> None:
+def test_every_setting_has_a_flag_derived_from_the_section() -> None:
+    flags = ["--middleware", "metrics", "--middleware", "access_log", "--middleware-options",
+             json.dumps(SECTION.middleware_options), "--health-interval", "0.25", "--failure-threshold", "2",
+             "--health-timeout", "1.5", "--request-timeout", "60", "--max-attempts", "4", "--affinity-capacity", "10",
+             "--no-check-weight-version", "--forward-client", "httpx"]
+    assert section_from_args(_parse(flags)) == SECTION
+    assert set(RouterSection.model_fields) == {"middlewares", "middleware_options", "health_interval",
+                                                "failure_threshold", "health_timeout", "request_timeout",
+                                                "max_attempts", "affinity_capacity", "check_weight_version",
+                                                "forward_client"}  # a new setting: add its flag above
+
+
+def test_bad_settings_fail_with_every_problem_listed(capsys: pytest.CaptureFixture[str]) -> None:
     args = _parse(["--health-interval", "0", "--max-attempts", "0"])
     with pytest.raises(ConfigError) as info:
         section_from_args(args)
     assert len(info.value.errors) == 2
     assert "router.health_interval" in str(info.value) and "router.max_attempts" in str(info.value)
-    with pytest.raises(ConfigError, match="not valid JSON"):
-        section_from_args(_parse(["--middleware-options", "{nope"]))
+    with pytest.raises(SystemExit):  # argparse refuses it before anything starts
+        _parse(["--middleware-options", "{nope"])
+    assert "--middleware-options: not valid JSON" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="not in middlewares"):
         section_from_args(_parse(["--middleware-options", '{"metrics": {}}']))
 
 
-def test_config_file_router_section_then_flags(tmp_path) -> None:
+def test_config_file_then_flags_and_the_whole_config_is_validated(tmp_path) -> None:
     config = tmp_path / "run.yaml"
-    config.write_text("router:\n  middlewares: [metrics]\n  failure_threshold: 7\nrollout:\n  num_engines: 2\n")
+    config.write_text("router:\n  middlewares: [metrics]\n  failure_threshold: 7\nrollout:\n  max_new_tokens: 8\n")
     section = section_from_args(_parse(["--config", str(config), "--failure-threshold", "4"]))
     assert (section.middlewares, section.failure_threshold) == (["metrics"], 4)
     config.write_text("router:\n  failure_treshold: 7\n")
-    with pytest.raises(ConfigError, match="router.failure_treshold: Extra inputs are not permitted"):
+    with pytest.raises(ConfigError, match="router.failure_treshold: unknown key"):
+        section_from_args(_parse(["--config", str(config)]))
+    config.write_text("rollout:\n  num_engines: 2\n")  # the run's config as a whole, as every process reads it
+    with pytest.raises(ConfigError, match="rollout.num_engines: moved to resources.engines"):
         section_from_args(_parse(["--config", str(config)]))
 
 

@@ -22,7 +22,6 @@ from miles_contracts import Endpoint, ServiceLaunch
 from miles_contracts.wire.auth import auth_headers
 from miles_contracts.wire.engine import ROUTING_KEY_HEADER, GenerateResponse
 from miles_router import router_command
-from miles_router.config import RouterSection
 from router_support import ManagedProcess, free_port, wait_until
 
 pytestmark = pytest.mark.slow
@@ -50,7 +49,9 @@ class Cluster:
         # The argv the run's executor uses: the registered engine's command (``miles serve engine``
         # without the CLI's plugin loading in front).
         config = build_config({"model": {"device": "cpu", "dtype": "float32"}})
-        launch = ServiceLaunch(config, str(self.model), Endpoint("127.0.0.1", port))
+        config_path = self.logs / "engine.yaml"  # as a run's config.yaml: what the process reads
+        config_path.write_text(config.to_yaml())
+        launch = ServiceLaunch(config, str(config_path), str(self.model), Endpoint("127.0.0.1", port))
         argv = Kernel.load().services().get("embedded").command(launch)
         run = len([p for p in self.logs.iterdir() if p.name.startswith(f"engine-{port}")])
         self.engines[port] = ManagedProcess(argv, self.logs / f"engine-{port}-{run}.log", env=ENGINE_ENV)
@@ -62,9 +63,11 @@ class Cluster:
             self.start_engine(port)
         for port in self.ports:
             self.engines[port].wait_healthy(self.engine_url(port))
-        section = RouterSection(middlewares=["metrics"], health_interval=0.25, failure_threshold=2, health_timeout=5)
+        config_path = self.logs / "router.yaml"
+        config_path.write_text("router: {middlewares: [metrics], health_interval: 0.25, failure_threshold: 2, "
+                               "health_timeout: 5}\n")
         argv = router_command([self.engine_url(p) for p in self.ports], port=int(self.url.rsplit(":", 1)[1]),
-                              section=section)
+                              config_path=config_path)
         self.router = ManagedProcess(argv, self.logs / "router.log")
         self.processes.append(self.router)
         self.router.start()

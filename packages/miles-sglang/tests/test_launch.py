@@ -126,16 +126,20 @@ def test_bad_layouts_and_clashing_args_are_refused():
 def test_the_kernel_starts_sglang_from_the_run_config():
     kernel = Kernel.load()
     service = kernel.services().get("sglang")
-    assert isinstance(service, SGLangService) and service.role == "engine"
+    assert isinstance(service.command.__self__, SGLangService) and service.role == "engine"
+    assert service.config_sections == ("model", "sglang")
     cfg = build_config({"rollout": {"engine": "sglang"}, "sglang": {"tp_size": 2, "python": "/opt/sg/bin/python"}},
                        kernel=kernel)
-    launch = ServiceLaunch(cfg, "/m", Endpoint("127.0.0.1", 5), gpus=2)
+    # SGLang is an external program: its argv comes from the sglang section, not from the run's
+    # config file (which only Miles' own servers read)
+    launch = ServiceLaunch(cfg, "/runs/r/config.yaml", "/m", Endpoint("127.0.0.1", 5), gpus=2, run_dir="/runs/r")
     argv = SGLangService({"MILES_AUTH_TOKEN": "tok"}).command(launch)
+    assert "--config" not in argv and flags(argv)["--model-path"] == "/m"
     assert argv[:5] == ["env", "-u", "PYTHONPATH", "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false",
                         "/opt/sg/bin/python"]
     assert flags(argv)["--tp-size"] == "2" and flags(argv)["--api-key"] == "tok" and flags(argv)["--port"] == "5"
     with pytest.raises(ValueError, match="resources.gpus_per_engine=2"):  # placement gave it one GPU
-        SGLangService({}).command(ServiceLaunch(cfg, "/m", Endpoint("127.0.0.1", 5), gpus=1))
+        SGLangService({}).command(ServiceLaunch(cfg, "/runs/r/config.yaml", "/m", Endpoint("127.0.0.1", 5), gpus=1))
     with pytest.raises(ConfigError) as error:
         build_config({"sglang": {"tp_sise": 2, "ep_size": 0}}, kernel=kernel)
     assert "tp_sise" in str(error.value) and "ep_size" in str(error.value)  # every error at once

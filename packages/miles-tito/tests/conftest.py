@@ -20,18 +20,20 @@ def tokenizer(tiny_dense: Path) -> Any:
 
 @pytest.fixture(scope="session")
 def chatml(tokenizer: Any) -> Any:
+    from miles.kernel import Kernel
     from miles_tito.families import resolve_family
     from miles_tito.tokenizer import TitoTokenizer
 
-    return TitoTokenizer(tokenizer, resolve_family("chatml"))
+    return TitoTokenizer(tokenizer, resolve_family("chatml", kernel=Kernel.load()))
 
 
 @pytest.fixture(scope="session")
 def qwen3(tokenizer: Any) -> Any:
+    from miles.kernel import Kernel
     from miles_tito.families import resolve_family
     from miles_tito.tokenizer import TitoTokenizer
 
-    return TitoTokenizer(tokenizer, resolve_family("qwen3"))
+    return TitoTokenizer(tokenizer, resolve_family("qwen3", kernel=Kernel.load()))
 
 
 @pytest.fixture(scope="session")

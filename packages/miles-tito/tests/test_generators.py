@@ -1,4 +1,8 @@
-"""The ``multi_turn`` and ``agentic`` generators against a real engine (tiny random Llama)."""
+"""The ``multi_turn`` and ``agentic`` generators against a real engine (tiny random Llama).
+
+Generators read everything from the run they belong to (``ctx.run``: its config and its kernel).
+The tests' own tools, agents and chat families are registered in a kernel of their own (a fresh
+one, with an in-process plugin) and named in the config, as a run names a plugin's."""
 
 from __future__ import annotations
 
@@ -9,9 +13,22 @@ from typing import Any
 
 import httpx
 import pytest
+from miles import hookimpl
+from miles.config import build_config
 from miles.engine_client import HttpEngineClient
 from miles.kernel import Kernel
-from miles_contracts import ExitReason, GenerateContext, Sample, Status
+from miles.plugins import PluginSelection, load_plugins
+from miles_contracts import (
+    AgentSpec,
+    ExitReason,
+    GenerateContext,
+    Process,
+    RunContext,
+    Sample,
+    Status,
+    ToolSpec,
+)
+from miles_contracts.chat import ParsedTurn, ToolCall
 from miles_contracts.wire.engine import SamplingParams
 from miles_tito.generators.agentic import AgenticGenerator
 from miles_tito.generators.multi_turn import MultiTurnGenerator
@@ -24,60 +41,8 @@ pytestmark = pytest.mark.slow
 GREEDY_STOP = SamplingParams(max_new_tokens=6, temperature=0.0, stop=["\n"])
 
 
-def context(engine_url: str, tokenizer: Any, **resources: Any) -> GenerateContext:
-    session_url = resources.pop("session_server_url", None)
-    return GenerateContext(engine=HttpEngineClient(engine_url), tokenizer=tokenizer, sampling_params=GREEDY_STOP,
-                           max_context_len=resources.pop("max_context_len", 2048), session_server_url=session_url,
-                           resources=resources)
-
-
-def run(generator: Any, sample: Sample, ctx: GenerateContext) -> Sample:
-    async def go() -> Sample:
-        try:
-            return await generator(sample, ctx)
-        finally:
-            await ctx.engine.aclose()
-
-    return asyncio.run(go())
-
-
-@pytest.fixture(scope="module")
-def calls_family(chatml: TitoTokenizer) -> Any:
-    """Reads every model turn as a calculator call (the tiny model writes none of its own)."""
-    return family_with_parser(chatml.family, always_calls, "calls")
-
-
-# ----------------------------------------------------------------------------- multi_turn
-
-
-def test_multi_turn_runs_the_tool_loop_token_exactly(engine_url: str, tokenizer: Any, calls_family: Any) -> None:
-    calculator = Kernel.load().tools().get("calculator")
-    ctx = context(engine_url, tokenizer, chat_family=calls_family, tools={"calculator": calculator})
-    sample = run(MultiTurnGenerator(), Sample(prompt="What is 6 * 7?", index=3), ctx)
-
-    assert (sample.status, sample.exit_reason) == (Status.TRUNCATED, ExitReason.MAX_TURNS)  # 8 turns of tool calls
-    sample.validate()
-    assert len(sample.weight_versions) == 8 == sample.metadata["tito"]["turns"]
-    tool_results = [m["content"] for m in sample.metadata["messages"] if m["role"] == "tool"]
-    assert tool_results == ["42"] * 8  # the real calculator ran every call
-    response = sample.tokens[sample.prompt_length :]
-    masked_out = tokenizer.decode([t for t, m in zip(response, sample.loss_mask, strict=True) if m == 0])
-    assert masked_out.count("<|im_start|>tool\n42<|im_end|>") == 7  # tool results are in the tokens, never trained
-    assert sum(sample.loss_mask) == sum(e - s for s, e in sample.metadata["tito"]["turn_spans"])
-
-
-def test_multi_turn_without_tool_calls_is_one_turn(engine_url: str, tokenizer: Any) -> None:
-    ctx = context(engine_url, tokenizer, chat_family="chatml", tools={})
-    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    sample = run(MultiTurnGenerator(), Sample(prompt=prompt), ctx)
-    expected_prompt = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    assert sample.tokens[: sample.prompt_length] == tokenizer.encode(expected_prompt, add_special_tokens=False)
-    assert (sample.status, sample.exit_reason) == (Status.COMPLETED, ExitReason.STOP)
-    assert sample.loss_mask == [1] * sample.response_length and len(sample.weight_versions) == 1
-
-
-class BrokenTool:
-    name = "calculator"
+class FlakyTool:
+    name = "flaky"
     description = "always fails"
     parameters = {"type": "object", "properties": {"expression": {"type": "string"}}}
 
@@ -85,55 +50,9 @@ class BrokenTool:
         raise ConnectionError("sandbox is gone")
 
 
-def test_a_broken_tool_aborts_the_sample_not_the_run(engine_url: str, tokenizer: Any, calls_family: Any) -> None:
-    ctx = context(engine_url, tokenizer, chat_family=calls_family, tools={"calculator": BrokenTool()})
-    sample = run(MultiTurnGenerator(), Sample(prompt="x"), ctx)
-    assert (sample.status, sample.exit_reason) == (Status.ABORTED, ExitReason.TOOL_ERROR)
-    assert "sandbox is gone" in (sample.exit_detail or "")
-    assert sample.response_length > 0  # the turn before the failure is kept for inspection
-
-
-def test_running_out_of_context_truncates(engine_url: str, tokenizer: Any, calls_family: Any) -> None:
-    from miles_tito.generators.tools import tool_specs
-    from miles_tito.messages import ChatMessage
-
-    calculator = Kernel.load().tools().get("calculator")
-    prompt = TitoTokenizer(tokenizer, calls_family).first_turn_ids([ChatMessage("user", "x")], tool_specs({"calculator": calculator}))
-    limit = len(prompt) + 40  # room for a couple of tool round trips, not for eight
-    ctx = context(engine_url, tokenizer, chat_family=calls_family, tools={"calculator": calculator}, max_context_len=limit)
-    sample = run(MultiTurnGenerator(), Sample(prompt="x"), ctx)
-    assert (sample.status, sample.exit_reason) == (Status.TRUNCATED, ExitReason.CONTEXT_OVERFLOW)
-    assert 1 < len(sample.weight_versions) < 8 and len(sample.tokens) <= limit
-
-
-def test_an_unreachable_engine_costs_the_sample(tokenizer: Any) -> None:
-    ctx = context(f"http://127.0.0.1:{free_port()}", tokenizer, chat_family="chatml", tools={})
-    sample = run(MultiTurnGenerator(), Sample(prompt="x"), ctx)
-    assert (sample.status, sample.exit_reason) == (Status.ABORTED, ExitReason.ENGINE_ERROR)
-
-
-# ----------------------------------------------------------------------------- agentic
-
-
-@pytest.fixture(scope="module")
-def calls_server(engine_url: str, chatml: TitoTokenizer, calls_family: Any) -> Iterator[str]:
-    with session_server(engine_url, TitoTokenizer(chatml.tokenizer, calls_family)) as url:
-        yield url
-
-
-def test_agentic_trains_on_the_calculator_agents_exact_tokens(engine_url: str, tokenizer: Any, calls_server: str) -> None:
-    """The example agent (official openai client) through the registered name, against a real session server."""
-    ctx = context(engine_url, tokenizer, agent="calculator_agent", session_server_url=calls_server)
-    ctx.resources["config"] = _config(max_turns=3)
-    sample = run(AgenticGenerator(), Sample(prompt=[{"role": "user", "content": "What is 6 * 7?"}], metadata={"id": 5}), ctx)
-
-    assert sample.metadata["agent_result"] == {"answer": None, "turns": 3, "tool_calls": 3, "finish_reason": "max_turns"}
-    assert (sample.status, sample.exit_reason) == (Status.COMPLETED, ExitReason.TOOL_CALLS)
-    sample.validate()
-    assert len(sample.weight_versions) == 3
-    messages = sample.metadata["messages"]
-    assert messages[0]["role"] == "system" and [m["content"] for m in messages if m["role"] == "tool"] == ["42", "42"]
-    assert authed.get(f"{calls_server}/health").json()["sessions"] == 0  # collected and deleted
+def calls_flaky(text: str) -> ParsedTurn:
+    """Every turn is a call of the flaky tool."""
+    return ParsedTurn(content="", tool_calls=(ToolCall("flaky", json.dumps({"expression": "1"})),))
 
 
 async def failing_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any], metadata: dict[str, Any]) -> dict:
@@ -149,14 +68,163 @@ async def slow_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
     return {}
 
 
+async def one_turn_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any], metadata: dict[str, Any]) -> dict:
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {metadata['api_key']}"}) as http:
+        body = {"messages": prompt, **request_kwargs}
+        answer = (await http.post(f"{base_url}/chat/completions", json=body)).json()
+    return {"session": metadata["session_id"], "content": answer["choices"][0]["message"]["content"]}
+
+
+class Registrations:
+    """What these tests register: chat families reading every turn as a tool call (the tiny model
+    writes none of its own), a tool that breaks, and agents that fail, hang or take one turn."""
+
+    def __init__(self, chatml: TitoTokenizer) -> None:
+        self.families = {"calls": family_with_parser(chatml.family, always_calls, "calls"),
+                         "calls_flaky": family_with_parser(chatml.family, calls_flaky, "calls_flaky")}
+
+    @hookimpl
+    def miles_register_chat_families(self, register: Any) -> None:
+        for name, family in self.families.items():
+            register(name, family)
+
+    @hookimpl
+    def miles_register_tools(self, register: Any) -> None:
+        register("flaky", ToolSpec(FlakyTool()))
+
+    @hookimpl
+    def miles_register_agents(self, register: Any) -> None:
+        register("failing", AgentSpec(failing_agent))
+        register("slow", AgentSpec(slow_agent))
+        register("one_turn", AgentSpec(one_turn_agent))
+
+
+@pytest.fixture(scope="module")
+def kernel(chatml: TitoTokenizer) -> Kernel:
+    """The installed plugins and this module's, in a kernel of their own (not the process's)."""
+    selection = PluginSelection.from_settings(None, ())
+    kernel = Kernel(load_plugins(selection), selection)
+    kernel.register_plugin(Registrations(chatml), name="test-generators")
+    return kernel
+
+
+def context(engine_url: str, tokenizer: Any, kernel: Kernel, *, max_context_len: int = 2048,
+            session_server_url: str | None = None, **sections: Any) -> GenerateContext:
+    """A generate context of a run whose config has ``sections`` (validated by ``kernel``)."""
+    run = RunContext(build_config(sections, kernel=kernel), kernel, Process.driver())
+    return GenerateContext(engine=HttpEngineClient(engine_url), tokenizer=tokenizer, sampling_params=GREEDY_STOP,
+                           max_context_len=max_context_len, run=run, session_server_url=session_server_url)
+
+
+def run(generator: Any, sample: Sample, ctx: GenerateContext) -> Sample:
+    async def go() -> Sample:
+        try:
+            return await generator(sample, ctx)
+        finally:
+            await ctx.engine.aclose()
+
+    return asyncio.run(go())
+
+
+# ----------------------------------------------------------------------------- multi_turn
+
+
+def test_multi_turn_runs_the_tool_loop_token_exactly(engine_url: str, tokenizer: Any, kernel: Kernel) -> None:
+    ctx = context(engine_url, tokenizer, kernel, tito={"family": "calls"}, rollout={"tools": ["calculator"]})
+    sample = run(MultiTurnGenerator(), Sample(prompt="What is 6 * 7?", index=3), ctx)
+
+    assert (sample.status, sample.exit_reason) == (Status.TRUNCATED, ExitReason.MAX_TURNS)  # 8 turns of tool calls
+    sample.validate()
+    assert len(sample.weight_versions) == 8 == sample.metadata["tito"]["turns"]
+    tool_results = [m["content"] for m in sample.metadata["messages"] if m["role"] == "tool"]
+    assert tool_results == ["42"] * 8  # the real calculator ran every call
+    response = sample.tokens[sample.prompt_length :]
+    masked_out = tokenizer.decode([t for t, m in zip(response, sample.loss_mask, strict=True) if m == 0])
+    assert masked_out.count("<|im_start|>tool\n42<|im_end|>") == 7  # tool results are in the tokens, never trained
+    assert sum(sample.loss_mask) == sum(e - s for s, e in sample.metadata["tito"]["turn_spans"])
+
+
+def test_multi_turn_without_tool_calls_is_one_turn(engine_url: str, tokenizer: Any, kernel: Kernel) -> None:
+    ctx = context(engine_url, tokenizer, kernel, tito={"family": "chatml"})
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    sample = run(MultiTurnGenerator(), Sample(prompt=prompt), ctx)
+    expected_prompt = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    assert sample.tokens[: sample.prompt_length] == tokenizer.encode(expected_prompt, add_special_tokens=False)
+    assert (sample.status, sample.exit_reason) == (Status.COMPLETED, ExitReason.STOP)
+    assert sample.loss_mask == [1] * sample.response_length and len(sample.weight_versions) == 1
+
+
+def test_a_broken_tool_aborts_the_sample_not_the_run(engine_url: str, tokenizer: Any, kernel: Kernel) -> None:
+    ctx = context(engine_url, tokenizer, kernel, tito={"family": "calls_flaky"}, rollout={"tools": ["flaky"]})
+    sample = run(MultiTurnGenerator(), Sample(prompt="x"), ctx)
+    assert (sample.status, sample.exit_reason) == (Status.ABORTED, ExitReason.TOOL_ERROR)
+    assert "sandbox is gone" in (sample.exit_detail or "")
+    assert sample.response_length > 0  # the turn before the failure is kept for inspection
+
+
+def test_running_out_of_context_truncates(engine_url: str, tokenizer: Any, kernel: Kernel) -> None:
+    from miles_tito.generators.tools import tool_specs
+    from miles_tito.messages import ChatMessage
+
+    calculator = kernel.tools().get("calculator").tool
+    calls = kernel.chat_families().get("calls")
+    prompt = TitoTokenizer(tokenizer, calls).first_turn_ids([ChatMessage("user", "x")], tool_specs({"calculator": calculator}))
+    limit = len(prompt) + 40  # room for a couple of tool round trips, not for eight
+    ctx = context(engine_url, tokenizer, kernel, max_context_len=limit, tito={"family": "calls"},
+                  rollout={"tools": ["calculator"]})
+    sample = run(MultiTurnGenerator(), Sample(prompt="x"), ctx)
+    assert (sample.status, sample.exit_reason) == (Status.TRUNCATED, ExitReason.CONTEXT_OVERFLOW)
+    assert 1 < len(sample.weight_versions) < 8 and len(sample.tokens) <= limit
+
+
+def test_an_unreachable_engine_costs_the_sample(tokenizer: Any, kernel: Kernel) -> None:
+    ctx = context(f"http://127.0.0.1:{free_port()}", tokenizer, kernel, tito={"family": "chatml"})
+    sample = run(MultiTurnGenerator(), Sample(prompt="x"), ctx)
+    assert (sample.status, sample.exit_reason) == (Status.ABORTED, ExitReason.ENGINE_ERROR)
+
+
+def test_names_resolve_in_the_runs_kernel_only(engine_url: str, tokenizer: Any, kernel: Kernel) -> None:
+    """A name only this module's kernel registers is refused by the process's own kernel: the
+    generator never looks anywhere but ``ctx.run.kernel``."""
+    from miles.config import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout.tools: unknown tool 'flaky'"):
+        context(engine_url, tokenizer, Kernel.load(), rollout={"tools": ["flaky"]})
+
+
+# ----------------------------------------------------------------------------- agentic
+
+
+@pytest.fixture(scope="module")
+def calls_server(engine_url: str, chatml: TitoTokenizer, kernel: Kernel) -> Iterator[str]:
+    with session_server(engine_url, TitoTokenizer(chatml.tokenizer, kernel.chat_families().get("calls"))) as url:
+        yield url
+
+
+def test_agentic_trains_on_the_calculator_agents_exact_tokens(engine_url: str, tokenizer: Any, calls_server: str,
+                                                              kernel: Kernel) -> None:
+    """The example agent (official openai client) through the registered name, against a real session server."""
+    ctx = context(engine_url, tokenizer, kernel, session_server_url=calls_server,
+                  rollout={"agent": "calculator_agent", "max_turns": 3})
+    sample = run(AgenticGenerator(), Sample(prompt=[{"role": "user", "content": "What is 6 * 7?"}], metadata={"id": 5}), ctx)
+
+    assert sample.metadata["agent_result"] == {"answer": None, "turns": 3, "tool_calls": 3, "finish_reason": "max_turns"}
+    assert (sample.status, sample.exit_reason) == (Status.COMPLETED, ExitReason.TOOL_CALLS)
+    sample.validate()
+    assert len(sample.weight_versions) == 3
+    messages = sample.metadata["messages"]
+    assert messages[0]["role"] == "system" and [m["content"] for m in messages if m["role"] == "tool"] == ["42", "42"]
+    assert authed.get(f"{calls_server}/health").json()["sessions"] == 0  # collected and deleted
+
+
 @pytest.mark.parametrize(("agent", "reason", "detail", "turns"), [
-    (failing_agent, ExitReason.AGENT_EXCEPTION, "ValueError: the environment crashed", 1),
-    (slow_agent, ExitReason.TIMEOUT, "did not finish within 1s", 0),
+    ("failing", ExitReason.AGENT_EXCEPTION, "ValueError: the environment crashed", 1),
+    ("slow", ExitReason.TIMEOUT, "did not finish within 1s", 0),
 ])
-def test_a_failing_or_slow_agent_costs_its_sample(engine_url: str, tokenizer: Any, calls_server: str, agent: Any,
-                                                  reason: ExitReason, detail: str, turns: int) -> None:
-    ctx = context(engine_url, tokenizer, agent=agent, session_server_url=calls_server)
-    ctx.resources["config"] = _config(agent_timeout=1.0)
+def test_a_failing_or_slow_agent_costs_its_sample(engine_url: str, tokenizer: Any, calls_server: str, kernel: Kernel,
+                                                  agent: str, reason: ExitReason, detail: str, turns: int) -> None:
+    ctx = context(engine_url, tokenizer, kernel, session_server_url=calls_server,
+                  rollout={"agent": agent, "agent_timeout": 1.0})
     sample = run(AgenticGenerator(), Sample(prompt="x"), ctx)
     assert (sample.status, sample.exit_reason) == (Status.ABORTED, reason)
     assert detail in (sample.exit_detail or "")
@@ -164,16 +232,11 @@ def test_a_failing_or_slow_agent_costs_its_sample(engine_url: str, tokenizer: An
     assert authed.get(f"{calls_server}/health").json()["sessions"] == 0
 
 
-def test_agentic_starts_a_session_server_in_process_when_the_run_has_none(engine_url: str, tokenizer: Any) -> None:
-    async def one_turn(base_url: str, prompt: Any, request_kwargs: dict[str, Any], metadata: dict[str, Any]) -> dict:
-        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {metadata['api_key']}"}) as http:
-            body = {"messages": prompt, **request_kwargs}
-            answer = (await http.post(f"{base_url}/chat/completions", json=body)).json()
-        return {"session": metadata["session_id"], "content": answer["choices"][0]["message"]["content"]}
-
+def test_agentic_starts_a_session_server_in_process_when_the_run_has_none(engine_url: str, tokenizer: Any,
+                                                                          kernel: Kernel) -> None:
     generator = AgenticGenerator()
     try:
-        ctx = context(engine_url, tokenizer, agent=one_turn, chat_family="chatml")
+        ctx = context(engine_url, tokenizer, kernel, rollout={"agent": "one_turn"}, tito={"family": "chatml"})
         sample = run(generator, Sample(prompt="Hi"), ctx)
     finally:
         generator.close()
@@ -181,14 +244,9 @@ def test_agentic_starts_a_session_server_in_process_when_the_run_has_none(engine
     assert sample.response == sample.metadata["agent_result"]["content"]
 
 
-def test_an_unreachable_session_server_costs_the_sample(engine_url: str, tokenizer: Any) -> None:
-    ctx = context(engine_url, tokenizer, agent=slow_agent, session_server_url=f"http://127.0.0.1:{free_port()}")
+def test_an_unreachable_session_server_costs_the_sample(engine_url: str, tokenizer: Any, kernel: Kernel) -> None:
+    ctx = context(engine_url, tokenizer, kernel, session_server_url=f"http://127.0.0.1:{free_port()}",
+                  rollout={"agent": "slow"})
     sample = run(AgenticGenerator(), Sample(prompt="x"), ctx)
     assert (sample.status, sample.exit_reason) == (Status.ABORTED, ExitReason.ENGINE_ERROR)
     assert "cannot open a session" in (sample.exit_detail or "")
-
-
-def _config(**rollout: Any) -> Any:
-    from miles.config import load_config
-
-    return load_config(None, [f"rollout.{k}={json.dumps(v)}" for k, v in rollout.items()])

@@ -137,19 +137,42 @@ def test_idle_sessions_expire_and_say_so_busy_ones_do_not(chatml: TitoTokenizer,
     assert never.expire_idle() == [] and old.id in never.sessions
 
 
-def test_a_runs_session_server_gets_its_settings_from_the_config() -> None:
-    """``session_arguments``: what the kernel adds to ``miles serve session`` for a run, accepted by its parser."""
+def test_a_runs_session_server_gets_its_settings_from_the_config(tmp_path) -> None:
+    """The run's session server is started with the run's config file (``--config``); what it
+    enforces is read from there, with flags on top when started by hand."""
     import argparse
+    import sys
 
     from miles.config import load_config
-    from miles_tito.server.cli import add_arguments, session_arguments
+    from miles.context import context_for
+    from miles.server_process import context_from_args
+    from miles_contracts import Endpoint, Process, ServiceLaunch
+    from miles_tito.config import TitoSection
+    from miles_tito.server.cli import add_arguments, session_options
+    from miles_tito.server.launch import session_command
 
     config = load_config(None, ["tito.max_rollback_turns=3", "tito.session_idle_timeout=0", "tito.family=chatml",
                                 "rollout.max_context_len=4096", "rollout.max_new_tokens=77"])
+    path = tmp_path / "config.yaml"
+    path.write_text(config.to_yaml())
+    argv = session_command(ServiceLaunch(config, str(path), "/models/m", Endpoint("127.0.0.1", 4000),
+                                         {"router": ["http://127.0.0.1:3000"]}, run_dir=str(tmp_path)))
+    assert argv[:3] == [sys.executable, "-m", "miles_tito.server"] and "--max-rollback-turns" not in argv
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--router", "http://127.0.0.1:1", "--model", "m", *session_arguments(config)])
-    assert (args.max_rollback_turns, args.session_idle_timeout, args.family) == (3, 0.0, "chatml")
-    assert (args.max_context_len, args.max_tokens, args.render_check) == (4096, 77, "window")
-    defaults = parser.parse_args(["--router", "u", "--model", "m", *session_arguments(load_config())])
-    assert defaults.family is None and defaults.session_idle_timeout == 3600.0
+    args = parser.parse_args(argv[3:])
+    assert (args.router, args.model, args.port, args.config) == ("http://127.0.0.1:3000", "/models/m", 4000, str(path))
+    ctx = context_from_args(args, "session")
+    assert ctx.process == Process.service("session") and ctx.run_dir == tmp_path
+    assert ctx.config.section("tito", TitoSection).family == "chatml"
+    assert session_options(ctx) == {"max_context_len": 4096, "default_max_tokens": 77, "max_rollback_turns": 3,
+                                    "idle_timeout": None, "partial_rollout": False}
+    by_hand = parser.parse_args([*argv[3:], "--max-tokens", "5", "--session-idle-timeout", "9", "--partial-rollout"])
+    options = session_options(context_from_args(by_hand, "session"), by_hand.partial_rollout)
+    assert (options["default_max_tokens"], options["idle_timeout"], options["partial_rollout"]) == (5, 9.0, True)
+    defaults = session_options(context_for())
+    assert (defaults["max_rollback_turns"], defaults["idle_timeout"], defaults["partial_rollout"]) == (1, 3600.0, False)
+    fully_async = load_config(None, ["run.mode=fully_async", "algorithm.correction=tis"])
+    assert session_options(context_for(fully_async))["partial_rollout"] is True  # the loop mode decides
+    no_partial = load_config(None, ["run.mode=fully_async", "algorithm.correction=tis", "rollout.partial_rollout=false"])
+    assert session_options(context_for(no_partial))["partial_rollout"] is False

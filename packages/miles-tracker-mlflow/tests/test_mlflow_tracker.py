@@ -6,10 +6,12 @@ from pathlib import Path
 
 import pytest
 from miles.config import MilesConfig
+from miles.context import context_for
 from miles.kernel import Kernel
 from miles.plugins import PluginSelection, load_plugins
 from miles.sections import RunSection, TrackingSection
 from miles.tracking import open_trackers
+from miles_contracts import Process
 from miles_tracker_mlflow.tracker import mlflow_metric_name
 
 
@@ -37,7 +39,8 @@ def test_logged_steps_read_back_from_the_file_store(kernel: Kernel, tmp_path: Pa
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     config = MilesConfig(run=RunSection(name="mlflow-demo"), tracking=TrackingSection(trackers=["mlflow"], project="miles-tests"))
     run_folder = tmp_path / "mlflow-demo"  # the MLflow run is named after the run folder
-    logger = open_trackers(config, run_folder, kernel)
+    ctx = context_for(config, Process.driver(), run_dir=run_folder, kernel=kernel)
+    logger = open_trackers(ctx)
     for step in (1, 2, 3):
         logger.log({"reward/mean": step / 4, "eval/pass@4": 1.0, "skipped": float("nan")}, step=step)
     logger.close()
@@ -51,7 +54,7 @@ def test_logged_steps_read_back_from_the_file_store(kernel: Kernel, tmp_path: Pa
     assert (run_dir / "tags" / "mlflow.runName").read_text() == "mlflow-demo"
     assert "name: mlflow-demo" in (run_dir / "artifacts" / "config.yaml").read_text()
 
-    resumed = open_trackers(config, run_folder, kernel)
+    resumed = open_trackers(ctx)
     resumed.log({"reward/mean": 1.0}, step=4)
     resumed.close()
     assert metric_file_rows(run_dir / "metrics" / "reward" / "mean")[-1] == (1.0, 4)

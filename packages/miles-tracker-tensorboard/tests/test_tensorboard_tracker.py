@@ -6,10 +6,12 @@ import struct
 from pathlib import Path
 
 from miles.config import MilesConfig
+from miles.context import context_for
 from miles.kernel import Kernel
 from miles.plugins import PluginSelection, load_plugins
 from miles.sections import TrackingSection
 from miles.tracking import open_trackers
+from miles_contracts import Process
 
 
 def read_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -32,7 +34,8 @@ def read_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
 def test_logged_steps_read_back_from_the_event_files(tmp_path: Path) -> None:
     selection = PluginSelection(enable=("tensorboard", "trackers"))
     kernel = Kernel(load_plugins(selection), selection)
-    logger = open_trackers(MilesConfig(tracking=TrackingSection(trackers=["tensorboard"])), tmp_path, kernel)
+    config = MilesConfig(tracking=TrackingSection(trackers=["tensorboard"]))
+    logger = open_trackers(context_for(config, Process.driver(), run_dir=tmp_path, kernel=kernel))
     assert logger.names == ["jsonl", "tensorboard"]
     for step in (1, 2, 3):
         logger.log({"reward/mean": step / 4, "eval/pass@1": 0.5 if step == 2 else float("nan")}, step=step)

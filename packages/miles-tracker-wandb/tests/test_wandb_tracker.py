@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 from miles.config import MilesConfig
+from miles.context import context_for
 from miles.kernel import Kernel
 from miles.plugins import PluginSelection, load_plugins
 from miles.sections import RunSection, TrackingSection
 from miles.tracking import open_trackers
+from miles_contracts import Process, RunContext
 from miles_tracker_wandb.config import WandbSection
 
 BLOCK = 32768  # W&B's run file is a LevelDB-style log: 32 KiB blocks of (crc, length, type) records
@@ -74,9 +76,14 @@ def miles_config() -> MilesConfig:
     )
 
 
+def driver(kernel: Kernel, run_dir: Path) -> RunContext:
+    """The driver's context of the run in ``run_dir`` (where trackers start)."""
+    return context_for(miles_config(), Process.driver(), run_dir=run_dir, kernel=kernel)
+
+
 def test_offline_run_writes_every_step_under_the_run_folder(kernel: Kernel, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("WANDB_API_KEY", "")  # no credentials, no network: offline must not need them
-    logger = open_trackers(miles_config(), tmp_path, kernel)
+    logger = open_trackers(driver(kernel, tmp_path))
     for step in (1, 2, 3):
         logger.log({"reward/mean": step / 4, "eval/pass@1": 0.5}, step=step)
     logger.close()
@@ -88,14 +95,14 @@ def test_offline_run_writes_every_step_under_the_run_folder(kernel: Kernel, tmp_
 
 
 def test_a_resumed_run_continues_the_same_wandb_run(kernel: Kernel, tmp_path: Path) -> None:
-    first = open_trackers(miles_config(), tmp_path, kernel)
+    first = open_trackers(driver(kernel, tmp_path))
     first.log({"x": 1.0}, step=1)
     first.close()
     run_id = (tmp_path / "wandb-run-id").read_text()
     # W&B names an offline run folder by the second it starts (offline-run-YYYYmmdd_HHMMSS-<id>); a
     # real resume comes much later, here the second run must not start in the same second.
     time.sleep(1.05 - time.time() % 1)
-    again = open_trackers(miles_config(), tmp_path, kernel)
+    again = open_trackers(driver(kernel, tmp_path))
     again.log({"x": 2.0}, step=2)
     again.close()
     assert (tmp_path / "wandb-run-id").read_text() == run_id

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from miles.kernel import Kernel
+from miles.context import context_for
 from miles_weights import bench_models
 from miles_weights.bench_models import LlamaShape, load_tensors, random_llama
 
@@ -26,7 +26,7 @@ def test_the_benchmark_measures_every_transport_against_memcpy(tiny_dir: Path, t
     (run,) = result["runs"]
     assert run["device"] == "cpu" and run["num_bytes"] == sum(t.numel() * 4 for _, t in load_tensors(tiny_dir, torch.float32, "cpu"))
     expected = {"disk", "shared_memory", "broadcast", "broadcast/per_tensor"}
-    if "mooncake" in Kernel.load().weight_transports().names():
+    if "mooncake" in context_for().kernel.weight_transports():
         expected.add("mooncake")
     assert set(run["transports"]) == expected
     for name, measured in run["transports"].items():
@@ -62,3 +62,20 @@ def test_broadcast_is_measured_in_each_layout_asked_for() -> None:
     assert _variants(["broadcast"], ["per_tensor"]) == [("broadcast/per_tensor", "broadcast", {"broadcast_format": "per_tensor"})]
     with pytest.raises(SystemExit, match="--broadcast-formats takes flattened_bucket and/or per_tensor; got 'zip'"):
         _variants(["broadcast"], ["zip"])
+
+
+def test_flags_take_defaults_choices_and_bounds_from_the_config_keys() -> None:
+    import argparse
+
+    from miles.sections import WeightsSection
+    from miles_weights.bench import add_arguments, run
+    from miles_weights.settings import BROADCAST_LAYOUTS
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([])
+    assert args.bucket_mb == WeightsSection().bucket_mb
+    assert args.broadcast_formats.split(",") == list(BROADCAST_LAYOUTS)
+    assert "weights.bucket_mb" in parser.format_help() and "weight_transport.broadcast_format" in parser.format_help()
+    with pytest.raises(SystemExit, match=r"--bucket-mb: .*weights\.bucket_mb: Input should be greater than or equal to 1"):
+        run(parser.parse_args(["--bucket-mb", "0"]), context_for())

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 from miles.config import MilesConfig
+from miles.context import context_for
 from miles.executor.local import free_port
-from miles.kernel import Kernel
 from miles.sections import WeightsSection
+from miles_contracts import Process
 from miles_contracts.testing.transport import check_weight_transport
 from miles_contracts.wire.auth import auth_headers
 from miles_weights.errors import WeightCheckError, WeightSyncError
@@ -24,7 +25,7 @@ from miles_weights.sync import BucketedTransport
 
 pytestmark = pytest.mark.slow
 TRANSPORTS = ["disk", "shared_memory", "broadcast", "broadcast/per_tensor"]
-if "mooncake" in Kernel.load().weight_transports().names():  # miles-mooncake installed: held to the same tests
+if "mooncake" in context_for().kernel.weight_transports():  # miles-mooncake installed: held to the same tests
     TRANSPORTS.append("mooncake")
 BUCKET_MB = 1  # the tiny model (~13 MB) then travels in many buckets
 
@@ -36,7 +37,8 @@ def make(name: str, tmp_path: Path, *, check: bool = False) -> BucketedTransport
     section = WeightTransportSection(disk_dir=tmp_path / "sync", http_timeout=60, broadcast_format=layout or "flattened_bucket")
     config = MilesConfig(weights=WeightsSection(transport=name, bucket_mb=BUCKET_MB, check=check),
                          extra={"weight_transport": section})
-    return Kernel.load().weight_transports().get(name)(config)
+    ctx = context_for(config, Process.trainer_rank(0))  # where a run creates its transport
+    return ctx.kernel.weight_transports().get(name).create(ctx)
 
 
 @pytest.fixture(params=TRANSPORTS)

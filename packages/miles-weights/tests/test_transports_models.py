@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 import torch
 from miles.config import MilesConfig
-from miles.kernel import Kernel
+from miles.context import context_for
 from miles.sections import WeightsSection
+from miles_contracts import Process
 from miles_contracts.wire.auth import auth_headers
 from miles_models.testing import router_top_k
 from miles_weights.settings import WeightTransportSection
@@ -36,7 +37,8 @@ TINY_LLAMA = dict(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2)
 def make(name: str, tmp_path: Path, *, check: bool) -> BucketedTransport:
     config = MilesConfig(weights=WeightsSection(transport=name, bucket_mb=1, check=check),
                          extra={"weight_transport": WeightTransportSection(disk_dir=tmp_path / "sync", http_timeout=60)})
-    return Kernel.load().weight_transports().get(name)(config)
+    ctx = context_for(config, Process.trainer_rank(0))  # where a run creates its transport
+    return ctx.kernel.weight_transports().get(name).create(ctx)
 
 
 def _post(url: str, path: str, body: dict) -> dict:

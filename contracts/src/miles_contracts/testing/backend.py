@@ -3,12 +3,14 @@
 Every backend (FSDP, Megatron, ...) runs the same rules on a tiny checkpoint, from a test of its
 package::
 
+    from miles.context import context_for
+    from miles_contracts import Process
     from miles_contracts.testing.backend import check_train_backend
 
     def test_backend_conforms(tmp_path):
-        bridge = Kernel.load().model_bridge(json.loads((tiny_dir / "config.json").read_text()))
-        report = check_train_backend(lambda: MyBackend(config_for(tiny_dir)), tiny_dir,
-                                     work_dir=tmp_path, bridge=bridge)
+        ctx = context_for(config_for(tiny_dir), Process.trainer_rank(0))   # what a trainer rank gets
+        bridge = ctx.kernel.model_bridge(json.loads((tiny_dir / "config.json").read_text()))
+        report = check_train_backend(lambda: MyBackend(ctx), tiny_dir, work_dir=tmp_path, bridge=bridge)
 
 ``factory()`` must build a *fresh* backend over the HF checkpoint ``model_dir`` each time, with
 log-probs at temperature 1, a learning rate that visibly moves a tiny model in one step (about
@@ -100,7 +102,7 @@ def plain_logprobs(model_dir: Path | str, batch: TrainBatch) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]  # transformers' auto class stubs leave eval untyped
     with torch.no_grad():
         logits = model(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits.float()  # [B, T, V]
     logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(2, batch.tokens[:, 1:, None]).squeeze(2)
@@ -120,7 +122,7 @@ def check_train_backend(
 ) -> BackendReport:
     """Run every rule on backends built by ``factory`` (see the module docstring).
 
-    :param bridge: the model bridge of the checkpoint (``Kernel.load().model_bridge(config)``).
+    :param bridge: the model bridge of the checkpoint (``ctx.kernel.model_bridge(config)``).
     :param logprob_atol: tolerance against the plain forward (fp32 CPU: 1e-4; bf16: larger).
     :param weight_atol: tolerance of ``named_weights`` against the checkpoint (0 = exact).
     :param resume_atol: tolerance between the original and the resumed backend's weights one

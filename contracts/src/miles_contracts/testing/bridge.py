@@ -102,7 +102,7 @@ def check_model_bridge(
 
     import torch
 
-    shape_checked, unchecked = 0, ()
+    shape_checked, unchecked = 0, tuple[str, ...]()
     for dtype in (None, torch.bfloat16):
         state = hf_state if dtype is None else {k: v.to(dtype) for k, v in hf_state.items()}
         reference = {k: v.clone() for k, v in state.items()}

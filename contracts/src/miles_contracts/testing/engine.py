@@ -106,7 +106,8 @@ class EngineUnderTest:
                   **extra.pop("sampling_params", {})}
         answer = self.ok("POST", "/generate", {"input_ids": list(self.prompt_ids), "sampling_params": params, **extra})
         _expect(isinstance(answer, dict), f"/generate answered no JSON object: {answer!r:.300}")
-        return answer
+        generated: dict[str, Any] = answer
+        return generated
 
     def weight_version(self) -> str:
         return str(self.ok("GET", "/model_info").get("weight_version"))
@@ -161,7 +162,7 @@ def _background(engine: EngineUnderTest, workers: int = 4) -> Iterator[ThreadPoo
         pool.shutdown(wait=True)
 
 
-def _still_waiting(future: Future, seconds: float) -> bool:
+def _still_waiting(future: Future[Any], seconds: float) -> bool:
     time.sleep(seconds)
     return not future.done()
 

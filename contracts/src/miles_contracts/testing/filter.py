@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from miles_contracts.protocols import Filter, FilterVerdict
 from miles_contracts.sample import ExitReason, Sample, Status
+from miles_contracts.specs import FilterSpec
 
 REASON = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -56,11 +57,14 @@ def typical_groups() -> list[list[Sample]]:
     ]
 
 
-def check_filter(fn: Filter, groups: Sequence[Sequence[Sample]] | None = None) -> None:
-    """Raise ``AssertionError`` naming the first rule ``fn`` breaks.
+def check_filter(filter_: FilterSpec | Filter, groups: Sequence[Sequence[Sample]] | None = None) -> None:
+    """Raise ``AssertionError`` naming the first rule the filter breaks.
 
+    :param filter_: what the plugin registers (a :class:`~miles_contracts.FilterSpec`), or the
+        filter function itself.
     :param groups: groups to try besides :func:`typical_groups`.
     """
+    fn = filter_.check if isinstance(filter_, FilterSpec) else filter_
     name = getattr(fn, "__name__", type(fn).__name__)
     for number, group in enumerate([*typical_groups(), *(list(g) for g in groups or ())]):
         before = [copy.deepcopy(s.to_dict()) for s in group]

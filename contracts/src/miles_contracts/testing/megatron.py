@@ -87,7 +87,10 @@ def cpu_megatron() -> Iterator[None]:
     parallel_state.initialize_model_parallel(1, 1)
     saved_device, saved_fork = torch.cuda.current_device, megatron_random.CudaRNGStatesTracker.fork
     had_gemm = hasattr(moe_utils, "te_general_gemm")
-    torch.cuda.current_device = lambda: "cpu"
+    # a device name where torch's stub promises an index (megatron-core passes it on as
+    # ``device=``): patched through Any
+    cuda: Any = torch.cuda
+    cuda.current_device = lambda: "cpu"
     megatron_random.CudaRNGStatesTracker.fork = lambda self, name="model-parallel-rng": contextlib.nullcontext()
     if not had_gemm:
         moe_utils.te_general_gemm = None
@@ -113,7 +116,8 @@ def build_gpt_model(megatron_config: Mapping[str, Any]) -> torch.nn.Module:
     config = TransformerConfig(**settings)
     spec_fn = getattr(gpt_layer_specs, megatron_config["layer_spec"]["function"])
     spec = spec_fn(**megatron_config["layer_spec"]["kwargs"])
-    return GPTModel(config, spec, **megatron_config["gpt_model"])
+    model: torch.nn.Module = GPTModel(config, spec, **megatron_config["gpt_model"])
+    return model
 
 
 def megatron_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -125,7 +129,8 @@ def megatron_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Te
     positions = torch.arange(length).unsqueeze(0).expand(batch, -1)
     causal = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)[None, None]  # True = masked
     with torch.no_grad():
-        return model(input_ids, positions, attention_mask=causal)
+        logits: torch.Tensor = model(input_ids, positions, attention_mask=causal)
+    return logits
 
 
 def check_against_megatron(bridge: ModelBridge, model_dir: Path | str, *, seq_len: int = 16, seed: int = 0) -> MegatronReport:
@@ -156,7 +161,8 @@ def check_against_megatron(bridge: ModelBridge, model_dir: Path | str, *, seq_le
 
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, int(hf_config["vocab_size"]), (2, seq_len), generator=generator)
-    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    hf_model.eval()  # type: ignore[no-untyped-call]  # transformers' auto class stubs leave eval untyped
     with torch.no_grad():
         reference = hf_model(tokens).logits
     logits = megatron_logits(model, tokens)
@@ -170,4 +176,5 @@ def check_against_megatron(bridge: ModelBridge, model_dir: Path | str, *, seq_le
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+    return port

@@ -25,12 +25,13 @@ import copy
 import inspect
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 from miles_contracts.protocols import RewardFn
 from miles_contracts.sample import Sample, Status
+from miles_contracts.specs import RewardSpec
 
 CONCURRENT_CALLS = 4
 
@@ -64,14 +65,18 @@ def edge_samples() -> list[Sample]:
     ]
 
 
-def check_reward(fn: RewardFn, samples: Sequence[Sample] | None = None, *, deterministic: bool = True) -> None:
-    """Raise ``AssertionError`` naming the first rule ``fn`` breaks.
+def check_reward(reward: RewardSpec | RewardFn, samples: Sequence[Sample] | None = None, *,
+                 deterministic: bool = True) -> None:
+    """Raise ``AssertionError`` naming the first rule the reward breaks.
 
+    :param reward: what the plugin registers (a :class:`~miles_contracts.RewardSpec`: its unbound
+        ``score`` is checked), or the reward function itself.
     :param samples: typical samples for this reward (default :func:`typical_samples`); the suite
         adds :func:`edge_samples`.
     :param deterministic: whether the same sample always gets the same score (turn off for
         rewards that sample, e.g. a random baseline).
     """
+    fn = reward.score if isinstance(reward, RewardSpec) else reward
     typical = list(samples) if samples is not None else typical_samples()
     every = typical + edge_samples()
     name = getattr(fn, "__name__", type(fn).__name__)
@@ -121,7 +126,8 @@ def call_concurrently(fn: RewardFn, batches: list[list[Sample]]) -> list[Any]:
     if is_async(fn):
 
         async def gather() -> list[Any]:
-            return list(await asyncio.gather(*(fn(b) for b in batches)))  # type: ignore[misc]
+            # an async reward's call returns an awaitable (is_async checked it)
+            return list(await asyncio.gather(*(cast(Awaitable[list[float]], fn(b)) for b in batches)))
 
         return asyncio.run(gather())
     with ThreadPoolExecutor(max_workers=len(batches)) as pool:

@@ -42,7 +42,7 @@ def _checksum(tensor: torch.Tensor) -> str:
     import torch
 
     raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
-    return hashlib.sha256(raw.numpy()).hexdigest()
+    return hashlib.sha256(raw.numpy().data).hexdigest()
 
 
 def _call(url: str, path: str, body: dict[str, Any] | None = None, *, timeout: float = 300.0) -> dict[str, Any]:

@@ -72,9 +72,9 @@ def server_token(explicit: str | None = None, *, name: str = "server") -> str:
     if explicit:
         token = os.environ[TOKEN_ENV] = check_token(explicit.strip())
         return token
-    token = run_token()
-    if token is not None:
-        return check_token(token)
+    existing = run_token()
+    if existing is not None:
+        return check_token(existing)
     token = ensure_run_token()
     print(f"miles {name}: no --auth-token and no {TOKEN_ENV} given; every route but /health needs this token:\n"
           f"  export {TOKEN_ENV}={token}", file=sys.stderr, flush=True)

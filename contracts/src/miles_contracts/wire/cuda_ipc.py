@@ -49,6 +49,9 @@ class _Marker:
     immutable (a pickle's BUILD opcode cannot retarget it)."""
 
     __slots__ = ("kind", "module", "name")
+    kind: str
+    module: str
+    name: str
 
     def __init__(self, kind: str, module: str, name: str) -> None:
         object.__setattr__(self, "kind", kind)
@@ -145,10 +148,11 @@ def _rebuild(tensor_cls: Any, size: Any, stride: Any, offset: Any, storage_cls: 
         raise UnsafePayloadError("refusing a cuda_ipc tensor: " + "; ".join(problems))
     if not torch.cuda.is_available() or device >= torch.cuda.device_count():
         raise UnsafePayloadError(f"the cuda_ipc payload names CUDA device {device}, which this process does not have")
-    return reductions.rebuild_cuda_tensor(
+    rebuilt: torch.Tensor = reductions.rebuild_cuda_tensor(  # type: ignore[no-untyped-call]
         tensor_cls.resolve(), size, stride, offset, storage_cls.resolve(), dtype, device, handle, storage_bytes,
         storage_offset, requires_grad, ref_counter_handle, ref_counter_offset, event_handle, event_sync_required,
     )
+    return rebuilt
 
 
 class _Call:
@@ -156,6 +160,7 @@ class _Call:
     pickle's BUILD opcode applied to a plain function could rewrite its ``__defaults__``)."""
 
     __slots__ = ("_fn",)
+    _fn: Any
 
     def __init__(self, fn: Any) -> None:
         object.__setattr__(self, "_fn", fn)

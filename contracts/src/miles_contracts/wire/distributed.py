@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -77,25 +77,25 @@ def create_weight_group(
     impl = _backend(backend, dist.PrefixStore(f"{devices[0]}/", prefix), rank, world_size, timeout, master_address)
     for device in devices:
         group._register_backend(torch.device(device), backend_type, impl)
-    group._set_group_name(group_name)
+    group._set_group_name(group_name)  # type: ignore[arg-type]
     # What torch.distributed.new_group records, so broadcast(group=...) can map ranks; the
     # group's own store is kept alive by the reference held here.
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     c10d._world.pg_map[group] = (backend, prefix)
-    c10d._world.pg_names[group] = group_name
+    c10d._world.pg_names[group] = group_name  # type: ignore[assignment]
     # No collective here: an SGLang engine runs none after joining, so the first one is the first
     # weight broadcast (NCCL connects then; gloo connected while constructing).
     return group
 
 
-def _backend(name: str, store: dist.Store, rank: int, world_size: int, timeout: timedelta, address: str):
+def _backend(name: str, store: Any, rank: int, world_size: int, timeout: timedelta, address: str) -> Any:
     import torch.distributed as dist
 
     if name == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, world_size, options)
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = timeout
     # Bind to the interface that reaches the master: on one host that is loopback, which keeps
     # gloo from picking an address the peers cannot reach.

@@ -88,7 +88,8 @@ def address_towards(peer: str) -> str:
         return "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((peer, 9))
-        return probe.getsockname()[0]
+        address: str = probe.getsockname()[0]
+        return address
 
 
 def session_host(session_id: str) -> str:

@@ -110,7 +110,7 @@ def create_shm_file(size: int) -> Path:
 def remove_stale_shm_files() -> list[Path]:
     """Delete this user's bucket files whose creating process is gone (a driver killed with
     SIGKILL cannot clean up after itself); returns what was removed. Files of live processes stay."""
-    removed = []
+    removed: list[Path] = []
     folder = shm_dir()
     try:
         candidates = list(folder.glob(_PREFIX + "*"))
@@ -220,11 +220,11 @@ def _uuid_pickler(buffer: Any) -> Any:
     from torch.multiprocessing import reductions
 
     def reduce(tensor: torch.Tensor) -> Any:
-        rebuild, args = reductions.reduce_tensor(tensor)
+        rebuild, args = reductions.reduce_tensor(tensor)  # type: ignore[no-untyped-call]
         if rebuild is reductions.rebuild_cuda_tensor:
             args = (*args[:6], str(torch.cuda.get_device_properties(args[6]).uuid), *args[7:])
         return rebuild, args
 
     pickler = ForkingPickler(buffer)
-    pickler.dispatch_table = ChainMap({torch.Tensor: reduce}, ForkingPickler._extra_reducers, copyreg.dispatch_table)
+    pickler.dispatch_table = ChainMap({torch.Tensor: reduce}, ForkingPickler._extra_reducers, copyreg.dispatch_table)  # type: ignore[assignment,attr-defined]
     return pickler

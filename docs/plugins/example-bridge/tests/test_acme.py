@@ -12,6 +12,7 @@ from acme_miles import plugin
 from acme_miles.bridge import MistralBridge
 from acme_miles.reward import ConciseReward, ConciseSection
 from miles.config import MilesConfig
+from miles.context import context_for
 from miles.kernel import Kernel
 from miles.plugins import PluginSelection
 from miles_contracts.testing.bridge import check_model_bridge
@@ -64,14 +65,12 @@ def test_reward_passes_the_conformance_suite() -> None:
 
 def test_reward_and_config_section_are_registered(kernel: Kernel) -> None:
     assert kernel.rewards().get("concise") is plugin.CONCISE
-    assert kernel.config_sections().get("concise") is ConciseSection
+    assert kernel.config_sections().get("concise").model is ConciseSection
     with pytest.raises(ValidationError):
         ConciseSection(max_words=0)
 
 
-def test_configure_applies_the_section() -> None:
-    plugin.miles_configure(config=MilesConfig(extra={"concise": ConciseSection(max_words=7)}))
-    try:
-        assert plugin.CONCISE.max_words == 7
-    finally:
-        plugin.CONCISE.max_words = ConciseSection().max_words
+def test_a_run_scores_with_its_own_section(kernel: Kernel) -> None:
+    config = MilesConfig(extra={"concise": ConciseSection(max_words=7)})
+    reward = plugin.CONCISE.bind(context_for(config, kernel=kernel))
+    assert reward == ConciseReward(max_words=7)

@@ -9,14 +9,19 @@ server turns that into token-exact training data.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 from miles_tito.calculator import evaluate
 from openai import AsyncOpenAI
+from openai.types.chat import (
+    ChatCompletionAssistantMessageParam,
+    ChatCompletionMessageParam,
+    ChatCompletionToolParam,
+)
 
 SYSTEM_PROMPT = "You are a careful math assistant. Use the calculator tool for arithmetic, then state the final answer."
 
-CALCULATOR_TOOL: dict[str, Any] = {
+CALCULATOR_TOOL: ChatCompletionToolParam = {
     "type": "function",
     "function": {
         "name": "calculator",
@@ -52,7 +57,7 @@ async def run_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any], 
     :param metadata: the sample's metadata; ``api_key`` is the session's key (the OpenAI client's
         ``api_key``), ``max_turns`` caps the tool loop (default 4).
     """
-    messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if not messages or messages[0].get("role") != "system":
         messages.insert(0, {"role": "system", "content": SYSTEM_PROMPT})
     max_turns = int(metadata.get("max_turns", 4))
@@ -61,10 +66,13 @@ async def run_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any], 
         for turn in range(1, max_turns + 1):
             response = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR_TOOL], **request_kwargs)
             choice = response.choices[0]
-            messages.append(choice.message.model_dump(exclude_none=True))  # the assistant turn, as returned
+            # the assistant turn, as returned
+            messages.append(cast(ChatCompletionAssistantMessageParam, choice.message.model_dump(exclude_none=True)))
             if not choice.message.tool_calls:
                 return {"answer": choice.message.content, "turns": turn, "tool_calls": calls, "finish_reason": choice.finish_reason}
             for call in choice.message.tool_calls:
+                if call.type != "function":
+                    raise TypeError(f"unexpected {call.type!r} tool call: the agent offers only the calculator function")
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": run_tool(call.function.name, call.function.arguments)})
                 calls += 1
     return {"answer": None, "turns": max_turns, "tool_calls": calls, "finish_reason": "max_turns"}

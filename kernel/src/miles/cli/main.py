@@ -20,7 +20,7 @@ def build_parser(commands: dict[str, CommandSpec]) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"miles {__version__}")
     top = parser.add_subparsers(dest="command", metavar="COMMAND")
-    groups: dict[str, argparse._SubParsersAction] = {}
+    groups: dict[str, argparse._SubParsersAction[argparse.ArgumentParser]] = {}
     for name in sorted(commands):
         command = commands[name]
         parts = name.split()

@@ -39,12 +39,15 @@ ENUMERATE_UP_TO = 200_000  # problem spaces this small are listed in full for th
 MAX_DRAWS = 10_000
 
 
+Operation = Literal["+", "-", "*"]
+
+
 class ArithmeticOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     digits: int = Field(default=1, ge=1, le=6, description="operands have up to this many digits")
     operands: int = Field(default=2, ge=2, le=4)
-    operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], min_length=1)
+    operations: list[Operation] = Field(default_factory=lambda: list[Operation](["+"]), min_length=1)
     eval_fraction: float = Field(default=0.2, gt=0.0, lt=1.0, description="share of all problems held out for evaluation")
     instruction: str = Field(default="Compute {expression}. Reply with only the final number.", pattern=r"\{expression\}")
 

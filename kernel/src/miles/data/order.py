@@ -28,7 +28,7 @@ class EpochOrder:
 
     def take(self, n: int) -> list[tuple[int, int]]:
         """The next ``n`` records as ``(record index, epoch)``, crossing epochs as needed."""
-        taken = []
+        taken: list[tuple[int, int]] = []
         while len(taken) < n:
             if self.position == self.size:
                 self.epoch += 1

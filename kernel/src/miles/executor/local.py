@@ -235,17 +235,41 @@ class LocalExecutor:
 
 def terminate_group(process: subprocess.Popen[bytes], grace: float = 5.0) -> None:
     """SIGTERM the process group of ``process`` (started with ``start_new_session``), SIGKILL it
-    after ``grace`` seconds, and reap the process."""
-    if process.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGTERM)
+    after ``grace`` seconds, and reap the process. What the process started stays in its group and
+    is stopped too, also when the process itself already ended (a crashed server's workers)."""
+    if process.poll() is None:
+        _signal_group(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            _signal_group(process.pid, signal.SIGKILL)
+            process.wait(timeout=grace)
+    _stop_orphans(process.pid, grace)
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to process group ``pgid``; False if it has no process left that we may signal."""
     try:
-        process.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=grace)
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _stop_orphans(pgid: int, grace: float) -> None:
+    """Stop what is left of group ``pgid`` once its leader ended and was reaped. While a group has
+    members Linux gives its id to no new process, so a live process of that pid means the group is
+    empty and the id someone else's: then nothing is signalled."""
+    if not sys.platform.startswith("linux") or os.path.exists(f"/proc/{pgid}"):
+        return
+    if not _signal_group(pgid, signal.SIGTERM):
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        if not _signal_group(pgid, 0):
+            return
+    _signal_group(pgid, signal.SIGKILL)
 
 
 def local_gpus() -> tuple[str, ...]:

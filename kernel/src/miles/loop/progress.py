@@ -5,10 +5,11 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Mapping
+from typing import TextIO
 
 
 class Progress:
-    def __init__(self, total_steps: int, stream=None) -> None:
+    def __init__(self, total_steps: int, stream: TextIO | None = None) -> None:
         self.total = total_steps
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()

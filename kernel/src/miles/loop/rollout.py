@@ -188,7 +188,7 @@ class RolloutManager:
                 break
             survivors, dropped = apply_filters(groups, r.filters, self.kernel)
             self.over_sampler.observe(drawn=len(groups), kept=len(survivors))
-            kept += survivors
+            kept += [list(group) for group in survivors]
             drops.update(dropped)
         surplus = max(0, len(kept) - wanted)
         kept = kept[:wanted]

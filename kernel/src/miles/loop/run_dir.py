@@ -75,7 +75,8 @@ def write_state(path: Path, state: dict[str, Any]) -> None:
 
 
 def read_state(path: Path) -> dict[str, Any]:
-    return json.loads((path / STATE_FILE).read_text())
+    state: dict[str, Any] = json.loads((path / STATE_FILE).read_text())
+    return state
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> tuple[list[Path], list[Path]]:
@@ -90,7 +91,8 @@ def prune_checkpoints(run_dir: Path, keep: int) -> tuple[list[Path], list[Path]]
     folders = _checkpoints(run_dir)
     complete = [p for p in folders if _complete(p)]
     doomed = [p for p in folders if not _complete(p)] + complete[:-keep]
-    removed, failed = [], []
+    removed: list[Path] = []
+    failed: list[Path] = []
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
         (failed if path.exists() else removed).append(path)
@@ -103,7 +105,7 @@ def dump_samples(run_dir: Path, step: int, samples: list[Sample], kind: str = "s
     path = folder / f"step_{step:06d}.jsonl"
     with path.open("w") as f:
         for s in samples:
-            row = {
+            row: dict[str, Any] = {
                 "index": s.index, "group": s.group_index, "prompt": s.prompt, "label": s.label,
                 "response": s.response, "reward": s.reward, "status": s.status.value,
                 "exit_reason": s.exit_reason.value if s.exit_reason else None, "exit_detail": s.exit_detail,

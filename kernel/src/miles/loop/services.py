@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -240,7 +240,7 @@ def _waves(planned: Sequence[Planned]) -> list[list[Planned]]:
     return [waves[d] for d in sorted(waves)]
 
 
-def _command(services: Services, planned: Planned):
+def _command(services: Services, planned: Planned) -> Callable[[Endpoint], list[str]]:
     """argv builder the executor calls with the endpoint it picked (again on every restart, with
     the upstream URLs of that moment)."""
 

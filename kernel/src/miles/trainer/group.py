@@ -191,13 +191,15 @@ class TrainerGroup:
         return self._call("compute_values", batch=batch)
 
     def train_step(self, batch: Any) -> dict[str, float]:
-        return self._call("train_step", batch=batch)
+        metrics: dict[str, float] = self._call("train_step", batch=batch)
+        return metrics
 
     def save_checkpoint(self, path: Path, extra_state: Mapping[str, Any]) -> None:
         self._call("save_checkpoint", path=Path(path), extra_state=dict(extra_state))
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        return self._call("load_checkpoint", path=Path(path))
+        extra: dict[str, Any] = self._call("load_checkpoint", path=Path(path))
+        return extra
 
     def export_hf(self, path: Path) -> None:
         self._call("export_hf", path=Path(path))

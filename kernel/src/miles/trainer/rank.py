@@ -21,7 +21,7 @@ import itertools
 import os
 import socket
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +93,8 @@ class RankWorker:
         self.backend.save_checkpoint(path, extra_state)
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        return self.backend.load_checkpoint(path)
+        extra: dict[str, Any] = self.backend.load_checkpoint(path)
+        return extra
 
     def export_hf(self, path: Path) -> None:
         self.backend.export_hf(path)
@@ -115,8 +116,8 @@ class RankWorker:
             weights.drain()
 
     def close(self) -> None:
-        for closer in (self._transport, self.backend):
-            if closer is not None and hasattr(closer, "close"):
+        for closer in (self._transport, self.backend):  # both protocols declare close()
+            if closer is not None:
                 closer.close()
         self._transport = self.backend = None
 
@@ -127,7 +128,7 @@ class RankWorker:
         return self._transport
 
 
-CALLS = {
+CALLS: dict[str, Callable[..., Any]] = {
     "init": RankWorker.init,
     "compute_logprobs": RankWorker.compute_logprobs,
     "compute_values": RankWorker.compute_values,
@@ -150,7 +151,7 @@ def serve(sock: socket.socket, worker: RankWorker) -> None:
         method = message.get("method")
         reply = {"kind": "reply", "id": message.get("id"), "method": method}
         try:
-            call = CALLS.get(method)  # type: ignore[arg-type]
+            call: Callable[..., Any] | None = CALLS.get(method) if isinstance(method, str) else None
             if call is None:
                 raise ValueError(f"unknown trainer call {method!r}; calls: {', '.join(CALLS)}")
             args = message.get("value") or {}

@@ -26,7 +26,7 @@ trainable token (each piece is a complete model-generated sequence with its own 
 from __future__ import annotations
 
 import torch
-from miles_contracts import AdvantageResult, AdvantageSpec, AlgorithmParams, TrainBatch
+from miles_contracts import AdvantageEstimator, AdvantageResult, AdvantageSpec, AlgorithmParams, TrainBatch
 
 from miles_algorithms.gae import discounted_returns, gae
 from miles_algorithms.kl import masked_kl
@@ -68,7 +68,6 @@ def _metrics(batch: TrainBatch, advantages: torch.Tensor, mask: torch.Tensor) ->
 class GRPO:
     """Group-relative advantage, one value per sequence (minus the per-token KL penalty)."""
 
-
     def __call__(self, batch: TrainBatch, params: AlgorithmParams) -> AdvantageResult:
         mask = trainable(batch.loss_mask)
         normalized = group_normalized_rewards(
@@ -79,13 +78,12 @@ class GRPO:
 
 
 class GSPO(GRPO):
-    """GRPO's advantages for GSPO's sequence-level importance ratio (``train.policy_loss: gspo``)."""
-
+    """GRPO's advantages for GSPO's sequence-level importance ratio (``train.policy_loss: gspo``);
+    the pairing is declared by its spec (``ADVANTAGES["gspo"].policy_loss``)."""
 
 
 class PPO:
     """Critic-based GAE; masked (tool / user) tokens are not decision steps."""
-
 
     def __call__(self, batch: TrainBatch, params: AlgorithmParams) -> AdvantageResult:
         if batch.values is None:
@@ -99,7 +97,6 @@ class PPO:
 
 class ReinforcePP:
     """REINFORCE++: discounted returns with a KL token penalty, whitened over the batch."""
-
 
     def final_reward(self, batch: TrainBatch) -> torch.Tensor:
         return batch.rewards.float()
@@ -119,7 +116,7 @@ class ReinforcePPBaseline(ReinforcePP):
         return group_normalized_rewards(batch.rewards, batch.group_ids, batch.rollout_ids, scale_by_std=False)
 
 
-ESTIMATORS = {
+ESTIMATORS: dict[str, AdvantageEstimator] = {
     "grpo": GRPO(),
     "gspo": GSPO(),
     "ppo": PPO(),

@@ -12,6 +12,7 @@ computes, and returns per-token results in the packed layout again.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import overload
 
 import torch
 from miles_contracts import TrainBatch
@@ -61,12 +62,27 @@ class Layout:
     def packed(self) -> bool:
         return self.index is not None
 
+    @overload
+    def to_rows(self, x: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def to_rows(self, x: None) -> None: ...
+    @overload
+    def to_rows(self, x: torch.Tensor | None) -> torch.Tensor | None: ...
+
     def to_rows(self, x: torch.Tensor | None) -> torch.Tensor | None:
         """``[1, N] -> [S, L]`` (0 in empty slots); identity for a padded batch."""
         if x is None or self.index is None:
             return x
+        assert self.valid is not None  # set together with index
         picked = x[0][self.index]
         return torch.where(self.valid, picked, torch.zeros_like(picked))
+
+    @overload
+    def to_packed(self, y: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def to_packed(self, y: None) -> None: ...
+    @overload
+    def to_packed(self, y: torch.Tensor | None) -> torch.Tensor | None: ...
 
     def to_packed(self, y: torch.Tensor | None) -> torch.Tensor | None:
         """``[S, L] -> [1, N]`` (0 outside every sequence); identity for a padded batch."""

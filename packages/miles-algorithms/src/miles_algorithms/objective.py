@@ -25,10 +25,11 @@ from dataclasses import replace
 import torch
 from miles.advantages import estimate_advantages
 from miles_contracts import AdvantageEstimator, AdvantageSpec, AlgorithmParams, TrainBatch
+from miles_contracts.specs import CorrectionFn, PolicyLossFn
 
 from miles_algorithms.kl import kl_divergence, masked_kl
 from miles_algorithms.layout import Layout
-from miles_algorithms.losses import TokenMetrics, value_loss
+from miles_algorithms.losses import value_loss
 from miles_algorithms.masking import trainable
 from miles_algorithms.metrics import advantage_metrics, mismatch_metrics
 from miles_algorithms.planning import row_lengths, split_rows_evenly
@@ -37,8 +38,9 @@ from miles_algorithms.reductions import loss_statistics, reduce, statistics_of
 # one optimizer update on a mini-batch: (its metrics summed over ranks, and when asked for, the
 # log-probs its forward pass computed before the update, whole over ranks; else None)
 Update = Callable[[TrainBatch, bool], tuple[dict[str, float], torch.Tensor | None]]
-PolicyLoss = Callable[[torch.Tensor, TrainBatch, AlgorithmParams], tuple[torch.Tensor, TokenMetrics]]
-Correction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AlgorithmParams], tuple[torch.Tensor, TokenMetrics]]
+# what a registered PolicyLossSpec.loss / MismatchCorrectionSpec.correct is
+PolicyLoss = PolicyLossFn
+Correction = CorrectionFn
 
 __all__ = [
     "actor_loss",

@@ -56,7 +56,7 @@ class WeightChecker:
         for name in sorted(checksums):
             overall.update(name.encode())
             overall.update(checksums[name].encode())
-        rank = {"checksums": checksums, "per_gpu_checksum": overall.hexdigest(),
+        rank: dict[str, Any] = {"checksums": checksums, "per_gpu_checksum": overall.hexdigest(),
                 "parallelism_info": {"tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
                                      "pp_size": 1, "rank": 0, "size": 1}}
         return {"ranks": [rank], "per_engine_checksum": hashlib.sha256(rank["per_gpu_checksum"].encode()).hexdigest()}

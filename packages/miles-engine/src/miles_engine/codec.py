@@ -22,4 +22,5 @@ class TextCodec:
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool) -> str:
         with self._lock:
-            return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+            # transformers types decode as str | list[str] (a list of lists gives a list); one list gives a str
+            return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)  # type: ignore[return-value]

@@ -52,7 +52,7 @@ class PackedLinears:
         self._packed: dict[int, torch.Tensor] = {}
         self.repack()
         for layer in self.layers:
-            layer.forward = self._forward_of(layer)
+            layer.forward = self._forward_of(layer)  # type: ignore[method-assign]  # per instance, on purpose
 
     def repack(self, storages: Collection[int] | None = None) -> int:
         """Pack again the layers whose weight lives in one of ``storages`` (``untyped_storage()

@@ -116,6 +116,7 @@ class DecodeGraphs:
         batch = len(tokens)
         padded = bucket_for(batch, self.buckets)
         kv_len = length_bucket(max(positions) + 1, self.cache.length)
+        assert self.cache.k is not None  # reserved by the scheduler before any decode step
         identity = (self.cache.k.data_ptr(), self.cache.slots, self.cache.length)
         if identity != self._cache_identity:  # the cache was reallocated: graphs point at the old one
             self.graphs.clear()

@@ -13,7 +13,6 @@ number of tasks at once: the scheduler thread batches them. Invalid requests rai
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
 from pathlib import Path
@@ -29,7 +28,7 @@ from miles_contracts.wire.engine import (
 )
 from pydantic import ValidationError
 
-from miles_engine.config import EngineConfig
+from miles_engine.config import EngineConfig, engine_config
 from miles_engine.loading import LoadedModel, load_model
 from miles_engine.sampling import RowSampling, request_seed
 from miles_engine.scheduler import PauseMode, Scheduler
@@ -49,8 +48,12 @@ class BadRequestError(ValueError):
 class Engine:
     def __init__(self, model_path: str | Path, *, background: bool = True, **options: Any) -> None:
         """Load the model and start scheduling (on a background thread; with ``background=False``
-        the caller runs ``engine.scheduler.run()`` on a thread of its choice, ideally the main one)."""
-        self.config = EngineConfig(model_path=str(Path(model_path).expanduser()), **options)
+        the caller runs ``engine.scheduler.run()`` on a thread of its choice, ideally the main one).
+
+        ``options`` are keys of :class:`~miles_engine.config.EngineConfig` (the ``engine`` config
+        section's, plus ``device``, ``dtype`` and ``enable_deterministic_inference``); a bad one is
+        a ``ValueError`` listing every problem."""
+        self.config = engine_config(model_path, **options)
         self.loaded: LoadedModel = load_model(self.config)
         self.max_kv_tokens = self._kv_budget()
         self.scheduler = Scheduler(self.loaded, self.config, self.max_kv_tokens)
@@ -63,9 +66,8 @@ class Engine:
             self.scheduler.start()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> Engine:
-        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "model_path"}
-        return cls(config.model_path, **fields)
+    def from_config(cls, config: EngineConfig, *, background: bool = True) -> Engine:
+        return cls(config.model_path, background=background, **config.model_dump(exclude={"model_path"}))
 
     # ------------------------------------------------------------------ generation
 
@@ -108,6 +110,7 @@ class Engine:
                 raise BadRequestError(f"input_ids holds {len(bad)} token id(s) outside [0, {loaded.vocab_size}), "
                                       f"first at position {bad[0][0]}: {bad[0][1]}")
         else:
+            assert request.text is not None  # a GenerateRequest holds exactly one of text and input_ids
             ids = text_ids if text_ids is not None else self.scheduler.codec.encode(request.text)
             if not ids:
                 raise BadRequestError("'text' tokenizes to no tokens; send a non-empty prompt")
@@ -176,6 +179,7 @@ class Engine:
         import torch
 
         routing = self.scheduler.runner.routing
+        assert routing is not None  # requests for routed experts on a model without routers are refused
         rows = max(len(seq.prompt_ids) + len(seq.output_ids) - 1, 0)
         if seq.routed:
             table = torch.cat(seq.routed)[seq.routed_start : rows]  # rows [start, positions fed - 1)
@@ -221,15 +225,18 @@ class Engine:
     def model_info(self) -> ModelInfo:
         loaded = self.loaded
         routing = self.scheduler.runner.routing
-        return ModelInfo(
-            model_path=self.config.model_path, tokenizer_path=self.config.tokenizer_path or self.config.model_path,
-            is_generation=True, weight_version=self.weight_version,
+        # fields beyond ModelInfo's own (it allows extra ones), which type checkers cannot see as keywords
+        extra: dict[str, Any] = dict(
             served_model_name=self.config.served_model_name or Path(self.config.model_path).name,
             model_type=loaded.model.config.model_type, architectures=list(loaded.model.config.architectures or []),
             vocab_size=loaded.vocab_size,
             context_length=loaded.context_length, device=str(loaded.device),
             dtype=str(loaded.dtype).removeprefix("torch."),
             num_moe_layers=routing.num_layers if routing else 0, moe_top_k=routing.top_k if routing else 0,
+        )
+        return ModelInfo(
+            model_path=self.config.model_path, tokenizer_path=self.config.tokenizer_path or self.config.model_path,
+            is_generation=True, weight_version=self.weight_version, **extra,
         )
 
     def server_info(self) -> dict[str, Any]:

@@ -64,7 +64,7 @@ class SlotKVCache:
         shape = (self.num_layers, new_slots, self.num_kv_heads, new_length, self.head_dim)
         k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if self.k is not None:
+        if self.k is not None and self.v is not None:  # both are set, or neither
             k[:, : self.slots, :, : self.length].copy_(self.k)
             v[:, : self.slots, :, : self.length].copy_(self.v)
         self.k, self.v, self.slots, self.length = k, v, new_slots, new_length
@@ -79,6 +79,7 @@ class SlotKVCache:
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` (all layers)."""
+        assert self.k is not None and self.v is not None  # the slots hold requests, so memory is reserved
         self.k[:, dst, :, :length].copy_(self.k[:, src, :, :length])
         self.v[:, dst, :, :length].copy_(self.v[:, src, :, :length])
 
@@ -119,6 +120,7 @@ class SlotKVCache:
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new keys/values ``[B, kv_heads, q, head_dim]``; return what to attend to,
         ``[B, kv_heads, kv_len, head_dim]`` (views into the cache)."""
+        assert self.k is not None and self.v is not None  # reserved before every forward
         k, v = self.k[layer_idx], self.v[layer_idx]
         if self._plan[0] == "decode":
             _, flat, batch, kv_len = self._plan

@@ -52,6 +52,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(config.device)
@@ -61,7 +62,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     per_row = config.enable_deterministic_inference
     attn = attention.register(per_row=per_row) if device.type == "cpu" else "sdpa"
     model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype, attn_implementation=attn)
-    model.to(device)
+    model.to(device)  # type: ignore[arg-type]  # transformers' @wraps(nn.Module.to) hides the real signature
     model.eval()
     model.requires_grad_(False)
     hf = model.config.get_text_config()
@@ -71,12 +72,14 @@ def load_model(config: EngineConfig) -> LoadedModel:
     context = config.context_length or model_max
     if context > model_max:
         raise ValueError(f"context_length {context} exceeds the model's max_position_embeddings {model_max}")
+    embedding = model.get_input_embeddings().weight
+    assert isinstance(embedding, torch.Tensor)  # a Parameter (nn.Module types attributes as Tensor | Module)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         device=device,
         dtype=dtype,
-        vocab_size=model.get_input_embeddings().weight.shape[0],
+        vocab_size=embedding.shape[0],
         context_length=context,
         eos_token_ids=_eos_ids(model, tokenizer),
         num_layers=hf.num_hidden_layers,

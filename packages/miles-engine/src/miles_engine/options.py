@@ -1,105 +1,93 @@
-"""Engine options as CLI flags and as the ``engine`` config section: one table, three uses
-(``miles serve engine`` flags, ``EngineSpec.options`` -> argv, config validation)."""
+"""The embedded engine's options: one table, :class:`EngineSection`.
+
+It is the ``engine`` config section (``rollout.engine: embedded``), the ``miles serve engine`` /
+``python -m miles_engine`` flags (derived from its fields by :mod:`miles.cli.section_args`), and,
+with the model folder, device, dtype and deterministic mode added, the engine's own settings
+(:class:`miles_engine.config.EngineConfig`, what ``Engine(path, **options)`` validates its keyword
+arguments with). An option is added here once and appears in all three.
+"""
 
 from __future__ import annotations
-
-import argparse
-from dataclasses import dataclass
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 
-@dataclass(frozen=True, slots=True)
-class Flag:
-    name: str  # EngineConfig field
-    type: type
-    help: str
-
-    @property
-    def option(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-    def add_to(self, parser: argparse.ArgumentParser) -> None:
-        if self.type is list:
-            parser.add_argument(self.option, dest=self.name, action="append", default=None, metavar="DIR", help=self.help)
-        elif self.type is bool:
-            parser.add_argument(self.option, dest=self.name, action="store_true", default=None, help=self.help)
-        else:
-            parser.add_argument(self.option, dest=self.name, type=self.type, default=None, help=self.help)
-
-    def argv(self, value: Any) -> list[str]:
-        if self.type is list:
-            return [part for item in value for part in (self.option, str(item))]
-        if self.type is bool:
-            return [self.option] if value else []
-        return [self.option, str(value)]
-
-
-ENGINE_FLAGS = (
-    Flag("max_running_requests", int, "most requests decoding together (default 64)"),
-    Flag("context_length", int, "longest prompt + completion (default: the model's max_position_embeddings)"),
-    Flag("max_kv_tokens", int, "KV-cache capacity in tokens (default: from --kv-cache-gb)"),
-    Flag("kv_cache_gb", float, "KV-cache memory when --max-kv-tokens is not given (default 2 on CPU, 40%% of free GPU memory)"),
-    Flag("prefill_tokens_per_step", int, "prompt tokens prefilled between two decode steps (default 2048)"),
-    Flag("prefill_wait_ms", float, "idle engine: gather a burst of arriving requests this long at most before prefilling (default 20; 0 = off)"),
-    Flag("prefill_gap_ms", float, "the gathering ends once no request arrived for this long (default 2)"),
-    Flag("plain_linear", bool, "CPU: keep transformers' linear layers (no oneDNN weight packing; less memory, slower)"),
-    Flag("disable_cuda_graph", bool, "CUDA: run decode steps eagerly instead of as replayed CUDA graphs"),
-    Flag("seed", int, "seed of requests without sampling_seed (default 0)"),
-    Flag("enable_deterministic_inference", bool, "batch-invariant numerics: a request gives the same tokens and "
-         "log-probs in any batch (fp32 CPU with oneDNN only; slower)"),
-    Flag("tokenizer_path", str, "tokenizer folder if not the model's"),
-    Flag("served_model_name", str, "name reported by /get_model_info"),
-    Flag("weight_dir", list, "a folder /update_weights_from_disk may read (repeat for several; the model's own "
-                             "folder is always allowed)"),
-    Flag("weight_group_timeout", float, "seconds to join a weight broadcast group, and for each of its "
-                                        "collectives (default 300)"),
-    Flag("paused_request_timeout", float, "a request waiting on a paused engine is aborted after this many "
-                                          "seconds (default 600)"),
-)
-_BY_NAME = {flag.name: flag for flag in ENGINE_FLAGS}
-
-
-def options_argv(options: dict[str, Any]) -> list[str]:
-    """``EngineSpec.options`` (keys of :class:`EngineSection`) as ``miles serve engine`` flags."""
-    unknown = sorted(set(options) - set(_BY_NAME))
-    if unknown:
-        raise ValueError(f"unknown embedded-engine option(s) {unknown}; known: {', '.join(_BY_NAME)}")
-    argv: list[str] = []
-    for name, value in options.items():
-        if value is not None:
-            argv += _BY_NAME[name].argv(value)
-    return argv
-
-
 class EngineSection(BaseModel):
-    """Config section ``engine``: options of the embedded engine (``rollout.engine: embedded``).
-    The model, device and dtype come from the ``model`` section."""
+    """Config section ``engine``: options of the embedded engine. The model, device and dtype come
+    from the ``model`` section, the deterministic mode from ``run.deterministic``.
+
+    :ivar max_running_requests: most requests decoding together (the decode batch size).
+    :ivar context_length: longest prompt + completion; default: the model's
+        ``max_position_embeddings``.
+    :ivar max_kv_tokens: KV-cache capacity in tokens (summed over running requests, counting each
+        at its worst case ``prompt + max_new_tokens``); default from ``kv_cache_gb``.
+    :ivar kv_cache_gb: memory for the KV cache when ``max_kv_tokens`` is not given; default 2 GiB
+        on CPU, 40% of the free GPU memory after loading on CUDA.
+    :ivar prefill_tokens_per_step: prompt tokens prefilled between two decode steps (at least one
+        whole prompt), so arriving requests do not stall running ones for long.
+    :ivar prefill_wait_ms: when the engine is idle and requests arrive, how long at most to keep
+        gathering the rest of the burst before prefilling (0 = prefill at once). A rollout step sends
+        hundreds of requests at once; they reach the engine over tens of ms, and each prefill forward
+        costs ~35 ms of kernel launches on the H200 whatever its size, so prefilling them as they
+        trickle in costs several forwards where one would do.
+    :ivar prefill_gap_ms: the gathering ends earlier once no request arrived for this long (an
+        isolated request waits only this long).
+    :ivar plain_linear: keep transformers' own linear layers on CPU; by default fp32 CPU engines run
+        them through oneDNN with pre-packed weights (~1.5x faster decode, a second copy of the
+        linear weights in memory; see ``cpu_linear.py``).
+    :ivar disable_cuda_graph: run decode steps eagerly on CUDA; by default each decode step is a
+        replayed CUDA graph (see ``cuda_graphs.py``; not used for MoE models recording routes).
+    :ivar seed: seeds the sampler of requests that carry no ``sampling_seed``.
+    :ivar tokenizer_path: tokenizer folder, if not the model's.
+    :ivar served_model_name: the name ``/get_model_info`` reports (default: the model folder's name).
+    :ivar weight_dir: folders ``/update_weights_from_disk`` may read, besides the folder the model
+        was loaded from (and, in a run, the run's folder); any other path (and any shard an index
+        names outside its folder) is refused.
+    :ivar weight_group_timeout: seconds to join a weight broadcast group (and for each collective
+        in it): a trainer that never shows up costs a clear error, not a hang.
+    :ivar paused_request_timeout: a request that has waited this long on a paused engine is
+        aborted with a message saying so (a pause that is never continued must not hold callers forever).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     max_running_requests: int = Field(default=64, ge=1, description="most requests decoding together")
-    context_length: int | None = Field(default=None, ge=2, description="default: the model's max_position_embeddings")
-    max_kv_tokens: int | None = Field(default=None, ge=2, description="KV-cache capacity in tokens")
-    kv_cache_gb: float | None = Field(default=None, gt=0, description="KV-cache memory if max_kv_tokens is unset")
-    prefill_tokens_per_step: int = Field(default=2048, ge=1)
+    context_length: int | None = Field(
+        default=None, ge=2, description="longest prompt + completion; default: the model's max_position_embeddings",
+    )
+    max_kv_tokens: int | None = Field(
+        default=None, ge=2, description="KV-cache capacity in tokens; default: from kv_cache_gb",
+    )
+    kv_cache_gb: float | None = Field(
+        default=None, gt=0, description="KV-cache memory if max_kv_tokens is unset; default 2 on CPU, 40% of the "
+        "free GPU memory on CUDA",
+    )
+    prefill_tokens_per_step: int = Field(
+        default=2048, ge=1, description="prompt tokens prefilled between two decode steps",
+    )
     prefill_wait_ms: float = Field(
-        default=20.0, ge=0, description="idle engine: gather a burst of arriving requests this long at most before prefilling",
+        default=20.0, ge=0, description="idle engine: gather a burst of arriving requests this long at most before "
+        "prefilling (0: off)",
     )
     prefill_gap_ms: float = Field(default=2.0, ge=0, description="the gathering ends once no request arrived for this long")
-    plain_linear: bool = False
-    disable_cuda_graph: bool = False
-    seed: int = 0
+    plain_linear: bool = Field(
+        default=False, description="CPU: keep transformers' linear layers (no oneDNN weight packing; less memory, slower)",
+    )
+    disable_cuda_graph: bool = Field(
+        default=False, description="CUDA: run decode steps eagerly instead of as replayed CUDA graphs",
+    )
+    seed: int = Field(default=0, description="seed of requests without a sampling_seed")
+    tokenizer_path: str | None = Field(default=None, description="tokenizer folder, if not the model's")
+    served_model_name: str | None = Field(
+        default=None, description="name reported by /get_model_info; default: the model folder's name",
+    )
     weight_dir: list[str] = Field(
         default_factory=list, description="folders /update_weights_from_disk may read besides the model's own and "
         "the run's (add weight_transport.disk_dir here when you set it outside the run folder)",
     )
-    weight_group_timeout: float = Field(default=300.0, gt=0, description="seconds to join a weight broadcast group")
+    weight_group_timeout: float = Field(
+        default=300.0, gt=0, description="seconds to join a weight broadcast group, and for each of its collectives",
+    )
     paused_request_timeout: float = Field(
         default=600.0, gt=0, description="a request waiting on a paused engine is aborted after this many seconds",
     )
-
-    def options(self) -> dict[str, Any]:
-        """As ``EngineSpec.options``."""
-        return self.model_dump(exclude_none=True)

@@ -26,7 +26,8 @@ class RoutingCapture:
 
     def __init__(self, model: nn.Module) -> None:
         self.routers = find_routers(model)
-        self.top_k = int(self.routers[0].top_k) if self.routers else 0
+        # nn.Module.__getattr__ types every unknown attribute as Tensor | Module; a router's top_k is an int
+        self.top_k = int(self.routers[0].top_k) if self.routers else 0  # type: ignore[arg-type]
         self._latest: list[torch.Tensor | None] = [None] * len(self.routers)
         self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
 
@@ -48,7 +49,7 @@ class RoutingCapture:
         missing = [i for i, t in enumerate(self._latest) if t is None]
         if missing:
             raise RuntimeError(f"MoE routers {missing} did not run in the last forward")
-        out = torch.stack([t.to(torch.int32) for t in self._latest], dim=1)
+        out = torch.stack([t.to(torch.int32) for t in self._latest if t is not None], dim=1)  # all are, see above
         self._latest = [None] * len(self.routers)
         return out
 

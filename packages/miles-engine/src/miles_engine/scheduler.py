@@ -419,6 +419,7 @@ class Scheduler:
             self._deliver(seq)
 
     def _deliver(self, seq: Sequence) -> None:
+        assert seq.finish is not None  # only finished sequences are delivered
         seq.weight_version = self.weight_version
         self.stats.finished[seq.finish.type] += 1
         try:

@@ -1,4 +1,11 @@
-"""``miles serve engine`` (also ``python -m miles_engine``): load a model and serve the HTTP API."""
+"""``miles serve engine`` (also ``python -m miles_engine``): load a model and serve the HTTP API.
+
+Settings come from ``--config`` (a run passes its folder's ``config.yaml``: the ``engine``
+section, ``model.device`` / ``model.dtype``, ``run.deterministic``, and the ``plugins`` section
+the process loads its kernel for), then from the flags derived from those sections. Only what the
+launch decides is a flag of its own: ``--model`` (the resolved folder), ``--host``, ``--port``,
+``--run-dir``.
+"""
 
 from __future__ import annotations
 
@@ -8,41 +15,48 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from miles.server_process import add_server_security_arguments, stop_within
+from miles.server_process import add_run_arguments, add_server_security_arguments, server_main, stop_within
 
-from miles_engine.options import ENGINE_FLAGS
-
-SHUTDOWN_GRACE_S = 5.0
+SHUTDOWN_GRACE_S = 5  # whole seconds: uvicorn takes timeout_graceful_shutdown as an int
 """After SIGTERM/SIGINT the process exits within this many seconds, whatever it was blocked in."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True,
-                        help="a model name of `miles models list` (pulled on first use) or a Hugging Face folder")
+    from miles.cli.section_args import add_section_arguments
+    from miles.sections import ModelSection, RunSection
+
+    from miles_engine.options import EngineSection
+
+    parser.add_argument("--model", default=None,
+                        help="a model name of `miles models list` (pulled on first use) or a Hugging Face folder "
+                             "(default: the config's model.name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="auto: bf16 on CUDA, fp32 on CPU")
-    for flag in ENGINE_FLAGS:
-        flag.add_to(parser)
+    add_run_arguments(parser)
+    add_section_arguments(parser, "model", ModelSection, only=("device", "dtype"), title="model settings")
+    add_section_arguments(parser, "run", RunSection, only=("deterministic",), title="run settings",
+                          flags={"deterministic": "--enable-deterministic-inference"})
+    add_section_arguments(parser, "engine", EngineSection, title="engine settings")
     add_server_security_arguments(parser)
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
+    from miles.server_process import context_from_args
     from miles_contracts.wire.auth import server_token
     from miles_models import resolve_model
 
+    from miles_engine.config import engine_config_of
     from miles_engine.engine import Engine
     from miles_engine.server import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    ctx = context_from_args(args, "engine")
     token = server_token(args.auth_token, name="engine")
-    path = resolve_model(args.model, auto_pull=True)
-    options = {flag.name: getattr(args, flag.name) for flag in ENGINE_FLAGS if getattr(args, flag.name) is not None}
-    engine = Engine(path, device=args.device, dtype=args.dtype, background=False, **options)
+    path = resolve_model(args.model or ctx.config.model.name, auto_pull=True)
+    settings = engine_config_of(ctx.config, path, run_dir=ctx.run_dir.resolve() if ctx.run_dir else None)
+    engine = Engine.from_config(settings, background=False)
     app = create_app(engine, auth_token=token, max_body_bytes=int(args.max_body_mb * 2**20))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_keep_alive=60, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
@@ -69,13 +83,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from miles.errors import MilesError
-
-    parser = argparse.ArgumentParser(prog="python -m miles_engine", description="Serve the Miles embedded engine.")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except (MilesError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    # a ValueError here is a bad engine option (the engine's config refuses it)
+    return server_main("python -m miles_engine", "Serve the Miles embedded engine.", add_arguments, run, argv,
+                       errors=(ValueError,))

@@ -41,6 +41,7 @@ from miles_contracts.wire.engine import (
     InitWeightsUpdateGroupRequest,
     MemoryOccupationRequest,
     PauseGenerationRequest,
+    SamplingParams,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
@@ -123,7 +124,7 @@ def _fastapi_app(engine: Engine) -> FastAPI:
     async def health_generate() -> Any:
         if engine.scheduler.held or not engine.scheduler.alive:
             return _health(engine)
-        probe = GenerateRequest(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+        probe = GenerateRequest(input_ids=[0], sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))
         try:
             await asyncio.wait_for(engine.generate(probe), HEALTH_GENERATE_TIMEOUT_S)
         except (TimeoutError, RuntimeError) as exc:

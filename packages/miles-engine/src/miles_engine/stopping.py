@@ -48,11 +48,12 @@ class StopChecker:
         ids = seq.output_ids
         finish = seq.finish
         trim = not seq.params.no_stop_trim and finish is not None and finish.type == "stop"
-        if trim and isinstance(finish.matched, int) and ids and ids[-1] == finish.matched:
+        matched = finish.matched if trim and finish is not None else None  # what to trim, if anything
+        if isinstance(matched, int) and ids and ids[-1] == matched:
             ids = ids[:-1]
         text = self.codec.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
-        if trim and isinstance(finish.matched, str):
-            cut = text.find(finish.matched)
+        if isinstance(matched, str):
+            cut = text.find(matched)
             if cut >= 0:
                 text = text[:cut]
         return text

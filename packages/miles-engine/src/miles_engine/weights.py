@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
-    from torch import nn
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def fused_expert_views(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, 
     return out
 
 
-def _agrees_with_transformers(model: nn.Module, tensors: dict[str, torch.Tensor],
+def _agrees_with_transformers(model: PreTrainedModel, tensors: dict[str, torch.Tensor],
                               views: dict[str, dict[str, torch.Tensor]]) -> bool:
     """Whether transformers' reverse conversion of one fused layer gives exactly these checkpoint
     names and bytes (one layer suffices: every layer is built by the same class)."""
@@ -122,7 +122,7 @@ class WeightStore:
     :ivar targets: every accepted name -> the tensor (or view) an update copies into.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
         runtime = {name: tensor.detach() for name, tensor in model.state_dict(keep_vars=True).items()}
         tied = {t: s for t, s in (getattr(model, "all_tied_weights_keys", None) or {}).items()
@@ -234,7 +234,7 @@ class WeightStore:
             return count
         return self._load_checkpoint(folder)
 
-    def _load_checkpoint(self, folder: str) -> int:
+    def _load_checkpoint(self, folder: str | Path) -> int:
         from transformers import AutoModelForCausalLM
 
         dtype = next(iter(self.stored.values())).dtype
@@ -256,7 +256,7 @@ class WeightStore:
         out = {}
         for name, tensor in self.checkpoint.items():
             raw = tensor.contiguous().reshape(-1).view(torch.uint8).cpu()
-            out[name] = hashlib.sha256(raw.numpy()).hexdigest()
+            out[name] = hashlib.sha256(raw.numpy().data).hexdigest()  # .data: the buffer, typed (no copy)
         return out
 
     def fill_noise(self, seed: int) -> int:

@@ -40,9 +40,9 @@ from miles_fsdp.weights import export_hf, gather_named_weights
 
 if TYPE_CHECKING:
     from miles.config import MilesConfig
-    from miles.kernel import Kernel
     from miles_algorithms.update import MicroLoss
-    from miles_contracts import TrainBatch
+    from miles_contracts import RunContext, TrainBatch
+    from transformers import PreTrainedModel
 
 NAME = "fsdp"
 _PHASES = {"actor": "old_logprobs", "ref": "ref_logprobs", "teacher": "teacher_logprobs"}
@@ -51,39 +51,36 @@ _PHASES = {"actor": "old_logprobs", "ref": "ref_logprobs", "teacher": "teacher_l
 class FSDPBackend:
     """Actor (+ optional reference, teacher, critic) sharded with FSDP2; satisfies ``TrainBackend``.
 
-    :param config: the run config (``model``, ``train``, ``algorithm``, ``rollout.temperature``,
-        ``run.seed``/``run.steps`` and the ``fsdp`` section are read).
+    :param ctx: the run as this process sees it: ``ctx.config`` (``model``, ``train``,
+        ``algorithm``, ``rollout.temperature``, ``run.seed``/``run.steps`` and the ``fsdp`` section
+        are read) and ``ctx.kernel``, whose plugins resolve model names, claim the model's bridge,
+        wrap forwards and provide the policy loss and mismatch correction.
     :param actor: an already built HF causal LM to train instead of loading ``config.model.name``
         (benchmarks, tests); the reference, if any, is then a copy of it.
-    :param kernel: the kernel whose plugins wrap forwards and provide losses; default: the
-        config's plugin selection.
     """
 
-    def __init__(self, config: MilesConfig, *, actor: torch.nn.Module | None = None, kernel: Kernel | None = None) -> None:
-        from miles.kernel import Kernel
-
-        self.config = config
-        self.options = config.section(NAME, FSDPSection)
-        self.kernel = kernel or Kernel.load(config.plugin_selection)
-        self.dist = setup_distributed(config.model.device)
+    def __init__(self, ctx: RunContext, *, actor: PreTrainedModel | None = None) -> None:
+        self.config = ctx.config
+        self.kernel = ctx.kernel
+        self.options = self.config.section(NAME, FSDPSection)
+        self.dist = setup_distributed(self.config.model.device)
         try:
-            self._build(config, actor)
+            self._build(self.config, actor)
         except BaseException:
             release_distributed(self.dist)  # a failed start must not leave a process group behind
             raise
 
-    def _build(self, config: MilesConfig, actor: torch.nn.Module | None) -> None:
+    def _build(self, config: MilesConfig, actor: PreTrainedModel | None) -> None:
         self.precision = resolve_precision(config.model.dtype, self.dist.device, self.options.reduce_dtype)
         compiled = self.options.compile
         self.compiled = compiled if compiled is not None else self.dist.device.type == "cuda"
         torch.manual_seed(config.run.seed)  # same on every rank: identical critic head init before sharding
         attn = self.options.attn_implementation
 
+        # model names (actor, teacher, critic) resolve through the kernel: a folder, or a plugin's model
         self.model_dir: Path | None = None
         if actor is None:
-            from miles_models import resolve_model
-
-            self.model_dir = Path(resolve_model(config.model.name, auto_pull=True))
+            self.model_dir = self.kernel.resolve_model(config.model.name)
             actor = load_causal_lm(self.model_dir, attn)
         reference = copy.deepcopy(actor) if config.train.use_reference and self.model_dir is None else None
         self.hf_config: dict[str, Any] = actor.config.to_dict()
@@ -93,18 +90,20 @@ class FSDPBackend:
         self.actor = self._shard(PolicyModel(actor), trainable=True)
         self.ref: PolicyModel | None = None
         if train.use_reference:
-            self.ref = self._shard(PolicyModel(reference or load_causal_lm(self.model_dir, attn)), trainable=False)
+            if reference is None:
+                assert self.model_dir is not None  # an in-memory actor's reference is its copy
+                reference = load_causal_lm(self.model_dir, attn)
+            self.ref = self._shard(PolicyModel(reference), trainable=False)
         self.teacher: PolicyModel | None = None
         if train.teacher_model:
-            from miles_models import resolve_model
-
-            teacher_dir = resolve_model(train.teacher_model, auto_pull=True)
+            teacher_dir = self.kernel.resolve_model(train.teacher_model)
             self.teacher = self._shard(PolicyModel(load_causal_lm(teacher_dir, attn)), trainable=False)
         self.critic: ValueModel | None = None
         if train.use_critic:
-            source = self.options.critic_model or self.model_dir
+            critic = self.options.critic_model
+            source = self.kernel.resolve_model(critic) if critic else self.model_dir
             if source is None:
-                raise ValueError("train.use_critic with an in-memory actor needs fsdp.critic_model (a model folder)")
+                raise ValueError("train.use_critic with an in-memory actor needs fsdp.critic_model (a model folder or name)")
             self.critic = self._shard(load_value_model(source, attn, self.options.value_head_std), trainable=True)
 
         total = config.run.steps * train.updates_per_step
@@ -124,7 +123,7 @@ class FSDPBackend:
 
     # ------------------------------------------------------------------ construction helpers
 
-    def _shard(self, module: torch.nn.Module, *, trainable: bool) -> Any:
+    def _shard(self, module: PolicyModel | ValueModel, *, trainable: bool) -> Any:
         return prepare_and_shard(
             module, mesh=self.dist.mesh, precision=self.precision, trainable=trainable,
             gradient_checkpointing=self.config.train.gradient_checkpointing,
@@ -135,7 +134,7 @@ class FSDPBackend:
         train = self.config.train
         fused = self.options.fused_optimizer if self.options.fused_optimizer is not None else self.dist.device.type == "cuda"
         optimizer = build_optimizer(
-            module.parameters(), lr=lr, betas=tuple(train.betas), weight_decay=train.weight_decay, fused=fused,
+            module.parameters(), lr=lr, betas=train.betas, weight_decay=train.weight_decay, fused=fused,
         )
         scheduler = build_scheduler(optimizer, LRMultiplier(train.lr_schedule, train.warmup_steps, total_steps))
         return TrainedModule(name, module, optimizer, scheduler)
@@ -193,8 +192,8 @@ class FSDPBackend:
     def _apply(self, trained: TrainedModule) -> dict[str, float]:
         """Clip, step (unless the gradient is not finite), advance the schedule, clear gradients."""
         params = [p for p in trained.module.parameters() if p.requires_grad]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.config.train.grad_clip)
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        total_norm = torch.nn.utils.clip_grad_norm_(params, self.config.train.grad_clip)
+        norm = float(total_norm.full_tensor() if hasattr(total_norm, "full_tensor") else total_norm)
         lr = trained.optimizer.param_groups[0]["lr"]
         finite = torch.isfinite(torch.tensor(norm)).item()
         if finite or not self.options.skip_nonfinite_grads:

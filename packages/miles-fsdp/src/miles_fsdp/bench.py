@@ -23,9 +23,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from miles_contracts import RunContext
+    from transformers import PreTrainedModel
+
+Device = Literal["auto", "cpu", "cuda"]  # ModelSection.device, --device
 
 H200_BF16_DENSE_TFLOPS = 989.0
 
@@ -56,7 +62,7 @@ class FlopCounter:
     attention_width: int  # n_heads * head_dim
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> FlopCounter:
+    def of(cls, model: PreTrainedModel) -> FlopCounter:
         cfg = model.config
         params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -66,7 +72,7 @@ class FlopCounter:
         return 6.0 * self.matmul_params * length + 6.0 * self.layers * self.attention_width * length**2
 
 
-def build_model(preset: str, seed: int = 0, device: torch.device | str = "cpu") -> torch.nn.Module:
+def build_model(preset: str, seed: int = 0, device: torch.device | str = "cpu") -> PreTrainedModel:
     """The preset's random-weight model, initialised directly on ``device`` (seconds on a GPU, a minute on CPU)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -114,7 +120,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_steps(step: Callable[[], None], device: torch.device, warmup: int, steps: int) -> float:
+def _time_steps(step: Callable[[], object], device: torch.device, warmup: int, steps: int) -> float:
     for _ in range(warmup):
         step()
     _sync(device)
@@ -125,7 +131,7 @@ def _time_steps(step: Callable[[], None], device: torch.device, warmup: int, ste
     return (time.perf_counter() - start) / steps
 
 
-def _profile(step: Callable[[], None], device: torch.device, out: Path) -> dict[str, Any]:
+def _profile(step: Callable[[], object], device: torch.device, out: Path) -> dict[str, Any]:
     """One more step under torch.profiler: its op tables go to ``out`` (text); returns the step's
     wall time and how much of it the device spent in kernels (the rest is launch overhead and syncs)."""
     from torch.profiler import ProfilerActivity, profile
@@ -150,7 +156,7 @@ def _profile(step: Callable[[], None], device: torch.device, out: Path) -> dict[
             "profile": str(out)}
 
 
-def _time_and_profile(step: Callable[[], None], device: torch.device, warmup: int, steps: int,
+def _time_and_profile(step: Callable[[], object], device: torch.device, warmup: int, steps: int,
                       profile_to: Path | None) -> dict[str, Any]:
     result: dict[str, Any] = {"step_s": _time_steps(step, device, warmup, steps)}
     if profile_to is not None:
@@ -179,8 +185,9 @@ def measure_cpu_peak_tflops(size: int = 1024, repeats: int = 5) -> float:
     return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e12
 
 
-def run_miles(preset: str, batch, *, device: str, options: dict[str, Any], gradient_checkpointing: bool,
+def run_miles(preset: str, batch, *, ctx: RunContext, device: Device, options: dict[str, Any], gradient_checkpointing: bool,
               micro_batch_tokens: int, warmup: int, steps: int, profile_to: Path | None = None) -> dict[str, Any]:
+    """The fsdp backend's step on the preset's random model, built in memory (no checkpoint)."""
     from miles.config import MilesConfig
     from miles.sections import ModelSection, RunSection, TrainSection
 
@@ -195,7 +202,7 @@ def run_miles(preset: str, batch, *, device: str, options: dict[str, Any], gradi
     )
     from miles.trainer.device import pick_device
 
-    backend = FSDPBackend(config, actor=build_model(preset, device=pick_device(device)))
+    backend = FSDPBackend(ctx.with_config(config), actor=build_model(preset, device=pick_device(device)))
     dev = backend.dist.device
     try:
         timed = _time_and_profile(lambda: backend.train_step(batch), dev, warmup, steps, profile_to)
@@ -205,31 +212,28 @@ def run_miles(preset: str, batch, *, device: str, options: dict[str, Any], gradi
         _free(dev)
 
 
-def run_registered(backend_name: str, preset: str, batch, *, device: str, options: dict[str, Any], section: str | None,
-                   gradient_checkpointing: bool, micro_batch_tokens: int, warmup: int, steps: int, work_dir: Any,
-                   profile_to: Path | None = None) -> dict[str, Any]:
-    """The step of any registered train backend (e.g. ``megatron``) on the preset's random model,
-    saved once as a checkpoint folder the backend loads like any model."""
+def run_registered(backend_name: str, preset: str, batch, *, ctx: RunContext, device: Device, options: dict[str, Any],
+                   section: str | None, gradient_checkpointing: bool, micro_batch_tokens: int, warmup: int, steps: int,
+                   work_dir: Any, profile_to: Path | None = None) -> dict[str, Any]:
+    """The step of any train backend registered with ``ctx.kernel`` (e.g. ``megatron``) on the
+    preset's random model, saved once as a checkpoint folder the backend loads like any model."""
     import tempfile
-    from pathlib import Path
 
     from miles.config import MilesConfig
-    from miles.kernel import Kernel
     from miles.sections import ModelSection, RunSection, TrainSection
 
     # one folder per rank: under torchrun every rank writes its own copy (no race)
     folder = Path(work_dir or tempfile.mkdtemp(prefix="miles-bench-")) / f"{preset}-rank{os.environ.get('RANK', '0')}"
     if not (folder / "config.json").is_file():
         build_model(preset, device="cpu").save_pretrained(folder, safe_serialization=True)
-    kernel = Kernel.load()
-    extra = {section: kernel.config_sections().get(section)(**options)} if section else {}
+    extra = {section: ctx.kernel.config_sections().get(section).model(**options)} if section else {}
     config = MilesConfig(
         model=ModelSection(name=str(folder), device=device), run=RunSection(steps=warmup + steps + 1),
         train=TrainSection(backend=backend_name, lr=1e-6, micro_batch_tokens=micro_batch_tokens,
                            gradient_checkpointing=gradient_checkpointing),
         extra=extra,
     )
-    backend = kernel.train_backends().get(backend_name)(config)
+    backend = ctx.kernel.train_backends().get(backend_name).create(ctx.with_config(config))
     dev = getattr(backend, "device", None) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         timed = _time_and_profile(lambda: backend.train_step(batch), dev, warmup, steps, profile_to)
@@ -249,7 +253,7 @@ def run_baseline(preset: str, batch, *, device: torch.device, gradient_checkpoin
         enable_activation_checkpointing(model)
     model.train()
     cuda = device.type == "cuda"
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, **({"fused": True} if cuda else {"foreach": True}))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True if cuda else None, foreach=None if cuda else True)
 
     def step() -> None:
         for row, n in enumerate(batch.attention_mask.sum(1).tolist()):
@@ -273,15 +277,17 @@ def _rates(result: dict[str, Any], tokens: int, flops: float, peak_tflops: float
 
 
 def run_benchmark(
-    *, preset: str, seq_lens: list[int], tokens_per_step: int, warmup: int, steps: int, device: str,
+    *, ctx: RunContext, preset: str, seq_lens: list[int], tokens_per_step: int, warmup: int, steps: int, device: Device,
     gradient_checkpointing: bool, options: dict[str, Any], baseline: bool, peak_tflops: float | None,
     micro_batch_tokens: int | None = None, backend: str = "fsdp", section: str | None = None, work_dir: Any = None,
     profile_dir: Path | None = None, length_spread: float = 0.0,
 ) -> dict[str, Any]:
     """Every sequence length: the backend's step and (optionally) the baseline; returns the JSON report.
 
-    ``backend`` other than ``fsdp`` runs through the train-backend registry with ``options`` as its
-    config ``section`` (e.g. ``megatron`` with ``{"tensor_parallel": 2}``)."""
+    :param ctx: the context of the process measuring (``miles bench train``'s): its kernel provides
+        the backends; each is built with the benchmark's own config (``ctx.with_config``).
+    :param backend: other than ``fsdp``, built through ``ctx.kernel``'s train-backend registry with
+        ``options`` as its config ``section`` (e.g. ``megatron`` with ``{"tensor_parallel": 2}``)."""
     from miles.trainer.device import pick_device
 
     dev = pick_device(device)
@@ -328,10 +334,11 @@ def run_benchmark(
         profile_to = (profile_dir / f"profile-{backend}-L{length}.txt"
                       if profile_dir is not None and os.environ.get("RANK", "0") == "0" else None)
         if backend == "fsdp":
-            miles = run_miles(preset, batch, device=device, options=options, gradient_checkpointing=gradient_checkpointing,
-                              micro_batch_tokens=budget, warmup=warmup, steps=steps, profile_to=profile_to)
+            miles = run_miles(preset, batch, ctx=ctx, device=device, options=options,
+                              gradient_checkpointing=gradient_checkpointing, micro_batch_tokens=budget, warmup=warmup,
+                              steps=steps, profile_to=profile_to)
         else:
-            miles = run_registered(backend, preset, batch, device=device, options=options, section=section,
+            miles = run_registered(backend, preset, batch, ctx=ctx, device=device, options=options, section=section,
                                    gradient_checkpointing=gradient_checkpointing, micro_batch_tokens=budget,
                                    warmup=warmup, steps=steps, work_dir=work_dir, profile_to=profile_to)
         entry["miles"] = _rates(miles, tokens, flops, peak_tflops, devices)

@@ -102,12 +102,12 @@ def _run(args: argparse.Namespace, ctx: RunContext) -> int:
         raise MilesError(f"--length-spread must be in [0, 1), got {args.length_spread}")
     fsdp = args.backend == "fsdp"
     report = run_benchmark(
-        preset=args.model, seq_lens=seq_lens, tokens_per_step=args.tokens_per_step, warmup=args.warmup,
+        ctx=ctx, preset=args.model, seq_lens=seq_lens, tokens_per_step=args.tokens_per_step, warmup=args.warmup,
         steps=args.steps, device=args.device, gradient_checkpointing=args.gradient_checkpointing,
         options=_fsdp_options(args) if fsdp else _section_options(args, ctx), baseline=not args.no_baseline,
         peak_tflops=args.peak_tflops, micro_batch_tokens=args.micro_batch_tokens, backend=args.backend,
         section=None if fsdp else args.backend, work_dir=args.work_dir, profile_dir=args.profile,
-        length_spread=args.length_spread, kernel=ctx.kernel,
+        length_spread=args.length_spread,
     )
     import os
 

@@ -49,7 +49,10 @@ def _rng_state(device: torch.device) -> dict[str, Any]:
     # stored as tensors and plain numbers only, so it loads with torch.load(weights_only=True)
     import numpy as np  # a dependency of transformers
 
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    # legacy=True is the default, spelled out: numpy's stub types the bare call as the dict form
+    legacy = np.random.get_state(legacy=True)
+    assert isinstance(legacy, tuple), "the global RandomState is an MT19937, whose legacy state is a tuple"
+    kind, keys, pos, has_gauss, cached = legacy
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),

@@ -52,7 +52,10 @@ class FSDPSection(BaseModel):
                     "moves with what is imported), PyTorch's own on CPU; [] = PyTorch's own",
     )
     fused_optimizer: bool | None = Field(default=None, description="fused AdamW; null = on for CUDA, off for CPU")
-    critic_model: str | None = Field(default=None, description="critic initialisation; null = model.name")
+    critic_model: str | None = Field(
+        default=None, description="critic initialisation: a model folder or a name a plugin resolves (as model.name); "
+                                  "null = model.name",
+    )
     value_head_std: float = Field(default=0.0, ge=0.0, description="init std of the critic's value head (0 = zeros)")
     skip_nonfinite_grads: bool = Field(
         default=True, description="skip an optimiser step whose gradient norm is NaN/inf (counted in metrics)",

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from torch.distributed.device_mesh import DeviceMesh
+    from transformers import PreTrainedModel
 
 # config attributes that change logits after the output projection; the chunked head does not
 # apply them, so such models are refused rather than scored wrongly
@@ -61,7 +62,7 @@ def check_supported(hf_config: Any) -> None:
             )
 
 
-def base_model(hf: nn.Module) -> nn.Module:
+def base_model(hf: PreTrainedModel) -> nn.Module:
     """The decoder stack of a ``*ForCausalLM`` (``hf.model`` for Llama/Qwen)."""
     return getattr(hf, hf.base_model_prefix)
 
@@ -69,7 +70,7 @@ def base_model(hf: nn.Module) -> nn.Module:
 class PolicyModel(nn.Module):
     """A causal LM that returns log-probs (and entropy) of wanted tokens; the FSDP root unit."""
 
-    def __init__(self, hf: nn.Module) -> None:
+    def __init__(self, hf: PreTrainedModel) -> None:
         super().__init__()
         check_supported(hf.config)
         self.hf = hf
@@ -103,7 +104,7 @@ class PolicyModel(nn.Module):
 class ValueModel(nn.Module):
     """Critic: a decoder stack plus ``value_head: Linear(H, 1)``; returns values at wanted positions."""
 
-    def __init__(self, base: nn.Module, hidden_size: int, init_std: float = 0.0) -> None:
+    def __init__(self, base: PreTrainedModel, hidden_size: int, init_std: float = 0.0) -> None:
         super().__init__()
         self.base = base
         self.value_head = nn.Linear(hidden_size, 1, dtype=torch.float32)
@@ -132,7 +133,7 @@ class ValueModel(nn.Module):
         return torch.addmv(self.value_head.bias, hidden, self.value_head.weight[0]).float()
 
 
-def load_causal_lm(path: str | Path, attn_implementation: str) -> nn.Module:
+def load_causal_lm(path: str | Path, attn_implementation: str) -> PreTrainedModel:
     """fp32 HF causal LM from a folder (fp32 master weights; compute precision comes from FSDP)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
@@ -150,7 +151,7 @@ def load_value_model(path: str | Path, attn_implementation: str, init_std: float
     return ValueModel(base, base.config.hidden_size, init_std)
 
 
-def decoder_layers(module: nn.Module) -> list[nn.Module]:
+def decoder_layers(module: PolicyModel | ValueModel) -> list[nn.Module]:
     """Submodules whose class HF marks as not to be split (the decoder layers)."""
     hf = module.hf if isinstance(module, PolicyModel) else module.base
     names = set(getattr(hf, "_no_split_modules", None) or ())
@@ -163,7 +164,7 @@ def decoder_layers(module: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def enable_activation_checkpointing(hf: nn.Module) -> None:
+def enable_activation_checkpointing(hf: PreTrainedModel) -> None:
     """Recompute each decoder layer in backward (non-reentrant, which FSDP2 needs).
 
     transformers 5.2x renamed ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable``;
@@ -177,7 +178,7 @@ def enable_activation_checkpointing(hf: nn.Module) -> None:
 
 
 def prepare_and_shard(
-    module: nn.Module,
+    module: PolicyModel | ValueModel,
     *,
     mesh: DeviceMesh,
     precision: Precision,

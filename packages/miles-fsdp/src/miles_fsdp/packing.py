@@ -110,11 +110,12 @@ def build_inputs(micro: TrainBatch, *, packed: bool, device: torch.device) -> Mo
         attention_mask = micro.attention_mask
         cu_seqlens = None
 
-    def dev(x: torch.Tensor | None) -> torch.Tensor | None:
-        return None if x is None else x.to(device, non_blocking=True)
+    def dev(x: torch.Tensor) -> torch.Tensor:
+        return x.to(device, non_blocking=True)
 
     return ModelInputs(
-        input_ids=dev(input_ids), position_ids=dev(position_ids), attention_mask=dev(attention_mask),
+        input_ids=dev(input_ids), position_ids=dev(position_ids),
+        attention_mask=None if attention_mask is None else dev(attention_mask),
         hidden_index=dev(hidden_index), target_ids=dev(target_ids), rows=dev(rows), cols=dev(cols),
         shape=(b, t), cu_seqlens=cu_seqlens,
     )

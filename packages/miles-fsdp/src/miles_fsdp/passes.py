@@ -54,7 +54,9 @@ def attention_pair_cost(hf_config: Any) -> float:
     times a penalty for the masked attention kernel, which runs well below the GEMMs' rate. About
     1/1500 for SmolLM2-135M, 1/1900 for Qwen3-0.6B; falls back to 1/1000 for configs it cannot read.
     """
-    get = hf_config.get if isinstance(hf_config, dict) else lambda k, d=None: getattr(hf_config, k, d)
+    def get(key: str, default: Any = None) -> Any:  # a missing value is None: int(None) is a TypeError below
+        return hf_config.get(key, default) if isinstance(hf_config, dict) else getattr(hf_config, key, default)
+
     try:
         hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
         head_dim = int(get("head_dim") or hidden // heads)
@@ -183,7 +185,7 @@ class PassRunner:
             if dummy:
                 # keep FSDP's reduce-scatter in lockstep with the other ranks; contributes zero
                 with self.attention():
-                    sum(r.sum() for r in results).mul(0.0).backward()
+                    sum((r.sum() for r in results[1:]), results[0].sum()).mul(0.0).backward()
                 continue
             loss, shares = loss_fn(micro, tuple(inputs.scatter(r) for r in results))
             with self.attention():

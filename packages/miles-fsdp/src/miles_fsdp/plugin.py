@@ -20,7 +20,7 @@ def create_backend(ctx: RunContext) -> TrainBackend:
     """Factory of train backend ``fsdp`` (in each trainer rank)."""
     from miles_fsdp.backend import FSDPBackend
 
-    return FSDPBackend(ctx.config, kernel=ctx.kernel)
+    return FSDPBackend(ctx)
 
 
 @hookimpl

@@ -19,11 +19,15 @@ import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from miles_fsdp.distributed import DistContext, barrier
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 _LAYER = re.compile(r"^(.*\.layers\.\d+\.)")
 SHARD_BYTES = 4 * 1024**3  # safetensors file size of an export, as HF writes them
@@ -46,7 +50,7 @@ def _runtime_weights(hf: nn.Module, dtype: torch.dtype | None) -> Iterator[tuple
         yield name, full
 
 
-def _to_checkpoint_format(hf: nn.Module, group: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _to_checkpoint_format(hf: PreTrainedModel, group: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Undo transformers' load-time weight conversions (e.g. per-expert MoE weights fused into one
     3-D tensor) so names and shapes are the checkpoint's, which engines load."""
     try:
@@ -62,7 +66,7 @@ def _group_key(name: str) -> str:
     return match.group(1) if match else name
 
 
-def gather_named_weights(hf: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def gather_named_weights(hf: PreTrainedModel, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor)`` in checkpoint format, one decoder layer at a time (collective)."""
     group: dict[str, torch.Tensor] = {}
     key = None
@@ -80,7 +84,7 @@ def _config_dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def export_hf(hf: nn.Module, path: Path, *, source_dir: Path | None, dtype: torch.dtype, dist_ctx: DistContext) -> None:
+def export_hf(hf: PreTrainedModel, path: Path, *, source_dir: Path | None, dtype: torch.dtype, dist_ctx: DistContext) -> None:
     """Write ``hf`` as an HF checkpoint folder loadable by ``AutoModelForCausalLM.from_pretrained``.
 
     Collective (every rank gathers); rank 0 writes: safetensors shards (with an index when more

@@ -1,14 +1,13 @@
 """Plugin ``longtail`` (distribution miles-longtail): the ``long_tail`` agent, the ``repeated_tokens``
 reward, the ``longtail`` config section and the ``bench async`` command.
 
-The agent object is configured from the run's ``longtail`` section when the run configures its
-plugins (``miles_configure``); the benchmark command loads lazily.
+The agent a run runs is bound to the run's ``longtail`` section (``AgentSpec.bind``, in the
+driver); the benchmark command loads lazily.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from miles import hookimpl
 from miles.registry import Register
@@ -17,13 +16,15 @@ from miles_contracts import AgentSpec, CommandSpec, ConfigSectionSpec, RewardSpe
 from miles_longtail.agent import LongTailAgent, repeated_tokens
 from miles_longtail.workload import LongTailSection
 
-AGENT = LongTailAgent()
-"""The driver's agent; its settings come from the run's ``longtail`` section (``miles_configure``)."""
+
+def _for_run(ctx: RunContext) -> LongTailAgent:
+    """The agent of this run: its ``longtail`` section's workload."""
+    return LongTailAgent(ctx.config.section("longtail", LongTailSection))
 
 
 @hookimpl
 def miles_register_agents(register: Register[AgentSpec]) -> None:
-    register("long_tail", AgentSpec(AGENT))
+    register("long_tail", AgentSpec(LongTailAgent(), bind=_for_run))
 
 
 @hookimpl
@@ -34,12 +35,6 @@ def miles_register_rewards(register: Register[RewardSpec]) -> None:
 @hookimpl
 def miles_register_config_sections(register: Register[ConfigSectionSpec]) -> None:
     register("longtail", ConfigSectionSpec(LongTailSection))
-
-
-@hookimpl
-def miles_configure(config: Any, ctx: RunContext) -> None:
-    if ctx.process.kind == "driver":  # agents run in the driver only
-        AGENT.settings = config.section("longtail", LongTailSection)
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:

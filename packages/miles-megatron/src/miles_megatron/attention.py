@@ -114,7 +114,9 @@ def _varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.
         kwargs["scale"] = scale
     else:  # the kernel's own scale is 1/sqrt(d)
         q = q * (scale * math.sqrt(q.shape[-1]))
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+    assert isinstance(out, torch.Tensor)  # a tuple only with return_aux, which is not asked for
+    return out
 
 
 class TorchAttention(MegatronModule):
@@ -162,8 +164,7 @@ class TorchAttention(MegatronModule):
         cp = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
         dropout = self.dropout if self.training else 0.0
         if self.varlen and cp == 1 and dropout == 0.0:
-            out = _varlen_causal(query, key, value, cu, max(lengths), self.scale)
-            return out.reshape(query.shape[0], -1)
+            return _varlen_causal(query, key, value, cu, max(lengths), self.scale).reshape(query.shape[0], -1)
         # [t, heads, d] -> [heads, t, d]: one sequence is then a slice along dim 1
         q, k, v = (x.transpose(0, 1) for x in (query, key, value))
         with self.sdpa():

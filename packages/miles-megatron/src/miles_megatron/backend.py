@@ -44,9 +44,8 @@ from miles_megatron.weights import WeightGather, describe_shards
 
 if TYPE_CHECKING:
     from miles.config import MilesConfig
-    from miles.kernel import Kernel
     from miles_algorithms.update import MicroLoss
-    from miles_contracts import TrainBatch
+    from miles_contracts import RunContext, TrainBatch
 
 NAME = "megatron"
 F = TypeVar("F", bound=Callable[..., Any])
@@ -67,22 +66,20 @@ def _on_megatron(method: F) -> F:
 class MegatronBackend:
     """Actor (and optional frozen reference) as megatron-core ``GPTModel`` chunks; a ``TrainBackend``.
 
-    :param config: the run config (``model``, ``train``, ``algorithm``, ``rollout.temperature``,
-        ``run``, and the ``megatron`` section are read).
+    :param ctx: the run as this process sees it: ``ctx.config`` (``model``, ``train``,
+        ``algorithm``, ``rollout.temperature``, ``run``, and the ``megatron`` section are read) and
+        ``ctx.kernel``, whose plugins resolve the model name, claim the model (its bridge), wrap
+        forwards and provide the policy loss and mismatch correction.
     :param hf_state / hf_config: weights and ``config.json`` to train instead of loading
         ``config.model.name`` (benchmarks: a random model built in memory).
-    :param kernel: the kernel whose plugins claim the model and wrap forwards; default: the
-        config's plugin selection.
     """
 
     @_on_megatron
-    def __init__(self, config: MilesConfig, *, hf_state: Mapping[str, torch.Tensor] | None = None,
-                 hf_config: Mapping[str, Any] | None = None, kernel: Kernel | None = None) -> None:
-        from miles.kernel import Kernel
-
-        self.config = config
+    def __init__(self, ctx: RunContext, *, hf_state: Mapping[str, torch.Tensor] | None = None,
+                 hf_config: Mapping[str, Any] | None = None) -> None:
+        self.config = config = ctx.config
+        self.kernel = ctx.kernel
         self.options = config.section(NAME, MegatronSection)
-        self.kernel = kernel or Kernel.load(config.plugin_selection)
         train = config.train
         unsupported = [s for s, on in (("train.use_critic", train.use_critic), ("train.teacher_model", train.teacher_model)) if on]
         if unsupported:
@@ -146,7 +143,7 @@ class MegatronBackend:
             ref_chunks = new_chunks()
             for ref, actor in zip(ref_chunks, chunks, strict=True):
                 ref.load_state_dict(actor.state_dict())
-        wrapped, optimizer = wrap_and_optimize(chunks, tc, self.options, lr=train.lr, betas=tuple(train.betas),
+        wrapped, optimizer = wrap_and_optimize(chunks, tc, self.options, lr=train.lr, betas=train.betas,
                                                weight_decay=train.weight_decay, grad_clip=train.grad_clip)
         self.actor = ModelParts(chunks, wrapped, optimizer, tc, vocab, padded)
         self.ref: ModelParts | None = None
@@ -299,7 +296,8 @@ class MegatronBackend:
                 for m in c.modules() if getattr(m, "router_replay", None) is not None}
         RouterReplay.global_router_replay_instances[:] = [
             r for r in RouterReplay.global_router_replay_instances if id(r) not in mine]
-        self.actor = self.ref = None
+        del self.actor  # the models are freed; a second close finds no actor
+        self.ref = None
         parallel.release()
 
 

@@ -163,20 +163,22 @@ def install() -> None:
         return
     from megatron.core.transformer.moe import moe_utils
 
+    # the stand-ins below have other types than torch's stubs give the CUDA API: patch through Any
+    cuda: Any = torch.cuda
     # Why: megatron-core asks ``torch.cuda.current_device()`` for the device of buffers it
     # allocates itself (DDP gradient buffers, the attention memory buffer, receive buffers of
     # the pipeline); without a GPU that call raises. "cpu" is a valid ``device=`` everywhere.
-    torch.cuda.current_device = lambda: "cpu"
+    cuda.current_device = lambda: "cpu"
     # Why: the pipeline's p2p exchange (``p2p_communication._communicate_shapes``) waits for the
     # CUDA stream; CPU collectives are already complete when they return.
-    torch.cuda.synchronize = lambda device=None: None
+    cuda.synchronize = lambda device=None: None
     # Why: the MoE all-to-all token dispatcher copies routing counts to the host on a side CUDA
     # stream and waits on an event (``MoEAlltoAllTokenDispatcher``); on the CPU there is one
     # stream and every copy is complete when it returns, so streams and events are no-ops.
-    torch.cuda.Stream = _HostStream
-    torch.cuda.current_stream = lambda device=None: _HOST_STREAM
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
-    torch.cuda.Event = _HostEvent
+    cuda.Stream = _HostStream
+    cuda.current_stream = lambda device=None: _HOST_STREAM
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.Event = _HostEvent
     # Why: the MoE all-to-all dispatcher turns its split sizes into host lists only when they live
     # on a GPU (``maybe_move_tensor_to_cpu``); on the CPU they stay tensors, which
     # ``all_to_all_single`` does not take (also in backward, outside any mode), so they are

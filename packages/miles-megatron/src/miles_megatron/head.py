@@ -29,7 +29,9 @@ def _chunks(total: int, chunk: int):
         yield slice(start, min(start + chunk, total))
 
 
-def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp) -> torch.Tensor:
+def _all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp | dist.ReduceOp.RedOpType
+) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, op=op, group=group)
     return tensor

@@ -138,7 +138,11 @@ def release() -> None:
     _OWNS_GROUP = False
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+) -> torch.Tensor:
     """In place over ``group`` (the world by default); a no-op for one rank."""
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, op=op, group=group)

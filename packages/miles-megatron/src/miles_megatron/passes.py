@@ -161,7 +161,8 @@ class PassRunner:
                     self._outputs[micro.index] = tuple(o.detach() for o in outputs)
                     return outputs[0].sum() * 0.0, {}
                 if not micro.rows:  # padding micro-batch: keeps collectives in step, adds nothing
-                    return sum(o.sum() for o in outputs) * 0.0, {}
+                    return sum((o.sum() for o in outputs[1:]), outputs[0].sum()) * 0.0, {}
+                assert loss_fn is not None  # a training pass is given one
                 loss, metrics = loss_fn(micro.batch, outputs)
                 for name, value in metrics.items():
                     shares[name] = shares.get(name, 0.0) + value
@@ -210,7 +211,8 @@ class PassRunner:
         self._run(phase, micros, forward_only=True, with_entropy=with_entropy, loss_fn=None)
         for chunk in self.parts.wrapped:
             chunk.train()
-        return [o.to(batch.tokens.device) for o in self.collect(micros, tuple(batch.tokens.shape), 1 + int(with_entropy))]
+        rows, width = batch.tokens.shape
+        return [o.to(batch.tokens.device) for o in self.collect(micros, (rows, width), 1 + int(with_entropy))]
 
     def accumulate(self, phase: str, batch: TrainBatch, loss_fn: LossFn, *, with_entropy: bool = False,
                    keep_outputs: bool = False) -> tuple[dict[str, float], torch.Tensor | None]:
@@ -223,7 +225,8 @@ class PassRunner:
         micros = self.micro_batches(batch)
         shares = self._run(phase, micros, forward_only=False, with_entropy=with_entropy, loss_fn=loss_fn,
                            keep_outputs=keep_outputs)
-        kept = self.collect(micros, tuple(batch.tokens.shape), 1)[0] if keep_outputs else None
+        rows, width = batch.tokens.shape
+        kept = self.collect(micros, (rows, width), 1)[0] if keep_outputs else None
         self._outputs.clear()
         return shares, kept
 

@@ -19,7 +19,7 @@ def create_backend(ctx: RunContext) -> TrainBackend:
     """Factory of train backend ``megatron`` (in each trainer rank)."""
     from miles_megatron.backend import MegatronBackend
 
-    return MegatronBackend(ctx.config, kernel=ctx.kernel)
+    return MegatronBackend(ctx)
 
 
 @hookimpl

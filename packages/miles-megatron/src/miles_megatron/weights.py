@@ -161,9 +161,11 @@ class WeightGather:
 
     def _full(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """The full megatron tensor on rank 0 (None elsewhere); sending ranks send their shard."""
+        assert self._plan is not None, "gather exchanges the plan first"
+        entries = self._plan[name]
         rank = dist.get_rank()
         parts = []
-        for tp_rank, owner, shape, _dim, _glu in self._plan[name]:
+        for tp_rank, owner, shape, _dim, _glu in entries:
             if owner == rank:
                 local = self.shards[(name, tp_rank)].param.detach()
                 if rank == 0:
@@ -176,7 +178,7 @@ class WeightGather:
                 parts.append(buffer)
         if rank != 0:
             return None
-        _, _, _, dim, glu = self._plan[name][0]
+        _, _, _, dim, glu = entries[0]
         full = join_shards(parts, dim, glu)
         if name in _VOCAB_ROWS:
             full = full[: self.vocab_size]

@@ -38,7 +38,7 @@ def cached_path(name: str) -> Path | None:
 
 def list_cached() -> list[CachedModel]:
     root = models_dir()
-    out = []
+    out: list[CachedModel] = []
     if not root.is_dir():
         return out
     for path in sorted(root.iterdir()):

@@ -72,9 +72,10 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # transformers marks GGUF-loaded models as quantised and refuses to save them; the weights
-    # are already dequantised to fp32, so drop the marker.
-    model.hf_quantizer = None
-    model.is_quantized = False
+    # are already dequantised to fp32, so drop the marker. (transformers sets both attributes at
+    # load time without declaring them, so mypy reads them through nn.Module.__getattr__.)
+    model.hf_quantizer = None  # type: ignore[assignment]
+    model.is_quantized = False  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out, safe_serialization=True)

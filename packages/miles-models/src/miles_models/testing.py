@@ -23,7 +23,7 @@ _VERSION = "1"  # bump when the tiny configs change, so caches are rebuilt
 
 
 def _config(kind: Kind, vocab_size: int, bos: int, eos: int, pad: int):
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=bos, eos_token_id=eos,
         pad_token_id=pad, tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -35,7 +35,9 @@ def _config(kind: Kind, vocab_size: int, bos: int, eos: int, pad: int):
     if kind == "moe":
         from transformers import Qwen3MoeConfig
 
-        return Qwen3MoeConfig(
+        # head_dim is no field of Qwen3MoeConfig's dataclass signature; transformers' configs
+        # take extra keyword arguments as attributes at runtime (``strict(accept_kwargs=True)``)
+        return Qwen3MoeConfig(  # type: ignore[call-arg]
             intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
             head_dim=16, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **common,
         )

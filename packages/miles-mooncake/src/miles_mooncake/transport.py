@@ -84,11 +84,10 @@ class MooncakeTransport(BucketedTransport):
     @classmethod
     def from_context(cls, ctx: RunContext) -> MooncakeTransport:
         """The transport of the run of ``ctx`` (its ``weights`` and ``weight_transport`` sections)."""
-        config = ctx.config
         from miles_mooncake.settings import MooncakeSection
 
-        section = config.section("mooncake", MooncakeSection)
-        return cls(TransportOptions.from_config(config), protocol=section.protocol, device_name=section.device_name,
+        section = ctx.config.section("mooncake", MooncakeSection)
+        return cls(TransportOptions.from_config(ctx.config), protocol=section.protocol, device_name=section.device_name,
                    hostname=section.hostname)
 
     def close(self) -> None:

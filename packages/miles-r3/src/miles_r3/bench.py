@@ -23,9 +23,16 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from miles.kernel import Kernel
+    from miles_contracts import RunContext
+
+Device = Literal["cpu", "cuda"]  # --device
+Dtype = Literal["float32", "bfloat16"]  # --dtype
 
 MOE_PRESETS: dict[str, dict[str, Any]] = {
     # Qwen3-30B-A3B's layer shape (hidden 2048, 128 experts, top-8, expert width 768, GQA 32/4),
@@ -60,16 +67,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", help="write the JSON here too")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, ctx: RunContext) -> int:
+    """``miles bench r3`` in the CLI process of ``ctx``, whose kernel (with this plugin in it)
+    claims the model's bridge and wraps the backend's forwards."""
     try:
         import miles_engine  # noqa: F401
         import miles_fsdp  # noqa: F401
         import miles_tito  # noqa: F401
     except ImportError as exc:
         raise SystemExit(f"miles bench r3 needs the engine, session and fsdp packages ({exc}): pip install 'miles-r3[bench]'") from None
-    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    dtype: Dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     torch.manual_seed(0)
-    result = dense_cost(args, dtype) if args.preset in DENSE_PRESETS else moe_gap(args, dtype)
+    require_r3(ctx.kernel)
+    result = dense_cost(args, dtype, ctx) if args.preset in DENSE_PRESETS else moe_gap(args, dtype, ctx)
     text = json.dumps(result, indent=2)
     print(text)
     if args.output:
@@ -108,15 +118,14 @@ def interleaved(variants: dict[str, Callable[[], Any]], repeats: int, device: st
 # ----------------------------------------------------------------------------- MoE: the gap replay closes
 
 
-def moe_gap(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
+def moe_gap(args: argparse.Namespace, dtype: Dtype, ctx: RunContext) -> dict[str, Any]:
     from miles_algorithms.metrics import mismatch_metrics
 
     from miles_r3 import plugin as r3
     from miles_r3.config import R3Section
 
-    kernel = plugin_kernel()
     folder = model_folder(args)
-    samples, engine_s = rollouts(folder, args, dtype)
+    samples, engine_s = rollouts(folder, args, dtype, ctx)
     gc.collect()  # the engine's weights and KV cache: the trainer needs the room
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -124,7 +133,7 @@ def moe_gap(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
 
     batch = TrainBatch.from_samples(samples, pad_token_id=0)
     plain = replace(batch, extras={})
-    backend = fsdp_backend(folder, args.device, dtype, kernel=kernel, actor=trainer_model(folder, args.router_noise))
+    backend = fsdp_backend(ctx, folder, args.device, dtype, actor=trainer_model(folder, args.router_noise, ctx.kernel))
     results: dict[str, Any] = {}
 
     def score(replay: bool | None) -> Callable[[], Any]:
@@ -170,16 +179,17 @@ def model_folder(args: argparse.Namespace) -> Path:
     config = Qwen3MoeConfig(**MOE_PRESETS[args.preset], vocab_size=len(tokenizer),
                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     with torch.device(args.device):
-        model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+        # transformers wraps PreTrainedModel.to with functools.wraps: typeshed's _Wrapped binds no self
+        model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     del model
     return folder
 
 
-def trainer_model(folder: Path, router_noise: float) -> Any:
-    """The trainer's copy of the model (fp32 master weights), its routers perturbed if asked."""
-    from miles.kernel import Kernel
+def trainer_model(folder: Path, router_noise: float, kernel: Kernel) -> Any:
+    """The trainer's copy of the model (fp32 master weights), its routers perturbed if asked (their
+    place is what the bridge ``kernel`` finds for the model says)."""
     from transformers import AutoModelForCausalLM
 
     from miles_r3.layer_map import layer_map_of
@@ -187,17 +197,20 @@ def trainer_model(folder: Path, router_noise: float) -> Any:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     if router_noise:
         hf_config = json.loads((folder / "config.json").read_text())
-        layer_map = layer_map_of(Kernel.load().find_model_bridge(hf_config), hf_config)
+        layer_map = layer_map_of(kernel.find_model_bridge(hf_config), hf_config)
+        if layer_map is None:
+            raise SystemExit(f"--router-noise: {folder} is a dense model, it has no routers")
         generator = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for layer in layer_map.moe_layers:
-                weight = model.get_submodule(layer_map.router_path(layer)).weight
+                weight = model.get_parameter(f"{layer_map.router_path(layer)}.weight")
                 weight.add_(torch.randn(weight.shape, generator=generator) * router_noise * weight.std())
     return model
 
 
-def rollouts(folder: Path, args: argparse.Namespace, dtype: str) -> tuple[list[Any], float]:
-    """``args.rollouts`` sampled answers (temperature 1) with their routing, from a real engine."""
+def rollouts(folder: Path, args: argparse.Namespace, dtype: Dtype, ctx: RunContext) -> tuple[list[Any], float]:
+    """``args.rollouts`` sampled answers (temperature 1) with their routing, from a real engine
+    (the generator runs in this process, as in a run's driver, with ``ctx`` as its run)."""
     from miles.builtin.generators import single_turn
     from miles.engine_client import HttpEngineClient
     from miles_contracts import GenerateContext, Sample
@@ -211,20 +224,21 @@ def rollouts(folder: Path, args: argparse.Namespace, dtype: str) -> tuple[list[A
     from miles_r3.layer_map import layer_map_of
 
     hf_config = json.loads((folder / "config.json").read_text())
-    from miles.kernel import Kernel
-
-    layer_map = layer_map_of(Kernel.load().find_model_bridge(hf_config), hf_config)
+    layer_map = layer_map_of(ctx.kernel.find_model_bridge(hf_config), hf_config)
+    if layer_map is None:
+        raise SystemExit(f"{folder} is a dense model: there is no routing to record")
     engine = Engine(folder, device=args.device, dtype=dtype, max_running_requests=args.rollouts, kv_cache_gb=4.0)
     try:
         with BackgroundServer(lambda: create_app(engine)) as server:
             async def generate() -> list[Sample]:
                 client = HttpEngineClient(server.url)
                 params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, ignore_eos=True)
-                ctx = GenerateContext(engine=client, tokenizer=AutoTokenizer.from_pretrained(folder), sampling_params=params,
-                                      max_context_len=4096, captures=[RoutedExpertsCapture(layer_map)])
+                generate_ctx = GenerateContext(engine=client, tokenizer=AutoTokenizer.from_pretrained(folder),
+                                               sampling_params=params, max_context_len=4096, run=ctx,
+                                               captures=[RoutedExpertsCapture(layer_map)])
                 try:
                     prompts = [Sample(prompt=PROMPTS[i % len(PROMPTS)], index=i) for i in range(args.rollouts)]
-                    return list(await asyncio.gather(*(single_turn(s, ctx) for s in prompts)))
+                    return list(await asyncio.gather(*(single_turn(s, generate_ctx) for s in prompts)))
                 finally:
                     await client.aclose()
 
@@ -239,7 +253,8 @@ def rollouts(folder: Path, args: argparse.Namespace, dtype: str) -> tuple[list[A
     return samples, seconds
 
 
-def fsdp_backend(folder: Path | None, device: str, dtype: str, kernel: Any = None, actor: Any = None, **train: Any) -> Any:
+def fsdp_backend(ctx: RunContext, folder: Path | None, device: Device, dtype: Dtype, actor: Any = None, **train: Any) -> Any:
+    """An fsdp backend on ``actor`` in this process, with ``ctx``'s kernel and a config of its own."""
     from miles.config import MilesConfig
     from miles.sections import ModelSection, RolloutSection, RunSection, TrainSection
     from miles_fsdp.backend import FSDPBackend
@@ -250,7 +265,7 @@ def fsdp_backend(folder: Path | None, device: str, dtype: str, kernel: Any = Non
         rollout=RolloutSection(temperature=1.0), train=TrainSection(micro_batch_tokens=16384, **train),
         extra={"fsdp": FSDPSection(compile=False)},  # replay hooks are kept out of compiled graphs
     )
-    return FSDPBackend(config, actor=actor, kernel=kernel)
+    return FSDPBackend(ctx.with_config(config), actor=actor)
 
 
 def device_name(device: str) -> str:
@@ -259,11 +274,9 @@ def device_name(device: str) -> str:
 
 # ----------------------------------------------------------------------------- dense: the cost of nothing
 
-def dense_cost(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
+def dense_cost(args: argparse.Namespace, dtype: Dtype, ctx: RunContext) -> dict[str, Any]:
     """One actor, one batch; per round the step runs once with the r3 plugin loaded and enabled and
     once with it disabled (only ``backend.runner.kernel`` differs)."""
-    from miles.kernel import Kernel
-    from miles.plugins import PluginSelection
     from miles_fsdp.bench import build_model, make_batch
 
     from miles_r3 import plugin as r3
@@ -273,9 +286,9 @@ def dense_cost(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     rows, length = (8, 64) if args.preset == "tiny-dense" else (32, 512)
     batch = make_batch(rows, length, model.config.vocab_size)
     batch = replace(batch, old_logprobs=torch.zeros_like(batch.loss_mask))
-    with_r3, without_r3 = plugin_kernel(), Kernel.load(PluginSelection(disable=("r3",)))
+    with_r3, without_r3 = ctx.kernel, kernel_without_r3(ctx.kernel)
     r3.STATE.settings = R3Section(enabled=True)
-    backend = fsdp_backend(None, args.device, dtype, kernel=with_r3, actor=model, lr=1e-9)
+    backend = fsdp_backend(ctx, None, args.device, dtype, actor=model, lr=1e-9)
 
     def step(kernel: Any) -> Callable[[], Any]:
         def go() -> Any:
@@ -299,17 +312,47 @@ def dense_cost(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     }
 
 
-def plugin_kernel() -> Any:
-    """The default kernel, with the r3 plugin in it even where its entry point is not installed
-    (a device whose workspace wheels predate miles-r3)."""
-    from miles.kernel import Kernel
+def has_r3(kernel: Kernel) -> bool:
+    return any(info.name == "r3" and info.status == "loaded" for info in kernel.plugins())
 
-    kernel = Kernel.load()
-    if not any(info.name == "r3" for info in kernel.plugins()):
+
+def require_r3(kernel: Kernel) -> None:
+    """Refuse a kernel without this plugin: what the bench measures is its wrapper."""
+    if not has_r3(kernel):
+        raise SystemExit("miles bench r3 needs the r3 plugin loaded (it is disabled by plugins.disable or "
+                         "MILES_DISABLE_PLUGINS)")
+
+
+def kernel_without_r3(kernel: Kernel) -> Kernel:
+    """The same plugin selection as ``kernel``'s with r3 disabled.
+
+    This is the one place the bench builds a kernel of its own: the dense preset compares a step
+    with the r3 plugin loaded against the same step without it, and the context it runs in holds
+    only the first. Built directly rather than through ``Kernel.load``, so the process's cached
+    kernels are left alone.
+    """
+    from miles.kernel import Kernel
+    from miles.plugins import PluginSelection, load_plugins
+
+    selection = PluginSelection.from_settings(kernel.selection.enable, (*kernel.selection.disable, "r3"))
+    return Kernel(load_plugins(selection), selection)
+
+
+def standalone_context() -> RunContext:
+    """The context of ``python -m miles_r3.bench``, a process of its own: the default plugins, on a
+    kernel built here, with the r3 plugin registered in process where its entry point is not
+    installed (a device whose workspace wheels predate miles-r3)."""
+    from miles.context import context_for
+    from miles.kernel import Kernel
+    from miles.plugins import PluginSelection, load_plugins
+
+    selection = PluginSelection.from_settings(None, ())
+    kernel = Kernel(load_plugins(selection), selection)
+    if not any(info.name == "r3" for info in kernel.plugins()):  # not installed (a plugin blocked is listed)
         from miles_r3 import plugin
 
         kernel.register_plugin(plugin, name="r3")
-    return kernel
+    return context_for(kernel=kernel)
 
 
 def wrapper_cost(kernel: Any, model: Any, batch: Any, calls: int = 20000) -> float:
@@ -329,7 +372,7 @@ def wrapper_cost(kernel: Any, model: Any, batch: Any, calls: int = 20000) -> flo
 def main() -> int:  # python -m miles_r3.bench
     parser = argparse.ArgumentParser(prog="miles bench r3", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    return run(parser.parse_args())
+    return run(parser.parse_args(), standalone_context())
 
 
 if __name__ == "__main__":

@@ -18,6 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field
 ReplayPhase = Literal["old_logprobs", "train", "ref_logprobs"]
 
 
+def _default_phases() -> list[ReplayPhase]:
+    return ["old_logprobs", "train"]
+
+
 class R3Section(BaseModel):
     """Options of routing replay."""
 
@@ -31,6 +35,6 @@ class R3Section(BaseModel):
         description="force the recorded experts in the trainer's forwards; false: record and report agreement only",
     )
     phases: list[ReplayPhase] = Field(
-        default_factory=lambda: ["old_logprobs", "train"],
+        default_factory=_default_phases,
         description="forward passes that replay (the actor's; add ref_logprobs to route the reference model alike)",
     )

@@ -20,7 +20,7 @@ the recorded table changes every micro-batch and must not be baked into a graph.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -75,7 +75,8 @@ class HFRouterReplay(Replayer):
                 return None
             experts, recorded = chosen
             hidden = args[0] if args else kwargs["hidden_states"]
-            logits = F.linear(hidden.reshape(-1, module.weight.shape[1]), module.weight, getattr(module, "bias", None))
+            weight = cast(torch.Tensor, module.weight)  # a [E, hidden] tensor: checked when the hook was installed
+            logits = F.linear(hidden.reshape(-1, weight.shape[1]), weight, getattr(module, "bias", None))
             weights = torch.where(recorded[:, None], gate_weights(logits, experts, self.layer_map).to(scores.dtype), scores)
             replaced = list(output)
             replaced[slot_scores], replaced[slot_indices] = weights, experts.to(own.dtype)

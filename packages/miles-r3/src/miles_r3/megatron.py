@@ -24,17 +24,20 @@ never consults ``router_replay``) and sinkhorn routing.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from miles.errors import MilesError
 
 from miles_r3.replay import Replayer, RoutingStats
 
+if TYPE_CHECKING:
+    from megatron.core.transformer.moe.router import TopKRouter
+
 ROUTER_MODULE = "megatron.core.transformer.moe.router"
 
 
-def megatron_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+def megatron_routers(model: torch.nn.Module) -> list[TopKRouter]:
     """The model's megatron-core ``TopKRouter`` modules (none if megatron-core was never imported)."""
     module = sys.modules.get(ROUTER_MODULE)
     if module is None:
@@ -53,7 +56,7 @@ def moe_layer_indices(config: Any) -> list[int]:
 class MegatronRouterReplay(Replayer):
     """Replay objects on every ``TopKRouter`` of one model."""
 
-    def __init__(self, routers: list[torch.nn.Module], stats: RoutingStats) -> None:
+    def __init__(self, routers: list[TopKRouter], stats: RoutingStats) -> None:
         super().__init__(stats)
         config = routers[0].config
         if getattr(config, "moe_router_fusion", False):

@@ -64,6 +64,8 @@ class _Process:
     restarts: int = 0
     log_offset: int = 0
     ended: int | None = None  # exit status once seen dead
+    # being (re)started: its host has not spawned it yet, so a poll says "unknown", which is no death
+    starting: bool = True
     # the log's copying and its offset (not the executor's lock: a copy from a lost node waits
     # out its timeout, and launches and restarts of other processes must not wait with it)
     log_lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
@@ -178,6 +180,10 @@ class RayExecutor:
                health_path: str | None = None, env: Mapping[str, str] | None = None) -> Endpoint:
         hosts = [self._cluster.bundles[(node, gpu)].host for gpu in gpus] if gpus else [self._pinned(node)]
         process = _Process(name, command, hosts, health_path, {**self._forwarded_env(), **(env or {})}, tuple(gpus))
+        previous = self._processes.get(name)
+        if previous is not None and (previous.starting or self._status(previous) is None):
+            raise RayExecutorError(f"a process named {name!r} is already running; process names are unique in "
+                                   f"a run (restart it with restart({name!r}))")
         with self._lock:
             self._processes[name] = process
         self._spawn(process)
@@ -224,6 +230,7 @@ class RayExecutor:
         with process.log_lock:
             with contextlib.suppress(Exception):
                 self._copy_logs(process)
+            process.starting = True  # before the restart count moves: the watcher must not see a death yet
             process.restarts += 1
             process.log_offset = 0
             process.ended = None
@@ -237,7 +244,7 @@ class RayExecutor:
             reported: dict[str, int] = {}
             while not self._stop.wait(self.section.supervise_interval):
                 for process in list(self._processes.values()):
-                    if self._stop.is_set() or reported.get(process.name) == process.restarts:
+                    if self._stop.is_set() or process.starting or reported.get(process.name) == process.restarts:
                         continue
                     if self._status(process) is not None:
                         reported[process.name] = process.restarts
@@ -304,6 +311,12 @@ class RayExecutor:
         return {k: os.environ[k] for k in names if k in os.environ}
 
     def _spawn(self, process: _Process) -> None:
+        try:
+            self._spawn_on_host(process)
+        finally:
+            process.starting = False  # spawned, or failed to: from now on a poll tells the truth
+
+    def _spawn_on_host(self, process: _Process) -> None:
         import ray
 
         deadline = time.monotonic() + self.startup_timeout

@@ -18,7 +18,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -33,6 +33,9 @@ from miles_router.fleet import UnknownWorker
 from miles_router.middleware import STATE_QUERY, NamedMiddleware, build_middlewares
 from miles_router.router import Router
 from miles_router.workers import InvalidWorkerUrl
+
+if TYPE_CHECKING:
+    from miles_contracts import RunContext
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +55,18 @@ _PER_ENGINE_ONLY = {
 
 
 def create_app(section: RouterSection | None = None, workers: Sequence[str] = (),
-               middlewares: Sequence[NamedMiddleware] | None = None, *, auth_token: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The router app. ``middlewares`` defaults to those ``section.middlewares`` names, built from
-    the registered factories with ``section.middleware_options``. ``auth_token`` (default the run's,
-    ``MILES_AUTH_TOKEN``, made and set there when unset) is what callers must send and what the
-    router sends to its engines."""
+               middlewares: Sequence[NamedMiddleware] | None = None, *, ctx: RunContext | None = None,
+               auth_token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The router app. ``middlewares`` defaults to those ``section.middlewares`` names, built by
+    the specs ``ctx.kernel`` registers with ``section.middleware_options`` (a section that names
+    middlewares needs one of the two). ``auth_token`` (default the run's, ``MILES_AUTH_TOKEN``, made
+    and set there when unset) is what callers must send and what the router sends to its engines."""
     section = section or RouterSection()
     if middlewares is None:
-        middlewares = build_middlewares(section.middlewares, section.middleware_options)
+        if section.middlewares and ctx is None:
+            raise ValueError(f"router.middlewares {section.middlewares} needs the run context whose kernel registers "
+                             "them: pass ctx= (or the built chain as middlewares=)")
+        middlewares = build_middlewares(section.middlewares, section.middleware_options, ctx) if ctx else []
     token = auth_token or ensure_run_token()
     router = Router(section, workers, middlewares, auth_token=token)
 

@@ -1,5 +1,6 @@
 """The ``router`` config section (registered by this package): how the router a run starts
-behaves. ``miles serve router`` validates its flags against the same model."""
+behaves. It is also the table of ``miles serve router``'s settings flags (one per field, derived by
+:mod:`miles.cli.section_args`), which are validated as keys of this section."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The router-middleware chain.
 
-A middleware is registered by name through ``miles_register_router_middlewares`` as a factory
-``(options: dict) -> RouterMiddleware`` and listed in ``router.middlewares``; the chain wraps every
+A middleware is registered by name through ``miles_register_router_middlewares`` as a
+:class:`~miles_contracts.RouterMiddlewareSpec` (``create(ctx, options) -> RouterMiddleware``, called
+in the router process with its run context) and listed in ``router.middlewares``; the chain wraps every
 request the router sends on to engines (single-engine requests and fan-outs alike), outermost
 first. Router endpoints of its own (``/add_worker``, ``/list_workers``, ``/health``, ``/metrics``)
 do not pass through it.
@@ -21,11 +22,11 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from miles.errors import ConfigError
-from miles_contracts import RouterMiddleware, RouterRequest, RouterResponse
+from miles.errors import ConfigError, PluginError
+from miles_contracts import MiddlewareReport, RouterMiddleware, RouterRequest, RouterResponse
 
 if TYPE_CHECKING:
-    from miles.kernel import Kernel
+    from miles_contracts import RunContext
 
 STATE_QUERY = "query_string"
 STATE_ATTEMPTS = "attempts"
@@ -38,8 +39,12 @@ Handler = Callable[[RouterRequest], Awaitable[RouterResponse]]
 
 @dataclass(frozen=True, slots=True)
 class NamedMiddleware:
+    """One link of the chain; ``report`` is the middleware again when its spec says it reports to
+    ``/metrics`` (``RouterMiddlewareSpec.reports``)."""
+
     name: str
     middleware: RouterMiddleware
+    report: MiddlewareReport | None = None
 
 
 def compose(chain: Sequence[NamedMiddleware], endpoint: Handler) -> Handler:
@@ -58,25 +63,29 @@ def _bind(middleware: RouterMiddleware, call_next: Handler) -> Handler:
 
 
 def build_middlewares(
-    names: Sequence[str], options: Mapping[str, Mapping[str, Any]], kernel: Kernel | None = None
+    names: Sequence[str], options: Mapping[str, Mapping[str, Any]], ctx: RunContext
 ) -> list[NamedMiddleware]:
-    """Instantiate the registered factories named in ``names`` (unknown names fail listing the
-    registered ones and the packages that provide them)."""
+    """The chain ``names`` lists, each built by its registered spec in ``ctx.kernel`` (the router
+    process's kernel, loaded for the run's ``plugins`` section) with its entry of ``options``.
+    Unknown names fail listing the registered ones and the packages that provide them; bad
+    options are a :class:`~miles.errors.ConfigError`."""
     if not names:
         return []
-    if kernel is None:
-        from miles.kernel import Kernel
-
-        kernel = Kernel.load()
-    registry = kernel.router_middlewares()
+    registry = ctx.kernel.router_middlewares()
     chain = []
     for name in names:
-        factory = registry.get(name)
+        spec = registry.get(name)
         try:
-            middleware = factory(dict(options.get(name, {})))
+            middleware = spec.create(ctx, dict(options.get(name, {})))
         except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
             raise ConfigError(_option_errors(name, exc)) from None
-        chain.append(NamedMiddleware(name, middleware))
+        report = None
+        if spec.reports:
+            if not isinstance(middleware, MiddlewareReport):
+                raise PluginError(f"router middleware {name!r} ({registry.entry(name).origin}) is registered with "
+                                  f"reports=True, but {type(middleware).__name__} has no snapshot() and prometheus()")
+            report = middleware
+        chain.append(NamedMiddleware(name, middleware, report))
     return chain
 
 

@@ -94,6 +94,7 @@ def miles_register_config_sections(register: Register[ConfigSectionSpec]) -> Non
 
 @hookimpl
 def miles_register_router_middlewares(register: Register[RouterMiddlewareSpec]) -> None:
-    register("metrics", RouterMiddlewareSpec(_metrics))
+    # metrics and concurrency_limit also report to the router's /metrics
+    register("metrics", RouterMiddlewareSpec(_metrics, reports=True))
     register("access_log", RouterMiddlewareSpec(_access_log))
-    register("concurrency_limit", RouterMiddlewareSpec(_concurrency_limit))
+    register("concurrency_limit", RouterMiddlewareSpec(_concurrency_limit, reports=True))

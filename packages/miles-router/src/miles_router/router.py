@@ -126,9 +126,8 @@ class Router:
                               for w in self.fleet}}
         snapshot: dict[str, Any] = {"router": gauges}
         for link in self.middlewares:
-            report = getattr(link.middleware, "snapshot", None)
-            if callable(report):
-                snapshot[link.name] = report()
+            if link.report is not None:
+                snapshot[link.name] = link.report.snapshot()
         return snapshot
 
     def prometheus(self) -> str:
@@ -137,7 +136,7 @@ class Router:
         lines.append("# TYPE miles_router_worker_healthy gauge")
         lines += [f'miles_router_worker_healthy{{worker="{w.url}"}} {int(w.serving)}' for w in self.fleet]
         for link in self.middlewares:
-            render = getattr(link.middleware, "prometheus", None)
-            if callable(render):
-                lines.append(render().rstrip("\n"))
+            text = link.report.prometheus().rstrip("\n") if link.report is not None else ""
+            if text:
+                lines.append(text)
         return "\n".join(lines) + "\n"

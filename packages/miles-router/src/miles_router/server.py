@@ -8,55 +8,52 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from miles_router.config import RouterSection
 from miles_router.middleware import NamedMiddleware
 
+if TYPE_CHECKING:
+    from miles_contracts import RunContext
+
 
 def router_command(workers: Sequence[str], *, port: int, host: str = "127.0.0.1",
-                   section: RouterSection | None = None, python: str | None = None) -> list[str]:
+                   config_path: str | Path | None = None, run_dir: str | Path | None = None,
+                   extra: Sequence[str] = (), python: str | None = None) -> list[str]:
     """argv of a process serving the router on ``host:port`` in front of ``workers``.
 
-    It runs ``python -m miles_router`` (``miles serve router`` without the rest of the CLI); every
-    setting of ``section`` is spelled out, so the process needs no config file.
+    It runs ``python -m miles_router`` (``miles serve router`` without the rest of the CLI). Its
+    settings are the ``router`` section of ``config_path`` (a run's ``config.yaml``; None: the
+    defaults), whose ``plugins`` section also decides which middlewares it can build; ``extra``
+    flags (``--health-interval 0.2`` ...) override keys of it.
     """
-    section = section or RouterSection()
     argv = [python or sys.executable, "-m", "miles_router", "--host", host, "--port", str(port)]
     for url in workers:
         argv += ["--worker", url]
-    for name in section.middlewares:
-        argv += ["--middleware", name]
-    if section.middleware_options:
-        import json
-
-        argv += ["--middleware-options", json.dumps(section.middleware_options)]
-    argv += [
-        "--health-interval", repr(section.health_interval),
-        "--failure-threshold", str(section.failure_threshold),
-        "--health-timeout", repr(section.health_timeout),
-        "--request-timeout", repr(section.request_timeout),
-        "--max-attempts", str(section.max_attempts),
-        "--affinity-capacity", str(section.affinity_capacity),
-        "--forward-client", section.forward_client,
-    ]
-    if not section.check_weight_version:
-        argv.append("--no-weight-version-check")
-    return argv
+    if config_path is not None:
+        argv += ["--config", str(config_path)]
+    if run_dir:
+        argv += ["--run-dir", str(run_dir)]
+    return [*argv, *extra]
 
 
-SHUTDOWN_GRACE_S = 5.0
+SHUTDOWN_GRACE_S = 5  # whole seconds: uvicorn takes timeout_graceful_shutdown as an int
 """On SIGTERM, requests still in flight get this long before the router exits anyway."""
 
 
 def serve(workers: Sequence[str], *, port: int, host: str = "127.0.0.1", section: RouterSection | None = None,
+          middlewares: Sequence[NamedMiddleware] | None = None, ctx: RunContext | None = None,
           log_level: str = "info", auth_token: str | None = None, max_body_bytes: int | None = None) -> None:
-    """Serve the router until interrupted (what ``miles serve router`` runs)."""
+    """Serve the router until interrupted (what ``miles serve router`` runs); ``middlewares`` is
+    the chain (default: built from ``section`` by ``ctx``'s kernel, see :func:`~miles_router.app.create_app`)."""
     import uvicorn
     from miles_contracts.wire.guard import DEFAULT_MAX_BODY_BYTES
 
     from miles_router.app import create_app
 
-    app = create_app(section, workers, auth_token=auth_token, max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+    app = create_app(section, workers, middlewares, ctx=ctx, auth_token=auth_token,
+                     max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5,
                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
 
@@ -68,16 +65,17 @@ class RouterServer:
             httpx.post(router.url + "/generate", json=...)
 
     ``port=0`` picks a free port. ``router.router`` is the live :class:`~miles_router.router.Router`.
+    A section naming middlewares needs ``ctx`` (whose kernel builds them) or the built ``middlewares``.
     """
 
     def __init__(self, workers: Sequence[str] = (), *, port: int = 0, host: str = "127.0.0.1",
                  section: RouterSection | None = None, middlewares: Sequence[NamedMiddleware] | None = None,
-                 log_level: str = "warning", auth_token: str | None = None) -> None:
+                 ctx: RunContext | None = None, log_level: str = "warning", auth_token: str | None = None) -> None:
         import uvicorn
 
         from miles_router.app import create_app
 
-        self.app = create_app(section, workers, middlewares, auth_token=auth_token)
+        self.app = create_app(section, workers, middlewares, ctx=ctx, auth_token=auth_token)
         self.router = self.app.state.router
         self._server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
                                                      timeout_keep_alive=5, timeout_graceful_shutdown=5))

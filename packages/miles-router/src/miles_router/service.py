@@ -1,5 +1,7 @@
 """The router as a service of a run (registered as ``router`` through ``miles_register_services``):
-started in front of the run's engines with the ``router`` config section spelled out as flags.
+started in front of the run's engines with ``--config <run>/config.yaml``, from which the process
+reads its ``router`` section and loads its kernel (the run's ``plugins`` selection builds its
+middleware chain); argv carries only the engines' URLs, the endpoint and the run's folder.
 
 When an engine comes back at another address (its node left and the executor restarted it
 elsewhere), the running router swaps the worker (``/remove_worker``, ``/add_worker``) instead of
@@ -16,12 +18,10 @@ _TIMEOUT_S = 30.0
 
 def router_service_command(launch: ServiceLaunch) -> list[str]:
     """argv of the run's router, in front of the engines' URLs."""
-    from miles_router.config import RouterSection
     from miles_router.server import router_command
 
-    section = launch.config.section("router", RouterSection)
     return router_command(list(launch.upstream.get(ENGINE, ())), port=launch.endpoint.port,
-                          host=launch.endpoint.host, section=section)
+                          host=launch.endpoint.host, config_path=launch.config_path, run_dir=launch.run_dir or None)
 
 
 def follow_moved_engine(url: str, role: str, old: str, new: str) -> None:

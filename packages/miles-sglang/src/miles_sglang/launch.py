@@ -160,6 +160,11 @@ class SGLangService:
     Each engine gets the GPUs placement gave it (``resources.gpus_per_engine``, which must be what
     the ``sglang`` section's layout occupies: ``tp_size * dp_size``) through
     ``CUDA_VISIBLE_DEVICES``, set by the executor.
+
+    SGLang is not a Miles process: it cannot read the run's config file
+    (``ServiceLaunch.config_path``, what Miles' own servers are started with), so its argv is
+    derived here, in the driver, from ``launch.config`` (the ``sglang`` and ``model`` sections,
+    ``run.deterministic``).
     """
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:

@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles.errors import MilesError
-from miles.kernel import Kernel
 from miles_contracts.chat import ChatFamily
+
+if TYPE_CHECKING:
+    from miles.kernel import Kernel
 
 
 class FamilyNotFound(MilesError):
     pass
 
 
-def resolve_family(name: str | None = None, model_dir: str | Path | None = None, *, kernel: Kernel | None = None) -> ChatFamily:
-    kernel = kernel or Kernel.load()
+def resolve_family(name: str | None = None, model_dir: str | Path | None = None, *, kernel: Kernel) -> ChatFamily:
+    """The chat family named ``name``, else the one of the model in ``model_dir``, among those
+    ``kernel`` registers (the kernel of the process asking: its run's plugin selection)."""
     registry = kernel.chat_families()
     if name:
         return registry.get(name)
@@ -29,11 +32,11 @@ def resolve_family(name: str | None = None, model_dir: str | Path | None = None,
         raise FamilyNotFound(f"no chat family given and no model to infer it from; registered: {registry.describe() or 'none'}")
     config = _read_config(Path(model_dir))
     bridge = kernel.find_model_bridge(config)
-    bridge_family = getattr(bridge, "chat_family", None) if bridge is not None else None
+    bridge_family = bridge.chat_family if bridge is not None else None
     if bridge_family:
         return registry.get(bridge_family)
     model_type = config.get("model_type")
-    claims = [e.obj for e in registry.entries() if model_type in getattr(e.obj, "model_types", ())]
+    claims = [e.obj for e in registry.entries() if model_type in e.obj.model_types]
     if len(claims) == 1:
         return claims[0]
     raise FamilyNotFound(
@@ -43,10 +46,10 @@ def resolve_family(name: str | None = None, model_dir: str | Path | None = None,
     )
 
 
-def family_of_tokenizer(tokenizer: Any, name: str | None = None) -> ChatFamily:
-    """The family for a loaded HF tokenizer (its folder names the model)."""
+def family_of_tokenizer(tokenizer: Any, name: str | None = None, *, kernel: Kernel) -> ChatFamily:
+    """The family for a loaded HF tokenizer (its folder names the model), among ``kernel``'s."""
     source = getattr(tokenizer, "name_or_path", None)
-    return resolve_family(name, source if source and Path(source).is_dir() else None)
+    return resolve_family(name, source if source and Path(source).is_dir() else None, kernel=kernel)
 
 
 def _read_config(model_dir: Path) -> dict[str, Any]:

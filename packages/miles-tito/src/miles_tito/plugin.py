@@ -81,12 +81,15 @@ def miles_register_config_sections(register: Register[ConfigSectionSpec]) -> Non
     register("tito", ConfigSectionSpec(TitoSection))
 
 
-def _command(module: str, help: str, description: str | None = None) -> CommandSpec:
+def _command(module: str, help: str, description: str | None = None, *, uses_context: bool = False) -> CommandSpec:
+    """A command whose ``add_arguments`` / ``run`` live in ``module`` (imported when used); with
+    ``uses_context`` its ``run`` gets the CLI's run context too (its kernel's chat families)."""
+
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         _lazy(module, "add_arguments")(parser)
 
     def run(args: argparse.Namespace, ctx: RunContext) -> int:
-        code: int = _lazy(module, "run")(args)
+        code: int = _lazy(module, "run")(args, ctx) if uses_context else _lazy(module, "run")(args)
         return code
 
     return CommandSpec(help, run, add_arguments=add_arguments, description=description)
@@ -104,6 +107,7 @@ def miles_register_commands(register: Register[CommandSpec]) -> None:
         "check where a chat template breaks prefix invariance (exit 1 on a break)",
         "Render canned conversations (tools, parallel calls, thinking, retries, system messages) at every "
         "split point after an assistant turn and report where appending messages re-renders history.",
+        uses_context=True,
     ))
     register("bench session", _command(
         "miles_tito.bench.session",
@@ -112,4 +116,5 @@ def miles_register_commands(register: Register[CommandSpec]) -> None:
     register("bench tito", _command(
         "miles_tito.bench.tito",
         "incremental TITO tokenization vs re-rendering and re-tokenizing the whole history every turn",
+        uses_context=True,
     ))

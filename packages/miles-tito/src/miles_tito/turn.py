@@ -144,7 +144,7 @@ def _without_stop_ids(ids: list[int], stop_ids: Sequence[int]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in stop_ids else ids
 
 
-def _visible_text(text: str, matched: int | str | None) -> str:
+def _visible_text(text: str, matched: int | str | list[int] | None) -> str:
     """OpenAI semantics: a matched stop string is not part of the returned text."""
     if isinstance(matched, str) and matched and text.endswith(matched):
         return text[: -len(matched)]

@@ -29,40 +29,58 @@ import sys
 import tempfile
 from itertools import count
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles.cli import emit_json
+from miles.sections import WeightsSection
+
+from miles_weights.settings import BROADCAST_LAYOUTS, WeightTransportSection, default_of, flag_help
+
+if TYPE_CHECKING:
+    from miles_contracts import RunContext
 
 TRANSPORTS = ("disk", "shared_memory", "broadcast")
 OPTIONAL_TRANSPORTS = ("mooncake",)  # measured by default when their package is installed
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The bench's flags; those standing for config keys take their defaults, choices and help from
+    the sections that declare the keys."""
     p.add_argument("--model", default="smollm2-135m-instruct", help="catalog name or model folder")
     p.add_argument("--random-model", choices=("1b", "8b"), help="instead: a random-weight Llama of this size (built once)")
     p.add_argument("--transports", default=None,
                    help=f"comma-separated registered transports (default: {', '.join(TRANSPORTS)}, and mooncake "
                    "when miles-mooncake is installed)")
     p.add_argument("--devices", default=None, help="cpu and/or cuda, comma-separated (default: cpu, and cuda when present)")
-    p.add_argument("--broadcast-formats", default="flattened_bucket,per_tensor",
-                   help="layouts the broadcast transport is measured in (weight_transport.broadcast_format)")
-    p.add_argument("--bucket-mb", type=int, default=512, help="weights.bucket_mb")
+    p.add_argument("--broadcast-formats", default=",".join(BROADCAST_LAYOUTS),
+                   help="comma-separated layouts the broadcast transport is measured in, each a value of "
+                   + flag_help("weight_transport.broadcast_format", WeightTransportSection, "broadcast_format",
+                               f" (choices: {', '.join(BROADCAST_LAYOUTS)})"))
+    p.add_argument("--bucket-mb", type=int, default=default_of(WeightsSection, "bucket_mb"),
+                   help=flag_help("weights.bucket_mb", WeightsSection, "bucket_mb", " (MiB per bucket)"))
     p.add_argument("--repeats", type=int, default=5, help="timed pushes per transport")
     p.add_argument("--work-dir", type=Path, default=None, help="engine logs and disk-transport files (default: a temp dir)")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON to this file")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, ctx: RunContext) -> int:
+    """``miles bench weights``; the transports are the ones registered with ``ctx.kernel``."""
     import torch
     from miles_models import resolve_model
 
-    if args.repeats < 1 or args.bucket_mb < 1:
-        raise SystemExit("--repeats and --bucket-mb must be at least 1")
+    from miles_weights.sync import TransportOptions
+
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
+    try:
+        TransportOptions(bucket_mb=args.bucket_mb)  # the bounds weights.bucket_mb has in a run
+    except ValueError as exc:
+        raise SystemExit(f"--bucket-mb: {exc}") from None
     devices = (args.devices or ("cpu,cuda" if torch.cuda.is_available() else "cpu")).split(",")
     unknown = [d for d in devices if d not in ("cpu", "cuda")]
     if unknown or ("cuda" in devices and not torch.cuda.is_available()):
         raise SystemExit(f"--devices takes cpu and/or cuda (cuda needs a GPU); got {args.devices!r}")
-    names = args.transports.split(",") if args.transports else _default_transports()
+    names = args.transports.split(",") if args.transports else _default_transports(ctx)
     transports = _variants([t.strip() for t in names if t.strip()],
                            [f.strip() for f in args.broadcast_formats.split(",") if f.strip()])
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="miles-bench-weights-"))
@@ -84,33 +102,32 @@ def run(args: argparse.Namespace) -> int:
     }
     versions = count(1)
     for device in devices:
-        result["runs"].append(_bench_device(device, transports, model_dir, work_dir / device, args, versions))
+        result["runs"].append(_bench_device(ctx, device, transports, model_dir, work_dir / device, args, versions))
     emit_json(result, args.out)
     failed = any("error" in t for r in result["runs"] for t in r["transports"].values())
     return 1 if failed else 0
 
 
-def _default_transports() -> list[str]:
-    from miles.kernel import Kernel
-
-    registered = Kernel.load().weight_transports().names()
+def _default_transports(ctx: RunContext) -> list[str]:
+    registered = ctx.kernel.weight_transports().names()
     return [*TRANSPORTS, *(name for name in OPTIONAL_TRANSPORTS if name in registered)]
 
 
 def _variants(names: list[str], broadcast_formats: list[str]) -> list[tuple[str, str, dict[str, Any]]]:
-    """``(label, transport, weight_transport overrides)`` for each measurement."""
-    from miles_weights.broadcast import LAYOUTS
-
-    bad = [f for f in broadcast_formats if f not in LAYOUTS]
+    """``(label, transport, weight_transport overrides)`` for each measurement; a broadcast layout
+    other than the section's default is labelled ``broadcast/<layout>``."""
+    bad = [f for f in broadcast_formats if f not in BROADCAST_LAYOUTS]
     if bad or not broadcast_formats:
-        raise SystemExit(f"--broadcast-formats takes {' and/or '.join(LAYOUTS)}; got {','.join(broadcast_formats)!r}")
+        raise SystemExit(f"--broadcast-formats takes {' and/or '.join(BROADCAST_LAYOUTS)}; "
+                         f"got {','.join(broadcast_formats)!r}")
+    default = default_of(WeightTransportSection, "broadcast_format")
     out: list[tuple[str, str, dict[str, Any]]] = []
     for name in names:
         if name != "broadcast":
             out.append((name, name, {}))
             continue
         for layout in broadcast_formats:
-            label = name if layout == LAYOUTS[0] else f"{name}/{layout}"
+            label = name if layout == default else f"{name}/{layout}"
             out.append((label, name, {"broadcast_format": layout}))
     return out
 
@@ -123,7 +140,7 @@ def _visible_gpus() -> list[str]:
     return ids[: torch.cuda.device_count()]
 
 
-def _bench_device(device: str, transports: list[tuple[str, str, dict[str, Any]]], model_dir: Path, work_dir: Path,
+def _bench_device(ctx: RunContext, device: str, transports: list[tuple[str, str, dict[str, Any]]], model_dir: Path, work_dir: Path,
                   args: argparse.Namespace, versions: count) -> dict[str, Any]:
     import torch
 
@@ -151,7 +168,8 @@ def _bench_device(device: str, transports: list[tuple[str, str, dict[str, Any]]]
     out: dict[str, Any] = {"device": device, "dtype": dtype_name, "num_tensors": len(tensors), "num_bytes": num_bytes,
                            "baselines_gbps": baselines, "transports": {}}
     work_dir.mkdir(parents=True, exist_ok=True)
-    with running_engines(model_dir, launches, work_dir) as engines:  # the disk transport writes in work_dir
+    # the engine service of the command's kernel; the disk transport writes in work_dir
+    with running_engines(model_dir, launches, work_dir, kernel=ctx.kernel) as engines:
         urls = engines.urls
         for label, name, overrides in transports:
             if device == "cuda" and name == "broadcast":
@@ -163,7 +181,7 @@ def _bench_device(device: str, transports: list[tuple[str, str, dict[str, Any]]]
             else:
                 target, baseline = urls[0], "memcpy" if device == "cpu" else "device_copy"
             try:
-                measured = _measure(name, overrides, target, tensors, work_dir, args, versions)
+                measured = _measure(ctx, name, overrides, target, tensors, work_dir, args, versions)
             except Exception as exc:  # one transport failing must not hide the others' numbers
                 out["transports"][label] = {"error": f"{type(exc).__name__}: {exc}"}
                 continue
@@ -173,26 +191,25 @@ def _bench_device(device: str, transports: list[tuple[str, str, dict[str, Any]]]
     return out
 
 
-def _measure(name: str, overrides: dict[str, Any], target: str, tensors: list, work_dir: Path,
+def _measure(ctx: RunContext, name: str, overrides: dict[str, Any], target: str, tensors: list, work_dir: Path,
              args: argparse.Namespace, versions: count) -> dict[str, Any]:
+    """One transport: a check-mode push, a warm-up and ``--repeats`` timed pushes. Each transport
+    is created as a run creates it, from a config of its own in this command's context."""
     from miles.config import MilesConfig
-    from miles.kernel import Kernel
-    from miles.sections import WeightsSection
 
-    from miles_weights.settings import WeightTransportSection
-
-    factory = Kernel.load().weight_transports().get(name)
+    spec = ctx.kernel.weight_transports().get(name)
     extra = {"weight_transport": WeightTransportSection(disk_dir=work_dir / "disk", **overrides)}
 
-    def config(check: bool) -> MilesConfig:
-        return MilesConfig(weights=WeightsSection(transport=name, bucket_mb=args.bucket_mb, check=check), extra=extra)
+    def run_with(check: bool) -> RunContext:
+        weights = WeightsSection(transport=name, bucket_mb=args.bucket_mb, check=check)
+        return ctx.with_config(MilesConfig(weights=weights, extra=extra))
 
-    checker = factory(config(check=True))
+    checker = spec.create(run_with(check=True))
     try:
         checker.push(iter(tensors), targets=[target], version=next(versions))  # raises unless bit-exact
     finally:
         checker.close()
-    transport = factory(config(check=False))
+    transport = spec.create(run_with(check=False))
     try:
         transport.push(iter(tensors), targets=[target], version=next(versions))  # warm-up
         reports = [transport.push(iter(tensors), targets=[target], version=next(versions)) for _ in range(args.repeats)]

@@ -88,7 +88,9 @@ def random_llama(size: str | LlamaShape, base_dir: Path, cache_dir: Path, *, see
         if extra.suffix != ".safetensors" and extra.name not in ("config.json", "miles-model.json") and extra.is_file():
             shutil.copy2(extra, partial / extra.name)
     generator = torch.Generator().manual_seed(seed)
-    weight_map, shard, shard_bytes, index = {}, {}, 0, 1
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes, index = 0, 1
 
     def flush() -> None:
         nonlocal shard, shard_bytes, index

@@ -43,10 +43,14 @@ from miles_contracts.wire.distributed import FLATTENED_BUCKET_FORMAT
 
 from miles_weights.errors import WeightSyncError
 from miles_weights.prefetch import prefetched
+from miles_weights.settings import BROADCAST_BACKENDS, BROADCAST_LAYOUTS, WeightTransportSection, default_of
 from miles_weights.sync import BucketedTransport, TransportOptions, describe_bucket
 
 _RESTART_TOLERANCE_S = 1.0  # clock reads and HTTP round trips; no engine restarts faster
-LAYOUTS = (FLATTENED_BUCKET_FORMAT, "per_tensor")
+LAYOUTS = BROADCAST_LAYOUTS  # weight_transport.broadcast_format
+BACKENDS = BROADCAST_BACKENDS  # weight_transport.broadcast_backend
+_DEFAULT_LAYOUT: str = default_of(WeightTransportSection, "broadcast_format")
+_DEFAULT_BACKEND: str = default_of(WeightTransportSection, "broadcast_backend")
 
 
 if TYPE_CHECKING:
@@ -107,14 +111,16 @@ class BroadcastTransport(BucketedTransport):
 
     name = "broadcast"
 
-    def __init__(self, options: TransportOptions | None = None, *, backend: str = "auto",
+    def __init__(self, options: TransportOptions | None = None, *, backend: str = _DEFAULT_BACKEND,
                  master_address: str | None = None, master_port: int | None = None,
-                 group_timeout: float | None = None, layout: str = "flattened_bucket") -> None:
+                 group_timeout: float | None = None, layout: str = _DEFAULT_LAYOUT) -> None:
         super().__init__(options)
-        if backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"broadcast backend must be auto, gloo or nccl, got {backend!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"broadcast backend must be one of {', '.join(BACKENDS)} "
+                             f"(weight_transport.broadcast_backend), got {backend!r}")
         if layout not in LAYOUTS:
-            raise ValueError(f"broadcast layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+            raise ValueError(f"broadcast layout must be one of {', '.join(LAYOUTS)} "
+                             f"(weight_transport.broadcast_format), got {layout!r}")
         self.backend = backend
         self.layout = layout
         self.master_address = master_address
@@ -126,8 +132,6 @@ class BroadcastTransport(BucketedTransport):
     def from_context(cls, ctx: RunContext) -> BroadcastTransport:
         """The transport of the run of ``ctx`` (its ``weights`` and ``weight_transport`` sections)."""
         config = ctx.config
-        from miles_weights.settings import WeightTransportSection
-
         extra = config.section("weight_transport", WeightTransportSection)
         return cls(TransportOptions.from_config(config), backend=extra.broadcast_backend,
                    master_address=extra.master_address, master_port=extra.master_port,

@@ -27,7 +27,7 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
     import torch
 
     raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
-    return hashlib.sha256(raw.numpy()).hexdigest()
+    return hashlib.sha256(raw.numpy().data).hexdigest()  # .data: the buffer, typed (no copy)
 
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from miles_contracts.weights import WeightBucket
 
+from miles_weights.settings import WeightTransportSection
 from miles_weights.sync import BucketedTransport, TransportOptions
 
 if TYPE_CHECKING:
@@ -81,12 +82,9 @@ class DiskTransport(BucketedTransport):
     @classmethod
     def from_context(cls, ctx: RunContext) -> DiskTransport:
         """The transport of the run of ``ctx`` (its ``weights`` and ``weight_transport`` sections)."""
-        config = ctx.config
-        from miles_weights.settings import WeightTransportSection
-
-        extra = config.section("weight_transport", WeightTransportSection)
+        extra = ctx.config.section("weight_transport", WeightTransportSection)
         directory = extra.disk_dir or ctx.require_run_dir("the disk transport without weight_transport.disk_dir") / "weight_sync"
-        return cls(directory, TransportOptions.from_config(config))
+        return cls(directory, TransportOptions.from_config(ctx.config))
 
     @contextmanager
     def _staged(self, buckets: Iterator[WeightBucket], version: int) -> Iterator[WrittenCheckpoint]:

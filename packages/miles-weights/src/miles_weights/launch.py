@@ -1,6 +1,12 @@
 """Start engines for the benchmark and the tests: the registered ``embedded`` engine service, as
 child processes of the kernel's :class:`~miles.executor.local.LocalExecutor` (logs, health wait,
-no orphans), on free loopback ports."""
+no orphans), on free loopback ports.
+
+Each engine is started as a run starts one: its service's ``command`` with a
+:class:`~miles_contracts.ServiceLaunch` whose ``config_path`` is a config file written to
+``work_dir`` (``engine-<i>.yaml``: the launch's model device and dtype and its options as the
+engine's config section), which the engine process reads its settings from.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from miles.kernel import Kernel
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,32 +46,43 @@ class RunningEngines:
 @contextmanager
 def running_engines(model_path: str | Path, launches: list[EngineLaunch], work_dir: Path, *,
                     engine: str = "embedded", startup_timeout: float = 600.0,
-                    weight_dirs: Sequence[str | Path] = ()) -> Iterator[RunningEngines]:
+                    weight_dirs: Sequence[str | Path] = (), kernel: Kernel | None = None) -> Iterator[RunningEngines]:
     """Start one engine per launch, in order; stop them all on exit. Disk updates may read
     ``work_dir`` (the run folder the engines are given) and ``weight_dirs`` (given to engines whose
     section has a ``weight_dir`` option, as the embedded engine's has); the engines share this
-    process's run token."""
+    process's run token.
+
+    :param kernel: the kernel whose ``engine`` service and config sections to use (default: the
+        one for the default plugin selection); the engine processes load theirs from the config
+        files, for the same selection.
+    """
     from miles.config import build_config
+    from miles.context import context_for
     from miles.executor.local import LocalExecutor
-    from miles.kernel import Kernel
+    from miles.sections import CORE_SECTIONS
     from miles_contracts import ServiceLaunch
     from miles_contracts.wire.auth import ensure_run_token
 
     ensure_run_token()
-    kernel = Kernel.load()
+    kernel = kernel if kernel is not None else context_for().kernel
     server = kernel.services().get(engine)
-    # the engine's options are keys of its own config section (``engine``; ``sglang`` for SGLang)
-    section = next(name for name in server.config_sections if name != "model")
-    section_model = kernel.config_sections().get(section)
+    # the engine's options are keys of its own config section (``engine``; ``sglang`` for SGLang):
+    # the one it reads that is not the kernel's (``model``, ``run``)
+    section = next(name for name in server.config_sections if name not in CORE_SECTIONS)
+    section_model = kernel.config_sections().get(section).model
+    work_dir.mkdir(parents=True, exist_ok=True)
     executor = LocalExecutor(work_dir, startup_timeout=startup_timeout)
     urls = []
     try:
         for index, launch in enumerate(launches):
             config = build_config({"model": {"device": launch.device, "dtype": launch.dtype},
-                                   section: _options(launch.options, section_model, weight_dirs)})
+                                   section: _options(launch.options, section_model, weight_dirs)}, kernel=kernel)
+            config_path = work_dir.resolve() / f"engine-{index}.yaml"
+            config_path.write_text(config.to_yaml())
 
-            def command(endpoint, config=config):
-                return server.command(ServiceLaunch(config, str(model_path), endpoint, run_dir=str(work_dir.resolve())))
+            def command(endpoint, config=config, config_path=config_path):
+                return server.command(ServiceLaunch(config, str(config_path), str(model_path), endpoint,
+                                                    run_dir=str(work_dir.resolve())))
 
             name = f"engine-{index}"
             endpoint = executor.launch(name, command, health_path=server.health_path, env=launch.env)

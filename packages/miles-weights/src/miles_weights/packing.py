@@ -61,7 +61,7 @@ class PackedBucket:
 
     load_format: str
     payload: str
-    on_release: Callable[[], None] | None = None
+    on_release: Callable[[], object] | None = None  # its result is ignored
     sglang_payload: str | None = None
 
     def release(self) -> None:

@@ -8,7 +8,7 @@ a sync close to one memory copy instead of two. At most two prepared buckets exi
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from typing import TypeVar
@@ -17,7 +17,8 @@ T = TypeVar("T")
 U = TypeVar("U")
 
 
-def prefetched(items: Iterable[T], prepare: Callable[[T], U], release: Callable[[U], None]) -> Iterator[tuple[T, U]]:
+def prefetched(items: Iterable[T], prepare: Callable[[T], U],
+               release: Callable[[U], None]) -> Generator[tuple[T, U], None, None]:
     """Yield ``(item, prepare(item))`` in order, preparing the next item in a background thread.
 
     Each prepared value is released when the consumer asks for the next one, or when the

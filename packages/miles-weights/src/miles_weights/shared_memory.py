@@ -58,8 +58,7 @@ class SharedMemoryTransport(BucketedTransport):
     @classmethod
     def from_context(cls, ctx: RunContext) -> SharedMemoryTransport:
         """The transport of the run of ``ctx`` (its ``weights`` and ``weight_transport`` sections)."""
-        config = ctx.config
-        return cls(TransportOptions.from_config(config))
+        return cls(TransportOptions.from_config(ctx.config))
 
     def close(self) -> None:
         super().close()

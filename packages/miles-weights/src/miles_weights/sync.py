@@ -45,15 +45,17 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from miles.sections import WeightsSection
 from miles_contracts.weights import TransferReport, WeightBucket, bucketize
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from miles_weights.checksums import TensorTally, compare_checksums
 from miles_weights.engine_info import EngineInfo
 from miles_weights.engines import EngineCalls, normalize_targets
 from miles_weights.errors import WeightCheckError, WeightSyncError
+from miles_weights.settings import PauseMode, WeightTransportSection, declared, same_types
 
 log = logging.getLogger(__name__)
 
@@ -64,30 +66,49 @@ if TYPE_CHECKING:
 _MB = 1 << 20
 
 
-@dataclass(frozen=True, slots=True)
-class TransportOptions:
-    """What every transport of this package is tuned by (from ``weights`` and ``weight_transport``).
+_SOURCES: dict[str, tuple[str, type[BaseModel]]] = {
+    "bucket_mb": ("weights", WeightsSection),
+    "check": ("weights", WeightsSection),
+    "pause_mode": ("weight_transport", WeightTransportSection),
+    "http_timeout": ("weight_transport", WeightTransportSection),
+    "check_seed": ("weight_transport", WeightTransportSection),
+}
+"""Where each option every transport shares is declared: ``(config section, its model)``."""
+
+
+def _declared(name: str) -> Any:
+    section = _SOURCES[name][1]
+    return declared(section, name)
+
+
+class TransportOptions(BaseModel):
+    """What every transport of this package is tuned by: the fields of ``weights`` and
+    ``weight_transport`` that apply to all of them, with the defaults, bounds and descriptions
+    those sections declare (they are copied from there, not written again).
 
     :ivar bucket_mb: bytes per bucket, in MiB; a larger tensor travels alone.
     :ivar check: fill engine weights with noise before their first sync and verify every sync.
     :ivar pause_mode: ``abort`` | ``retract`` | ``in_place``, sent to ``/pause_generation``.
     :ivar http_timeout: seconds one engine call may take.
     :ivar check_seed: seed of the noise fill.
+    :raises ValueError: a value its section would refuse, named by its config key.
     """
 
-    bucket_mb: int = 512
-    check: bool = False
-    pause_mode: str = "abort"
-    http_timeout: float = 600.0
-    check_seed: int = 0
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
-    def __post_init__(self) -> None:
-        if self.bucket_mb < 1:
-            raise ValueError(f"bucket_mb must be at least 1, got {self.bucket_mb}")
-        if self.pause_mode not in ("abort", "retract", "in_place"):
-            raise ValueError(f"pause_mode must be abort, retract or in_place, got {self.pause_mode!r}")
-        if self.http_timeout <= 0:
-            raise ValueError(f"http_timeout must be positive, got {self.http_timeout}")
+    bucket_mb: int = _declared("bucket_mb")
+    check: bool = _declared("check")
+    pause_mode: PauseMode = _declared("pause_mode")
+    http_timeout: float = _declared("http_timeout")
+    check_seed: int = _declared("check_seed")
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise ValueError("invalid weight transport options: " + "; ".join(
+                f"{_key(error['loc'])}: {error['msg']} (got {error.get('input')!r})" for error in exc.errors()
+            )) from None
 
     @property
     def bucket_bytes(self) -> int:
@@ -95,11 +116,21 @@ class TransportOptions:
 
     @classmethod
     def from_config(cls, config: MilesConfig) -> TransportOptions:
-        from miles_weights.settings import WeightTransportSection
+        """The options of the run of ``config``: its ``weights`` and ``weight_transport`` sections."""
+        sections = {"weights": config.weights,
+                    "weight_transport": config.section("weight_transport", WeightTransportSection)}
+        return cls(**{name: getattr(sections[key], name) for name, (key, _) in _SOURCES.items()})
 
-        extra = config.section("weight_transport", WeightTransportSection)
-        return cls(bucket_mb=config.weights.bucket_mb, check=config.weights.check, pause_mode=extra.pause_mode,
-                   http_timeout=extra.http_timeout, check_seed=extra.check_seed)
+
+def _key(loc: tuple[Any, ...]) -> str:
+    """``weights.bucket_mb`` for the location of a validation error (the config key to fix)."""
+    name = str(loc[0]) if loc else "?"
+    return f"{_SOURCES[name][0]}.{name}" if name in _SOURCES else name
+
+
+if set(_SOURCES) != set(TransportOptions.model_fields):  # a field added on one side only
+    raise TypeError("TransportOptions' fields and their _SOURCES differ")
+same_types(TransportOptions, {name: model for name, (_, model) in _SOURCES.items()})
 
 
 def describe_bucket(index: int, bucket: WeightBucket) -> str:

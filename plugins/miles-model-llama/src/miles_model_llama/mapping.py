@@ -148,7 +148,7 @@ class Packed:
         return Packed(self.hf.format(**keep), tuple(n.format(**keep) for n in self.per_slice), self.transform)
 
     def unpack(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        out = {}
+        out: dict[str, torch.Tensor] = {}
         for e, piece in enumerate(tensor.unbind(0)):
             names = [n.format(expert=e) for n in self.per_slice]
             out.update(zip(names, self.transform.split(piece, len(names)), strict=True))
@@ -207,7 +207,7 @@ class WeightMap:
             missing = []
         if missing or unexpected:
             raise BridgeError(_describe("megatron", missing, unexpected, []))
-        out = {}
+        out: dict[str, torch.Tensor] = {}
         for rule in self.rules:
             if partial and rule.megatron not in names:
                 continue

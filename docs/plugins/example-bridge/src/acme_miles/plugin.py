@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from miles import hookimpl
 from miles.registry import Register
+from miles_contracts import ConfigSectionSpec, RewardSpec
 
 from acme_miles.bridge import MistralBridge
 from acme_miles.reward import CONCISE, ConciseSection
-
-if TYPE_CHECKING:
-    from miles.config import MilesConfig
 
 
 @hookimpl
@@ -21,15 +19,10 @@ def miles_model_bridge(hf_config: Mapping[str, Any]) -> MistralBridge | None:
 
 
 @hookimpl
-def miles_register_rewards(register: Register) -> None:
+def miles_register_rewards(register: Register[RewardSpec]) -> None:
     register("concise", CONCISE)
 
 
 @hookimpl
-def miles_register_config_sections(register: Register) -> None:
-    register("concise", ConciseSection)
-
-
-@hookimpl
-def miles_configure(config: MilesConfig) -> None:
-    CONCISE.max_words = config.section("concise", ConciseSection).max_words
+def miles_register_config_sections(register: Register[ConfigSectionSpec]) -> None:
+    register("concise", ConfigSectionSpec(ConciseSection))

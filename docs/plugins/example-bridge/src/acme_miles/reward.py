@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from miles_contracts import Sample
+from miles_contracts import RewardSpec, RunContext, Sample
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -17,7 +17,7 @@ class ConciseSection(BaseModel):
     max_words: int = Field(default=50, ge=1, description="responses up to this many words score 1.0")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ConciseReward:
     max_words: int = 50
 
@@ -29,4 +29,9 @@ class ConciseReward:
         return max(0.0, min(1.0, 2.0 - words / self.max_words))
 
 
-CONCISE = ConciseReward()
+def for_run(ctx: RunContext) -> ConciseReward:
+    """The reward a run scores with: its ``concise`` section's ``max_words``."""
+    return ConciseReward(ctx.config.section("concise", ConciseSection).max_words)
+
+
+CONCISE = RewardSpec(ConciseReward(), bind=for_run)

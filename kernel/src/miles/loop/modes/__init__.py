@@ -64,18 +64,22 @@ class LoopMode:
 
     def config_errors(self, config: MilesConfig) -> list[str]:
         """Settings of ``config`` this mode cannot honour (each with the fix)."""
-        errors = [f"{setting} applies to run.mode {owner.name} only; run.mode is {self.name!r}"
-                  for owner in MODES.values() if owner is not self for setting in owner.reads
+        errors = [f"{setting} ({_value(config, setting)}) applies to run.mode {owner.name} only; run.mode is "
+                  f"{self.name!r}" for owner in MODES.values() if owner is not self for setting in owner.reads
                   if _is_set(config, setting)]
         if self.checks is not None:
             errors += self.checks(config)
         return errors
 
 
+def _value(config: MilesConfig, setting: str) -> object:
+    section, key = setting.split(".")
+    return config.to_dict()[section][key]
+
+
 def _is_set(config: MilesConfig, setting: str) -> bool:
     """A mode-only setting away from its default (``weights.update_interval`` 1, the rest None)."""
-    section, key = setting.split(".")
-    value = getattr(getattr(config, section), key)
+    value = _value(config, setting)
     return value != 1 if setting == "weights.update_interval" else value is not None
 
 

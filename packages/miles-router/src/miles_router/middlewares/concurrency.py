@@ -52,6 +52,10 @@ class ConcurrencyLimitMiddleware:
     def snapshot(self) -> dict[str, Any]:
         return {"max_in_flight": self.max_in_flight, "running": self.running, "waiting": self.waiting}
 
+    def prometheus(self) -> str:
+        return (f"# TYPE miles_router_concurrency_running gauge\nmiles_router_concurrency_running {self.running}\n"
+                f"# TYPE miles_router_concurrency_waiting gauge\nmiles_router_concurrency_waiting {self.waiting}\n")
+
 
 def concurrency_limit(options: dict[str, Any]) -> ConcurrencyLimitMiddleware:
     """Factory registered as ``concurrency_limit``."""

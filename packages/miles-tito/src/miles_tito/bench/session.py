@@ -96,6 +96,7 @@ def _start(stack: ExitStack, argv: list[str], timeout: float) -> tuple[str, int]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
+            assert process.stderr is not None  # stderr=PIPE
             raise RuntimeError(f"`{' '.join(argv)}` exited with {process.returncode}: {process.stderr.read()[-2000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:

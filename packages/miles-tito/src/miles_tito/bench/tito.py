@@ -21,7 +21,10 @@ import json
 import random
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from miles_contracts import RunContext
 
 _VOCABULARY = (
     "the agent reads a file then calls the calculator tool and compares results before it writes a short "
@@ -39,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, ctx: RunContext) -> int:
     from miles_models import resolve_model
     from transformers import AutoTokenizer
 
@@ -49,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
     results: dict[str, Any] = {}
     for name in args.families.split(","):
-        tito = TitoTokenizer(tokenizer, resolve_family(name.strip()))
+        tito = TitoTokenizer(tokenizer, resolve_family(name.strip(), kernel=ctx.kernel))
         results[name] = bench_family(tito, turns=args.turns, tokens_per_turn=args.tokens_per_turn, repeats=args.repeats, seed=args.seed)
     print(json.dumps({
         "benchmark": "tito", "model": args.model, "turns": args.turns, "tokens_per_turn": args.tokens_per_turn,

@@ -86,7 +86,7 @@ class AgenticGenerator:
 
     def _embedded_server(self, ctx: GenerateContext, settings: GeneratorSettings) -> str:
         """A session server in this process, one per engine URL, tokenizer and family."""
-        engine_url = getattr(ctx.engine, "base_url", None)
+        engine_url = ctx.engine.base_url
         if not engine_url:
             raise RuntimeError(
                 "the agentic generator needs a session server: set tito.session_server_url, start the run's "

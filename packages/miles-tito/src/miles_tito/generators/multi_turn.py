@@ -1,8 +1,8 @@
 """The ``multi_turn`` generator: a built-in tool loop, token-exact, without a session server.
 
 Per sample: the prompt's messages go to the engine (TITO-tokenized by the model's chat family);
-while the model answers with tool calls and turns remain, the calls run (tools from
-``rollout.tools`` or ``ctx.resources["tools"]``) and their results are appended; then the turns are
+while the model answers with tool calls and turns remain, the calls run (the tools ``rollout.tools``
+names, from the run's kernel: ``ctx.run``) and their results are appended; then the turns are
 assembled into one trajectory sample exactly as the session server's records would be.
 
 How it ends (status / exit reason): the model answered -> COMPLETED / stop (or format_error when a

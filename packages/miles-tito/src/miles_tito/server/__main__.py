@@ -1,10 +1,7 @@
 """``python -m miles_tito.server`` = ``miles serve session`` (same arguments)."""
 
-import argparse
 import sys
 
-from miles_tito.server.cli import add_arguments, run
+from miles_tito.server.cli import main
 
-parser = argparse.ArgumentParser(prog="python -m miles_tito.server", description="Serve the Miles session server.")
-add_arguments(parser)
-sys.exit(run(parser.parse_args()))
+sys.exit(main())

@@ -1,77 +1,99 @@
-"""``miles serve session --router URL --model NAME_OR_PATH --port N``."""
+"""``miles serve session --router URL [--model NAME_OR_PATH] [--config FILE] --port N`` (also
+``python -m miles_tito.server``).
+
+Settings come from ``--config`` (a run passes its folder's ``config.yaml``): the ``tito`` section
+(family, render check, rollback, idle timeout), ``rollout.max_context_len`` and
+``rollout.max_new_tokens`` (the default completion budget), the run's loop mode (partial rollout
+under ``run.mode: fully_async``), and the ``plugins`` section the process loads its kernel for --
+the kernel whose chat families it resolves. Flags derived from those keys override the file. Only
+what the launch decides is a flag of its own: ``--router``, ``--model``, ``--host``, ``--port``,
+``--run-dir``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import gc
-from typing import Any
+from typing import TYPE_CHECKING
 
-from miles.server_process import add_server_security_arguments
+from miles.server_process import add_run_arguments, add_server_security_arguments, server_main
 
-SHUTDOWN_GRACE_S = 5.0
+if TYPE_CHECKING:
+    from miles_contracts import RunContext
+
+SHUTDOWN_GRACE_S = 5  # whole seconds: uvicorn takes timeout_graceful_shutdown as an int
 """On SIGTERM, requests still in flight get this long before the server exits anyway."""
+
+TITO_KEYS = ("family", "render_check", "max_rollback_turns", "session_idle_timeout")
+"""Keys of the ``tito`` section the session server reads (the rest are the generators')."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from miles.cli.section_args import add_section_arguments
+    from miles.sections import RolloutSection
+
+    from miles_tito.config import TitoSection
+
     parser.add_argument("--router", required=True, help="URL of the router (or of a single engine)")
-    parser.add_argument("--model", required=True, help="model the engines serve (name or folder): its tokenizer and chat family")
-    parser.add_argument("--family", help="chat family (default: the one the model's bridge names)")
+    parser.add_argument("--model", default=None,
+                        help="model the engines serve (name or folder): its tokenizer and chat family "
+                             "(default: the config's model.name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30100)
-    parser.add_argument("--max-context-len", type=int, default=32768, help="prompt + completion limit in tokens")
-    parser.add_argument("--max-tokens", type=int, default=1024, help="completion budget when a request sets none")
-    parser.add_argument("--render-check", choices=["window", "full"], default="window",
-                        help="history rendered around appended messages (full also catches templates that re-render old turns)")
-    parser.add_argument("--max-rollback-turns", type=int, default=1, help="generated turns one request may retry")
-    parser.add_argument("--session-idle-timeout", type=float, default=3600.0,
-                        help="seconds without a request after which a session expires (0: never)")
+    add_run_arguments(parser)
+    add_section_arguments(parser, "tito", TitoSection, only=TITO_KEYS, title="tito settings")
+    add_section_arguments(parser, "rollout", RolloutSection, only=("max_context_len", "max_new_tokens"),
+                          flags={"max_new_tokens": ("--max-new-tokens", "--max-tokens")}, title="rollout settings")
+    parser.add_argument("--partial-rollout", action=argparse.BooleanOptionalAction, default=None,
+                        help="continue a turn a weight update aborted with the tokens it has instead of answering "
+                             "'aborted, retry' (default: as the config's loop mode says: on under run.mode "
+                             "fully_async with rollout.partial_rollout)")
     add_server_security_arguments(parser)
-    parser.add_argument("--partial-rollout", action="store_true",
-                        help="continue a turn a weight update aborted with the tokens it has (run.mode fully_async) "
-                             "instead of answering 'aborted, retry'")
     parser.add_argument("--log-level", default="warning")
 
 
-def session_arguments(config: Any) -> list[str]:
-    """The flags a run's session server gets from its config, every setting spelled out.
+def session_options(ctx: RunContext, partial_rollout: bool | None = None) -> dict[str, object]:
+    """Keyword arguments of :class:`~miles_tito.server.service.SessionService` for the run ``ctx``
+    describes: the limits the in-process server of the ``agentic`` generator would enforce."""
+    from miles.loop.modes import loop_mode
 
-    ``config`` is the run's ``MilesConfig``: the ``tito`` section (family, render check, rollback,
-    idle timeout) and ``rollout.max_context_len`` / ``max_new_tokens``, so the server the kernel
-    starts enforces what the in-process one of the ``agentic`` generator would.
-    """
     from miles_tito.config import TitoSection
 
-    section = config.section("tito", TitoSection)
-    argv = ["--render-check", section.render_check, "--max-rollback-turns", str(section.max_rollback_turns),
-            "--session-idle-timeout", repr(section.session_idle_timeout),
-            "--max-context-len", str(config.rollout.max_context_len), "--max-tokens", str(config.rollout.max_new_tokens)]
-    if section.family:
-        argv += ["--family", section.family]
-    if config.run.mode == "fully_async" and config.rollout.partial_rollout:
-        argv.append("--partial-rollout")
-    return argv
+    config = ctx.config
+    tito = config.section("tito", TitoSection)
+    if partial_rollout is None:
+        partial_rollout = loop_mode(config).partial_rollout(config)
+    return {"max_context_len": config.rollout.max_context_len, "default_max_tokens": config.rollout.max_new_tokens,
+            "max_rollback_turns": tito.max_rollback_turns, "idle_timeout": tito.session_idle_timeout or None,
+            "partial_rollout": partial_rollout}
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
+    from miles.server_process import context_from_args
     from miles_contracts.wire.auth import server_token
 
+    from miles_tito.config import TitoSection
     from miles_tito.server.factory import app_factory, load_tito
 
+    ctx = context_from_args(args, "session")
+    tito_section = ctx.config.section("tito", TitoSection)
     token = server_token(args.auth_token, name="session server")
-    tito = load_tito(args.model, args.family, args.render_check)
-    make = app_factory(
-        args.router, tito, model_name=str(args.model), auth_token=token, max_body_bytes=int(args.max_body_mb * 2**20),
-        max_context_len=args.max_context_len,
-        default_max_tokens=args.max_tokens, max_rollback_turns=args.max_rollback_turns,
-        idle_timeout=args.session_idle_timeout or None, partial_rollout=args.partial_rollout,
-    )
+    model = args.model or ctx.config.model.name
+    tito = load_tito(model, tito_section.family, tito_section.render_check, kernel=ctx.kernel)
+    make = app_factory(args.router, tito, model_name=str(model), auth_token=token,
+                       max_body_bytes=int(args.max_body_mb * 2**20), **session_options(ctx, args.partial_rollout))
     app = make()
     # Everything loaded so far (transformers, the tokenizer: ~400k objects) lives as long as the
     # process. Frozen, the collector stops re-scanning it: a full collection took ~180 ms, a pause
     # every request in flight would wait out.
     gc.freeze()
-    print(f"session server: {args.model} (chat family {tito.family.name}) on http://{args.host}:{args.port}, engines at {args.router}", flush=True)
+    print(f"session server: {model} (chat family {tito.family.name}) on http://{args.host}:{args.port}, engines at {args.router}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m miles_tito.server``."""
+    return server_main("python -m miles_tito.server", "Serve the Miles session server.", add_arguments, run, argv)

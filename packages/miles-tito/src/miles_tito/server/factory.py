@@ -4,23 +4,28 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles_tito.families import resolve_family
 from miles_tito.tokenizer import RenderCheck, TitoTokenizer
+
+if TYPE_CHECKING:
+    from miles.kernel import Kernel
 
 UPSTREAM_CONNECTIONS = 1024
 """Most connections from one session server to the router; more concurrent requests wait for one."""
 
 
-def load_tito(model: str | Path, family: str | None = None, render_check: RenderCheck = "window") -> TitoTokenizer:
-    """The TITO tokenizer of ``model`` (a ``miles models list`` name or a folder)."""
+def load_tito(model: str | Path, family: str | None = None, render_check: RenderCheck = "window", *,
+              kernel: Kernel) -> TitoTokenizer:
+    """The TITO tokenizer of ``model`` (a ``miles models list`` name or a folder), with the chat
+    family ``family`` (default: the one the model's bridge names) of ``kernel`` (this process's)."""
     from miles_models import resolve_model
     from transformers import AutoTokenizer
 
     path = resolve_model(str(model))
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return TitoTokenizer(tokenizer, resolve_family(family, path), render_check=render_check)
+    return TitoTokenizer(tokenizer, resolve_family(family, path, kernel=kernel), render_check=render_check)
 
 
 def app_factory(engine_url: str, tito: TitoTokenizer, *, model_name: str, auth_token: str | None = None,

@@ -11,9 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles.errors import MilesError
+
+if TYPE_CHECKING:
+    from miles_contracts import RunContext
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,12 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def run(args: argparse.Namespace) -> int:
-    from miles.kernel import Kernel
-
+def run(args: argparse.Namespace, ctx: RunContext) -> int:
+    """The command; chat families are those of ``ctx.kernel`` (the CLI's plugins)."""
     from miles_tito.verify.check import format_report, verify_template
 
-    families = Kernel.load().chat_families()
+    families = ctx.kernel.chat_families()
     family = families.get(args.family) if args.family else None
     tokenizer_source: Path | None = None
     if args.target in families:
