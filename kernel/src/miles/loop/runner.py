@@ -73,7 +73,7 @@ class Run:
         self._main = (asyncio.get_running_loop(), asyncio.current_task())
         try:
             ops = await self._start()
-            await self.mode.run()(ops)
+            await self.mode.run(ops)
             if stop_requested():  # a cancellation was swallowed on the way: still an interruption
                 raise asyncio.CancelledError
             self._export()
