@@ -113,9 +113,10 @@ def server_main(prog: str, description: str, add_arguments: Callable[[argparse.A
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_arguments(parser)
     args = parser.parse_args(argv)
+    reported: tuple[type[Exception], ...] = (MilesError, *errors)
     try:
         return run(args)
-    except (MilesError, *errors) as exc:
+    except reported as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
