@@ -30,6 +30,10 @@ for part in "${parts[@]}"; do
       # wheelhouse.sh writes to .git/info/exclude itself: run it from the main checkout, not a worktree
       bash "${WHEELHOUSE:-../shared/device/wheelhouse.sh}"
       rm -f .whl/mooncake_transfer_engine*.whl  # the CPU build miles-mooncake[cpu] locks; no script here uses it
+      # the type checker and its dependencies (~19 MB) run in CI, not on the device: without them
+      # .whl, .tokonly and the tree fit one call's 64 MiB
+      rm -f .whl/mypy-*.whl .whl/mypy_extensions-*.whl .whl/ast_serialize-*.whl .whl/librt-*.whl \
+            .whl/types_pyyaml-*.whl .whl/pathspec-*.whl
       python3 -m pip download -q py-spy --no-deps --only-binary=:all: --platform manylinux2014_x86_64 -d .whl ;;
     trl)
       rm -rf .trl
