@@ -24,6 +24,7 @@ class RecordingEngine:
 
     def __init__(self, client: Any) -> None:
         self.client = client
+        self.base_url = client.base_url
         self.calls: list[tuple[Any, Any]] = []
 
     async def generate(self, request: Any, *, routing_key: str | None = None) -> Any:
@@ -67,23 +68,26 @@ def test_a_trajectory_spanning_a_weight_update_keeps_its_first_tokens_records_tw
 ) -> None:
     import torch
     from miles.builtin.generators import single_turn
+    from miles.context import context_for
     from miles.engine_client import HttpEngineClient
     from miles.executor.local import LocalExecutor
-    from miles.kernel import Kernel
     from miles.loop.learner import Learner
     from miles.loop.runner import place
     from miles.loop.services import start_services
-    from miles_contracts import GenerateContext, Sample, TrainBatch
+    from miles_contracts import GenerateContext, Process, Sample, TrainBatch
     from miles_contracts.wire.engine import SamplingParams
     from transformers import AutoTokenizer
 
     torch.set_num_threads(1)
     config = _config(tiny_model)
-    kernel = Kernel.load(config.plugin_selection)
-    kernel.configure(config)
+    (tmp_path / "config.yaml").write_text(config.to_yaml())  # what the services read, as in a run
+    ctx = context_for(config, Process.driver(), run_dir=tmp_path, configure=True)
+    kernel = ctx.kernel
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    backend = kernel.train_backends().get("fsdp")(config)
-    transport = kernel.weight_transports().get("shared_memory")(config)
+    # this process plays the driver and the one trainer rank
+    rank = context_for(config, Process.trainer_rank(0), run_dir=tmp_path, kernel=kernel)
+    backend = kernel.train_backends().get("fsdp").create(rank)
+    transport = kernel.weight_transports().get("shared_memory").create(rank)
     learner = Learner(config, kernel, backend, tokenizer.pad_token_id)
     executor = LocalExecutor(tmp_path, startup_timeout=120)
     try:
@@ -95,7 +99,7 @@ def test_a_trajectory_spanning_a_weight_update_keeps_its_first_tokens_records_tw
         def context(max_new_tokens: int) -> GenerateContext:
             params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
             return GenerateContext(engine=engine, tokenizer=tokenizer, sampling_params=params, max_context_len=1024,
-                                   partial_rollout=True)
+                                   run=ctx, partial_rollout=True)
 
         async def scenario() -> tuple[list[Sample], Sample]:
             # version 0 rollouts, one training step: the trainer's weights are no longer the engine's

@@ -101,7 +101,11 @@ def test_two_ranks_train_like_one(tiny, trained) -> None:
     moved = max((one[k].float() - initial[k].float()).abs().max().item() for k in one if k in initial)
     assert moved > 1e-4  # two optimiser steps at lr 1e-3 moved the weights...
     for name in one:  # ...and both trainers moved them the same way
-        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6, msg=name)
+        # Adam divides each update by the root of its second moment, so where a gradient entry is
+        # near zero the ranks' other summation order (~1e-7 relative) moves its update visibly:
+        # on this machine up to 1.5e-6 in 0.05% of one matrix's entries, against ~1e-3 per step
+        # that every entry moves (one optimiser step of lr 1e-3). 2e-5 tells the two apart.
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=2e-5, msg=name)
 
 
 def test_a_refused_push_leaves_the_ranks_usable(tiny, trained) -> None:

@@ -213,3 +213,15 @@ def test_async_settings_are_checked_against_the_mode(kernel: Kernel) -> None:
     cfg = load_config(None, ["run.mode=fully_async", "algorithm.correction=tis", "rollout.max_staleness=2",
                              "weights.update_interval=2"], kernel=kernel)
     assert (cfg.run.mode, cfg.rollout.max_staleness, cfg.weights.update_interval) == ("fully_async", 2, 2)
+
+
+def test_a_service_checks_the_schema_but_leaves_the_names_to_the_driver(kernel: Kernel) -> None:
+    """check_names=False (what a service process started from the run's config uses) validates
+    every section's keys and values, and skips what needs the registries (the driver did that)."""
+    config = load_config(None, ["algorithm.advantage=made_up", "rollout.filters=[nope]"], kernel=kernel,
+                         check_names=False)
+    assert config.algorithm.advantage == "made_up"
+    with pytest.raises(ConfigError, match="rollout.tempreature: unknown key"):
+        load_config(None, ["rollout.tempreature=0.5"], kernel=kernel, check_names=False)
+    with pytest.raises(ConfigError, match="unknown advantage estimator 'made_up'"):
+        load_config(None, ["algorithm.advantage=made_up"], kernel=kernel)

@@ -177,12 +177,29 @@ def _nested_choices(annotation: Any) -> list[str]:
     return found
 
 
-def _cross_section_errors(cfg: MilesConfig, kernel: Kernel) -> list[str]:
+def _cross_section_errors(cfg: MilesConfig) -> list[str]:
+    """Settings that contradict each other (no plugin's registry involved)."""
     errors = []
     if cfg.algorithm.kl_loss_coef > 0 and not cfg.train.use_reference:
         errors.append("algorithm.kl_loss_coef > 0 needs a reference model: set train.use_reference: true")
     if cfg.algorithm.kl_coef > 0 and not cfg.train.use_reference:
         errors.append("algorithm.kl_coef > 0 needs a reference model: set train.use_reference: true")
+    if cfg.algorithm.opd_coef > 0 and cfg.train.teacher_model is None:
+        errors.append("algorithm.opd_coef > 0 needs a teacher: set train.teacher_model to a model name or folder")
+    from miles.loop.modes import loop_mode
+
+    errors += loop_mode(cfg).config_errors(cfg)
+    if cfg.rollout.max_new_tokens >= cfg.rollout.max_context_len:
+        errors.append(
+            f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) must be below rollout.max_context_len "
+            f"({cfg.rollout.max_context_len}) to leave room for the prompt"
+        )
+    return errors
+
+
+def _spec_errors(cfg: MilesConfig, kernel: Kernel) -> list[str]:
+    """What the chosen implementations' specs require of the rest of the config."""
+    errors = []
     if cfg.algorithm.advantage in kernel.advantages():
         advantage = kernel.advantages().get(cfg.algorithm.advantage)
         if advantage.needs_critic and not cfg.train.use_critic:
@@ -194,22 +211,11 @@ def _cross_section_errors(cfg: MilesConfig, kernel: Kernel) -> list[str]:
                 f"algorithm.advantage {cfg.algorithm.advantage!r} needs train.policy_loss: {advantage.policy_loss}, got "
                 f"{cfg.train.policy_loss!r}"
             )
-    if cfg.algorithm.opd_coef > 0 and cfg.train.teacher_model is None:
-        errors.append("algorithm.opd_coef > 0 needs a teacher: set train.teacher_model to a model name or folder")
     generators = kernel.generators()
     if cfg.rollout.generator in generators and generators.get(cfg.rollout.generator).needs_agent \
             and cfg.rollout.agent is None:
         errors.append(f"rollout.generator {cfg.rollout.generator!r} needs rollout.agent: the name of a registered agent")
-    from miles.loop.modes import loop_mode
-
-    errors += loop_mode(cfg).config_errors(cfg)
-    errors += _engine_errors(cfg, kernel)
-    if cfg.rollout.max_new_tokens >= cfg.rollout.max_context_len:
-        errors.append(
-            f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) must be below rollout.max_context_len "
-            f"({cfg.rollout.max_context_len}) to leave room for the prompt"
-        )
-    return errors
+    return errors + _engine_errors(cfg, kernel)
 
 
 def _engine_errors(cfg: MilesConfig, kernel: Kernel) -> list[str]:
@@ -241,8 +247,17 @@ def _without_moved_keys(data: Mapping[str, Any]) -> tuple[dict[str, Any], list[s
     return out, errors
 
 
-def build_config(data: Mapping[str, Any], *, source: str | None = None, kernel: Kernel | None = None) -> MilesConfig:
-    """Validate raw config data. Raises :class:`ConfigError` listing every problem."""
+def build_config(data: Mapping[str, Any], *, source: str | None = None, kernel: Kernel | None = None,
+                 check_names: bool = True) -> MilesConfig:
+    """Validate raw config data. Raises :class:`ConfigError` listing every problem.
+
+    :param check_names: also check every name that refers to a registry (``algorithm.advantage``,
+        ``rollout.filters`` ...) and what the chosen specs require. The driver does; a service
+        process started from the run's config (validated whole by the driver) leaves it out:
+        collecting every registry imports every plugin's implementations (torch, for the advantage
+        estimators: ~5 s more for a router to start), and a service resolves the names it uses
+        itself, with the same errors.
+    """
     from miles.kernel import Kernel
 
     errors: list[str] = []
@@ -280,28 +295,30 @@ def build_config(data: Mapping[str, Any], *, source: str | None = None, kernel: 
         except ValidationError as exc:
             errors += _format_pydantic(name, exc)
 
-    for name, value in values.items():
-        errors += _choice_errors(name, value, kernel)
+    if check_names:
+        for name, value in values.items():
+            errors += _choice_errors(name, value, kernel)
     if errors:
         raise ConfigError(errors, source=source)
 
     core = {name: values[name] for name in CORE_SECTIONS}
     extra = {name: values[name] for name in extra_models}
     cfg = MilesConfig(**cast(dict[str, Any], core), extra=extra)  # each core section validated by its own model
-    errors = _cross_section_errors(cfg, kernel)
+    errors = _cross_section_errors(cfg) + (_spec_errors(cfg, kernel) if check_names else [])
     if errors:
         raise ConfigError(errors, source=source)
     return cfg
 
 
-def load_config(path: Path | str | None = None, overrides: Sequence[str] = (), *, kernel: Kernel | None = None) -> MilesConfig:
-    """Load ``path`` (or the defaults when None), apply overrides, validate."""
+def load_config(path: Path | str | None = None, overrides: Sequence[str] = (), *, kernel: Kernel | None = None,
+                check_names: bool = True) -> MilesConfig:
+    """Load ``path`` (or the defaults when None), apply overrides, validate (see :func:`build_config`)."""
     data = read_yaml(Path(path)) if path is not None else {}
     errors = apply_overrides(data, overrides)
     source = str(path) if path is not None else None
     if errors:
         raise ConfigError(errors, source=source)
-    return build_config(data, source=source, kernel=kernel)
+    return build_config(data, source=source, kernel=kernel, check_names=check_names)
 
 
 __all__ = [

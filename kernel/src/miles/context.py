@@ -40,7 +40,8 @@ def service_context(config_path: str | Path | None, role: str, overrides: list[s
 
     :param run_dir: the run's folder, when the service belongs to a run.
     """
-    config = load_config(Path(config_path) if config_path is not None else None, overrides or [])
+    # the driver checked the run's names against every registry; this process resolves its own
+    config = load_config(Path(config_path) if config_path is not None else None, overrides or [], check_names=False)
     return context_for(config, Process.service(role), run_dir=run_dir, configure=True)
 
 

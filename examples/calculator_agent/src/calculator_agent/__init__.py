@@ -1,5 +1,3 @@
-"""Example agent for Miles: the official ``openai`` client plus a calculator tool."""
-
-from calculator_agent.agent import CALCULATOR_TOOL, run_agent
-
-__all__ = ["CALCULATOR_TOOL", "run_agent"]
+"""Example agent for Miles: the official ``openai`` client plus a calculator tool
+(:mod:`calculator_agent.agent`). Importing the package imports neither: ``miles plugins`` and every
+process of a run load the plugin module, and only the driver runs the agent."""
