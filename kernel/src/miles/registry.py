@@ -29,16 +29,13 @@ class Register(Protocol[S_contra]):
 
 @dataclass(frozen=True, slots=True)
 class Entry(Generic[T]):
+    """One registered name: ``obj`` is the spec the plugin registered (adapted, for a bare object)."""
+
     name: str
     obj: T
     plugin: str
     distribution: str | None
     version: str | None
-
-    @property
-    def spec(self) -> T:
-        """What the plugin registered (the same as ``obj``)."""
-        return self.obj
 
     @property
     def origin(self) -> str:
