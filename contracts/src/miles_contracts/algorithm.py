@@ -32,6 +32,11 @@ class AlgorithmParams(BaseModel):
     eps_clip: float = Field(default=0.2, gt=0.0)
     eps_clip_high: float | None = Field(default=None, gt=0.0, description="upper clip; defaults to eps_clip")
     dual_clip_c: float | None = Field(default=None, gt=1.0, description="dual-clip bound c > 1 for negative advantages")
+    cispo_eps_low: float = Field(
+        default=1.0, ge=0.0, le=1.0,
+        description="cispo: the IS weight's floor is 1 - cispo_eps_low (1.0: no floor, as in MiniMax-M1)",
+    )
+    cispo_eps_high: float = Field(default=0.28, gt=0.0, description="cispo: the IS weight's cap is 1 + cispo_eps_high")
     value_clip: float = Field(default=0.2, gt=0.0)
     value_loss_coef: float = Field(default=0.5, ge=0.0)
     loss_reduction: LossReduction = "token_mean"

@@ -1,4 +1,4 @@
-"""Policy losses (ppo_clip with separate epsilons and dual clip, gspo) and the clipped value loss."""
+"""Policy losses (ppo_clip with separate epsilons and dual clip, gspo, cispo) and the clipped value loss."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from miles_algorithms.losses import gspo, ppo_clip, value_loss
+from miles_algorithms.losses import cispo, gspo, ppo_clip, value_loss
 from miles_contracts import AlgorithmParams
 
 # Five trainable tokens and one masked one (garbage that must not matter):
@@ -67,10 +67,45 @@ def test_extreme_log_ratios_stay_finite(make_batch):
     old = torch.tensor([[0.0, -1e4, 0.0, -1e4]])
     logprobs = torch.tensor([[-1e4, 0.0, -1e4, 0.0]], requires_grad=True)
     batch = make_batch([[1, 1, 1, 1]], old_logprobs=old.tolist(), advantages=[[1.0, 1.0, -1.0, -1.0]])
-    for loss_fn in (ppo_clip, gspo):
+    for loss_fn in (ppo_clip, gspo, cispo):
         loss, _ = loss_fn(logprobs, batch, AlgorithmParams())
         (grad,) = torch.autograd.grad(loss.sum(), logprobs)
         assert torch.isfinite(loss).all() and torch.isfinite(grad).all()
+
+
+def test_cispo_by_hand_truncates_the_weight_and_keeps_every_tokens_gradient(make_batch):
+    # the same tokens as PPO's table, weights w = clip(rho, 1 - 0.6, 1 + 0.3) = clip(rho, 0.4, 1.3):
+    #   token  ratio  A    w     loss -w*A   gradient -w*A (never 0)   truncated
+    #   0      1.5    +1   1.3   -1.3        -1.3                      yes
+    #   1      0.5    +1   0.5   -0.5        -0.5                      no
+    #   2      0.5    -2   0.5   +1.0        +1.0                      no   (PPO: clipped, gradient 0)
+    #   3      1.1    -1   1.1   +1.1        +1.1                      no
+    #   4      5.0    -1   1.3   +1.3        +1.3                      yes
+    logprobs, batch = ppo_inputs(make_batch)
+    loss, metrics = cispo(logprobs, batch, AlgorithmParams(cispo_eps_low=0.6, cispo_eps_high=0.3))
+    expected = torch.tensor([[-1.3, -0.5, 1.0, 1.1, 1.3, 0.0]])
+    assert torch.allclose(loss, expected, atol=1e-5)
+    assert metrics["pg_clipfrac"].tolist() == [[1.0, 0.0, 0.0, 0.0, 1.0, 0.0]]
+    assert torch.allclose(metrics["ratio"], torch.tensor([[*RATIOS, 0.0]]), atol=1e-5)
+    loss.sum().backward()
+    assert torch.allclose(logprobs.grad, expected, atol=1e-5)
+
+
+def test_cispo_has_no_floor_by_default_and_equals_ppo_on_policy(make_batch):
+    old = torch.tensor([[-1.0, -2.0, -0.5]])
+    batch = make_batch([[1, 1, 1]], old_logprobs=old.tolist(), advantages=[[0.5, -1.0, 2.0]])
+    tiny = (old + torch.log(torch.tensor([1e-3, 1e-3, 1e-3]))).requires_grad_(True)
+    loss, metrics = cispo(tiny, batch, AlgorithmParams())
+    assert torch.allclose(loss, torch.tensor([[-0.5e-3, 1e-3, -2e-3]]), atol=1e-7)  # w = rho: not floored
+    assert metrics["pg_clipfrac"].sum() == 0.0
+    on_policy = old.clone().requires_grad_(True)
+    twin = old.clone().requires_grad_(True)
+    cispo_loss, _ = cispo(on_policy, batch, AlgorithmParams())
+    ppo_loss, _ = ppo_clip(twin, batch, AlgorithmParams())
+    assert torch.equal(cispo_loss, ppo_loss)
+    cispo_loss.sum().backward()
+    ppo_loss.sum().backward()
+    assert torch.equal(on_policy.grad, twin.grad)
 
 
 def test_gspo_clips_the_geometric_mean_ratio_per_row(make_batch):

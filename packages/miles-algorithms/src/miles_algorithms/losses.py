@@ -20,6 +20,12 @@ zeroes the gradient) of a token whose ratio exploded while its advantage is nega
   ``s_t = sg(s) * pi_t / sg(pi_t)``: its value is ``s``, its gradient ``s * grad log pi_t``, so
   per-token advantages (KL penalty, distillation) stay per-token. The whole row is clipped
   together. With ``loss_reduction: sequence_mean`` this is exactly the GSPO objective.
+- ``cispo`` (MiniMax-M1): no token is clipped out of the gradient; the importance weight itself is
+  truncated and detached, ``w_t = sg(clip(rho_t, 1 - cispo_eps_low, 1 + cispo_eps_high))``, and
+  ``L_t = -w_t * A_t * pi_t / sg(pi_t)``: its value is ``-w_t * A_t`` (PPO's surrogate where no clip
+  binds), its gradient ``-w_t * A_t * grad log pi_t`` for every trainable token. PPO-clip gives a
+  token whose ratio left the trust region no gradient at all; that silences exactly the rare
+  tokens (a low-probability "wait") whose probability an update moved most.
 """
 
 from __future__ import annotations
@@ -74,7 +80,19 @@ def gspo(logprobs: torch.Tensor, batch: TrainBatch, params: AlgorithmParams) -> 
     return clipped_surrogate(log_ratio_t.exp(), advantages, mask, params)
 
 
-POLICY_LOSSES = {"ppo_clip": ppo_clip, "gspo": gspo}
+def cispo(logprobs: torch.Tensor, batch: TrainBatch, params: AlgorithmParams) -> tuple[torch.Tensor, TokenMetrics]:
+    """Clipped, detached importance weight times the policy gradient (``train.policy_loss: cispo``)."""
+    mask, advantages, log_ratio = _inputs(logprobs, batch)
+    ratio = log_ratio.detach().clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
+    weight = ratio.clamp(1.0 - params.cispo_eps_low, 1.0 + params.cispo_eps_high)
+    token_logprobs = masked(logprobs.float(), mask)
+    unit = (token_logprobs - token_logprobs.detach()).exp()  # value 1, gradient grad log pi
+    loss = -weight * advantages * unit
+    metrics = {"pg_clipfrac": ((weight != ratio) & mask).float(), "ratio": masked(ratio, mask)}
+    return masked(loss, mask), metrics
+
+
+POLICY_LOSSES = {"ppo_clip": ppo_clip, "gspo": gspo, "cispo": cispo}
 
 
 def value_loss(

@@ -4,7 +4,7 @@ Registered names:
 
 - advantages (``algorithm.advantage``): ``grpo``, ``gspo``, ``ppo``, ``reinforce_pp``,
   ``reinforce_pp_baseline``;
-- policy losses (``train.policy_loss``): ``ppo_clip``, ``gspo``;
+- policy losses (``train.policy_loss``): ``ppo_clip``, ``gspo``, ``cispo``;
 - mismatch corrections (``algorithm.correction``): ``none``, ``tis``, ``mis``.
 
 torch is imported only when a registry is collected, not when ``miles plugins`` lists plugins.
