@@ -98,6 +98,22 @@ def test_the_session_server_needs_the_token_and_a_session_key_reaches_its_own_se
     assert httpx.post(f"{url}/sessions", headers=own).status_code == 401
 
 
+def test_a_deleted_sessions_key_gets_404_not_401(session_server) -> None:
+    import openai
+
+    session = session_server.client.post("/sessions").json()
+    client = openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert session_server.client.delete(f"/sessions/{session['session_id']}").status_code == 200
+    with pytest.raises(openai.NotFoundError, match="already deleted"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    # the gone session's key still opens nothing else, and a wrong key for the gone session is 401
+    other = session_server.client.post("/sessions").json()
+    own = {"Authorization": f"Bearer {session['api_key']}"}
+    assert httpx.get(f"{other['base_url']}/models", headers=own).status_code == 401
+    assert httpx.get(f"{session['base_url']}/models", headers=WRONG).status_code == 401
+
+
 def test_an_agent_with_the_openai_client_passes_the_session_key_as_api_key(session_server) -> None:
     import openai
 

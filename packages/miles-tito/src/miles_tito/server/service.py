@@ -19,6 +19,7 @@ abandoned session's tokens forever.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import secrets
@@ -111,6 +112,8 @@ class SessionService:
         self.partial_rollout = partial_rollout  # continue turns a weight update aborted (TurnRequest.continue_aborted)
         self.sessions: dict[str, Session] = {}
         self.expired: OrderedDict[str, float] = OrderedDict()  # id -> seconds it had been idle
+        # id -> SHA-256 of the api_key of a deleted or expired session: its agent gets 404 (gone), not 401
+        self.retired_keys: OrderedDict[str, bytes] = OrderedDict()
         self._next_sweep = time.monotonic()
 
     # ------------------------------------------------------------------ lifecycle
@@ -139,7 +142,16 @@ class SessionService:
         if len(parts) < 5 or parts[1] != "sessions" or parts[3] != "v1":
             return False
         session = self.sessions.get(parts[2])
-        return session is not None and hmac.compare_digest(session.api_key.encode(), presented.encode())
+        if session is not None:
+            return hmac.compare_digest(session.api_key.encode(), presented.encode())
+        retired = self.retired_keys.get(parts[2])  # the route answers 404 with why the session is gone
+        return retired is not None and hmac.compare_digest(retired, hashlib.sha256(presented.encode()).digest())
+
+    def _retire(self, session: Session) -> None:
+        self.sessions.pop(session.id, None)
+        self.retired_keys[session.id] = hashlib.sha256(session.api_key.encode()).digest()
+        while len(self.retired_keys) > EXPIRED_MEMORY:
+            self.retired_keys.popitem(last=False)
 
     def get(self, session_id: str) -> Session:
         self.expire_idle()
@@ -164,7 +176,7 @@ class SessionService:
         stale = [s for s in self.sessions.values()
                  if now - s.last_used > self.idle_timeout and not s.closing and not s.lock.locked()]
         for session in stale:
-            del self.sessions[session.id]
+            self._retire(session)
             self.expired[session.id] = now - session.last_used
             log.warning("session %s expired after %.0f s without a request (%d turns, %d tokens)", session.id,
                         now - session.last_used, len(session.conversation.records), len(session.conversation.token_ids))
@@ -199,7 +211,7 @@ class SessionService:
             pass  # the request in flight never finished; delete anyway, with what was committed
         else:
             session.lock.release()
-        self.sessions.pop(session_id, None)
+        self._retire(session)
         return self.view(session)
 
     # ------------------------------------------------------------------ chat
