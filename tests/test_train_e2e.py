@@ -51,10 +51,13 @@ def _samples(run: Path, step: int) -> list[dict]:
 
 @pytest.mark.slow
 def test_two_steps_train_sync_and_checkpoint(tiny_model: Path, tmp_path: Path) -> None:
-    out = _train(*_args(tiny_model, tmp_path, "ci", "run.steps=2"))
+    out = _train(*_args(tiny_model, tmp_path, "ci", "run.steps=2", "weights.check=true"))
     assert out.returncode == 0, out.stdout + out.stderr
     run = tmp_path / "ci"
     metrics = _metrics(run)
+    # check mode: every sync was compared on the engine, and the run says so
+    assert [(m["weights/check_passed"], m["weights/checked_engines"]) for m in metrics] == [(1.0, 1.0)] * 2
+    assert out.stderr.count("weights check passed: version") == 2, out.stderr[-3000:]
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert m["rollout/samples"] == 8 and m["rollout/groups_kept"] == 2

@@ -49,6 +49,8 @@ class TransferReport:
 
     :ivar seconds: wall time of the whole sync.
     :ivar paused_seconds: the part of it during which engines did not generate.
+    :ivar checked_engines: the engines whose copy of this sync check mode compared and found
+        bit-exact (``weights.check``; a mismatch raises instead); empty when nothing was compared.
     """
 
     version: int
@@ -57,6 +59,7 @@ class TransferReport:
     seconds: float
     num_buckets: int = 1
     paused_seconds: float = 0.0
+    checked_engines: tuple[str, ...] = ()
 
     @property
     def gbps(self) -> float:

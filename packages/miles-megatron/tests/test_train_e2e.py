@@ -33,6 +33,7 @@ def test_train_with_the_megatron_backend(tiny_dense: Path, tmp_path: Path, layou
         assert m["train/train_rollout_logprob_abs_diff"] < 1e-3
         assert m["train/optimizer_steps"] >= 1
     assert [m["weights/version"] for m in metrics] == [1.0, 2.0]
+    assert [m["weights/check_passed"] for m in metrics] == [1.0, 1.0]
     assert (run / "checkpoints" / "step_000002" / "miles-state.json").is_file()
     assert "run completed" in out.stderr
     # the ranks split the model as asked (not, say, two data-parallel replicas)

@@ -90,7 +90,7 @@ def test_check_mode_passes_on_a_tied_random_llama(name: str, tied_dir: Path, tie
     url = tied_engines["target"]
     with make(name, tmp_path, check=True) as transport:  # noise first, then the sync must restore every byte
         report = transport.push(iter(tensors), targets=[url], version=3)
-    assert report.num_tensors == len(tensors)
+    assert report.num_tensors == len(tensors) and report.checked_engines == (url,)
     checksums = json.loads(urllib.request.urlopen(urllib.request.Request(url + "/weights_checksum", headers=auth_headers()), timeout=60).read())["checksums"]
     assert set(checksums) == set(names)  # one name per stored tensor: the tied head is not reported apart
     # the head was never sent and was noise: only the tie can have restored it

@@ -170,13 +170,19 @@ class StepOps:
             report = self._trainer.push_weights(targets, version)
         restarted = services.take_stale()
         self.kernel.weights_synced(version)
-        return {
+        metrics = {
             "time/sync": time.perf_counter() - start,
             "perf/sync_gb_per_s": report.gbps,
             "weights/version": float(version),
             "weights/engines_restarted": float(len(restarted)),
             "time/wait_engines": waited,
         }
+        if report.checked_engines:  # a check that fails raises WeightCheckError and stops the run
+            self.progress.message(f"weights check passed: version {version} is bit-exact on "
+                                  f"{len(report.checked_engines)} engine(s): {', '.join(report.checked_engines)}")
+            metrics["weights/check_passed"] = 1.0
+            metrics["weights/checked_engines"] = float(len(report.checked_engines))
+        return metrics
 
     @property
     def stale_engines(self) -> bool:

@@ -217,6 +217,7 @@ class TrainerGroup:
             version=version, num_tensors=max(r.num_tensors for r in reports), num_bytes=sum(r.num_bytes for r in reports),
             seconds=max(r.seconds for r in reports), num_buckets=max(r.num_buckets for r in reports),
             paused_seconds=max(r.paused_seconds for r in reports),
+            checked_engines=tuple(sorted({url for r in reports for url in r.checked_engines})),
         )
 
     # ------------------------------------------------------------------ processes

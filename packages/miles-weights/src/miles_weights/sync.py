@@ -183,15 +183,14 @@ class BucketedTransport(ABC):
             if self.options.check:
                 self._fill_noise([url for url in urls if url not in self._noise], version)
             num_buckets = self._deliver(staged, urls, version)
-            if self.options.check:
-                self._verify(urls, tally, version)
+            checked = self._verify(urls, tally, version) if self.options.check else ()
             self._calls.post_all(urls, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False},
                                  step=f"version {version}: update weight version")
             self._calls.post_all(urls, "/continue_generation", {}, step=f"version {version}: continue generation")
             resumed = time.perf_counter()
         end = time.perf_counter()  # after the staged files are cleaned up
         return TransferReport(version=version, num_tensors=tally.count, num_bytes=tally.nbytes, seconds=end - start,
-                              num_buckets=num_buckets, paused_seconds=resumed - paused)
+                              num_buckets=num_buckets, paused_seconds=resumed - paused, checked_engines=checked)
 
     def _note_declined_flush(self, urls: list[str]) -> None:
         for url in urls:
@@ -260,7 +259,9 @@ class BucketedTransport(ABC):
             self._noise[url] = {}
             self._snapshotted.add(url)
 
-    def _verify(self, urls: list[str], tally: TensorTally, version: int) -> None:
+    def _verify(self, urls: list[str], tally: TensorTally, version: int) -> tuple[str, ...]:
+        """Compare what each engine holds with what was sent; the engines proven bit-exact (an
+        SGLang engine only on its first sync: later ones have no snapshot to compare with)."""
         engines = self.engine_info(urls, version)
         mismatches: dict[str, list[str]] = {}
         lines = []
@@ -289,6 +290,11 @@ class BucketedTransport(ABC):
                 + "\n(a trainer dtype other than the engine's also breaks bit-exactness: send the engine's dtype)",
                 mismatches,
             )
+        checked = (*snapshotted, *ours)
+        for url in checked:
+            log.info("check mode: the %s sync of version %d is bit-exact on engine %s (%d tensors)", self.name, version,
+                     url, tally.count)
+        return checked
 
 
 def _non_empty(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
