@@ -165,7 +165,7 @@ def _check_names(selection: PluginSelection, installed: set[str]) -> None:
         unknown = sorted(set(names) - installed)
         if unknown:
             problems.append(f"{source} names plugin(s) that are not installed: {_with_guesses(unknown, installed)}; "
-                            f"installed: {', '.join(sorted(installed))} (`miles plugins` lists them)")
+                            f"installed: {', '.join(sorted(installed))}")
     if problems:
         raise PluginError("\n".join(problems))
 

@@ -1,8 +1,8 @@
 """Entry point of the ``miles`` script: builds argparse from the registered commands.
 
 Only the command the line names gets its arguments added: a command's ``add_arguments`` may
-import its package's heavy code (a benchmark's options come from its engine's settings), and
-``miles --help`` or ``miles config show`` must not pay for every installed package's
+import its package's heavy code (``miles bench r3``'s imported torch, ~6 s of CPU that every
+``miles --help`` paid), and one command must not pay for every installed package's
 (``docs/benchmarks/cli.md``).
 """
 
