@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -86,3 +87,58 @@ def test_config_show_and_train_read_the_same_arguments(tmp_path: Path, capsys: p
     assert main(["train", "run.stepz=2"]) == 2
     err = capsys.readouterr().err
     assert "run.stepz: unknown key" in err and "cannot read config file" not in err
+
+
+def test_help_lists_every_command_but_builds_only_the_named_ones_arguments() -> None:
+    """`miles --help` must not run every command's add_arguments (they may import their package's
+    heavy code; kernel/tests/test_import_isolation.py checks what the CLI imports); the command
+    named on the line still gets its arguments."""
+    from miles.cli.main import build_parser, named_command
+    from miles_contracts import CommandSpec
+
+    built: list[str] = []
+
+    def command(name: str) -> CommandSpec:
+        def add_arguments(parser: argparse.ArgumentParser) -> None:
+            built.append(name)
+            parser.add_argument("--flag")
+
+        return CommandSpec(f"the {name} command", lambda args, ctx: 0, add_arguments=add_arguments)
+
+    commands = {name: command(name) for name in ("plugins", "bench engine", "bench train")}
+    assert named_command(["bench", "train", "--help"], commands) == "bench train"
+    assert named_command(["--help"], commands) is None
+    assert named_command(["bench"], commands) is None  # a group: argparse lists its commands
+    parser = build_parser(commands, None)
+    assert "plugins" in parser.format_help() and built == []
+    build_parser(commands, "bench train").parse_args(["bench", "train", "--flag", "x"])
+    assert built == ["bench train"]
+    # through the real entry point: the named command's own arguments are there
+    out = miles("models", "pull", "--help")
+    assert out.returncode == 0 and "--force" in out.stdout
+
+
+def test_an_unknown_key_or_section_gets_the_closest_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "show", "run.stpes=2", "rollot.temperature=1", "run.zzzz=1"]) == 2
+    err = capsys.readouterr().err
+    assert "run.stpes: unknown key (did you mean run.steps? `miles config show` prints every key)" in err
+    assert "rollot: unknown section; did you mean rollout? known sections: plugins, run," in err
+    assert "run.zzzz: unknown key (check the spelling;" in err  # nothing close: no guess
+
+
+@pytest.mark.parametrize("field", ["disable", "enable"])
+def test_a_misspelled_plugin_in_the_config_stops_the_command(field: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # plugins.disable: [lamma] used to be accepted, leaving llama on
+    assert main(["config", "show", f"plugins.{field}=[lamma]"]) == 2
+    err = capsys.readouterr().err
+    assert f"plugins.{field} names plugin(s) that are not installed: lamma (did you mean 'llama'?); installed:" in err
+
+
+def test_an_unknown_model_name_fails_before_the_run_folder_is_made(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    runs = tmp_path / "runs"
+    assert main(["train", "model.name=smollm2-135m", f"run.output_dir={runs}", "run.name=typo"]) == 2
+    err = capsys.readouterr().err
+    assert "model 'smollm2-135m' is not a local folder" in err
+    assert "Did you mean 'smollm2-135m-instruct'?" in err
+    assert not runs.exists()  # not even a folder holding only config.yaml

@@ -1,4 +1,7 @@
-"""Importing the kernel (and listing plugins) must not pull in heavy frameworks."""
+"""Importing the kernel, listing plugins and the commands that only read plugins and config
+(``miles --help``, ``miles config show``, a config error) must not pull in heavy frameworks:
+each plugin declares its sections, commands and registered names without importing its heavy
+code, which loads in the factory that uses it (docs/benchmarks/cli.md has the timings)."""
 
 from __future__ import annotations
 
@@ -6,7 +9,10 @@ import json
 import subprocess
 import sys
 
-HEAVY = ["torch", "ray", "transformers", "fastapi", "megatron"]
+import pytest
+
+HEAVY = ["torch", "ray", "transformers", "fastapi", "megatron", "uvicorn", "httpx", "numpy", "safetensors",
+         "starlette", "aiohttp", "openai", "datasets", "tokenizers", "sglang", "wandb", "mlflow", "tensorboard"]
 
 
 def _imported_after(code: str) -> list[str]:
@@ -25,3 +31,17 @@ def test_import_miles_imports_no_heavy_framework() -> None:
 def test_loading_every_installed_plugin_stays_light() -> None:
     # `miles plugins` imports every plugin module: they must defer heavy imports to use time.
     assert _imported_after("from miles.kernel import Kernel; Kernel.load().plugins()") == []
+
+
+@pytest.mark.parametrize("argv", [
+    ["--help"],
+    ["config", "show"],  # validates every section and every registered name (all registries collected)
+    ["config", "show", "run.stpes=2"],  # a config error
+    ["plugins"],
+    ["bench", "--help"],
+])
+def test_commands_that_read_only_plugins_and_config_stay_light(argv: list[str]) -> None:
+    run = ("import contextlib, io\nfrom miles.cli.main import main\n"
+           "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+           f"    try:\n        main({argv!r})\n    except SystemExit:\n        pass")
+    assert _imported_after(run) == []

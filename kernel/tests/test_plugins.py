@@ -124,7 +124,7 @@ def test_disable_blocks_before_loading(extra_plugins) -> None:
 
 def test_env_var_disables(extra_plugins, monkeypatch: pytest.MonkeyPatch) -> None:
     extra_plugins("shouty", REWARD_PLUGIN)
-    monkeypatch.setenv("MILES_DISABLE_PLUGINS", "shouty, other")
+    monkeypatch.setenv("MILES_DISABLE_PLUGINS", "shouty, llama")
     kernel = Kernel.load(PluginSelection.from_settings(None, ()))
     assert "shout" not in kernel.rewards()
     assert {i.name: i.status for i in kernel.plugins()}["shouty"] == "blocked"
@@ -142,6 +142,43 @@ def test_enable_is_an_allow_list_that_keeps_essentials(extra_plugins) -> None:
 def test_enable_unknown_plugin_lists_installed(fresh_kernels: None) -> None:
     with pytest.raises(PluginError, match="not installed: nope; installed: .*core"):
         Kernel.load(PluginSelection(enable=("nope",)))
+
+
+@pytest.mark.parametrize("field", ["enable", "disable"])
+def test_a_misspelled_plugin_name_is_refused_with_a_guess(fresh_kernels: None, field: str) -> None:
+    # a misspelled disable is the dangerous one: the plugin the user meant to turn off would stay on
+    with pytest.raises(PluginError) as info:
+        Kernel.load(PluginSelection(**{field: ("lamma", "nosuch")}))
+    message = str(info.value)
+    assert f"plugins.{field} names plugin(s) that are not installed: lamma (did you mean 'llama'?), nosuch;" in message
+    assert "installed: " in message and "core" in message and "qwen3" in message
+
+
+def test_a_misspelled_name_in_the_env_var_is_refused_naming_the_variable(
+        fresh_kernels: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MILES_DISABLE_PLUGINS", "llama,qwen")
+    with pytest.raises(PluginError, match=r"MILES_DISABLE_PLUGINS names plugin\(s\) that are not installed: "
+                                          r"qwen \(did you mean 'qwen3'\?\); installed: "):
+        Kernel.load(PluginSelection.from_settings(None, ["r3"]))
+
+
+def test_every_name_problem_is_reported_at_once(fresh_kernels: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MILES_DISABLE_PLUGINS", "nosuch_env")
+    with pytest.raises(PluginError) as info:
+        Kernel.load(PluginSelection.from_settings(["nosuch_enable"], ["core", "nosuch_disable"]))
+    message = str(info.value)
+    for part in ("core cannot be disabled", "plugins.enable names plugin(s) that are not installed: nosuch_enable",
+                 "plugins.disable names plugin(s) that are not installed: nosuch_disable",
+                 "MILES_DISABLE_PLUGINS names plugin(s) that are not installed: nosuch_env"):
+        assert part in message
+
+
+def test_a_plugin_whose_import_fails_is_installed_and_can_be_disabled_by_env(
+        extra_plugins, monkeypatch: pytest.MonkeyPatch) -> None:
+    extra_plugins("broken", "import definitely_not_a_module_xyz")
+    monkeypatch.setenv("MILES_DISABLE_PLUGINS", "broken")
+    kernel = Kernel.load(PluginSelection.from_settings(None, ()))
+    assert {i.name: i.status for i in kernel.plugins()}["broken"] == "blocked"
 
 
 def test_essential_plugin_cannot_be_disabled(fresh_kernels: None) -> None:
@@ -265,4 +302,4 @@ def test_model_bridge_claim_and_clear_error_when_unclaimed(extra_plugins) -> Non
 
 def test_load_is_idempotent_per_selection(fresh_kernels: None) -> None:
     assert Kernel.load() is Kernel.load()
-    assert Kernel.load(PluginSelection(disable=("x",))) is not Kernel.load()
+    assert Kernel.load(PluginSelection(disable=("llama",))) is not Kernel.load()

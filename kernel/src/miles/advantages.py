@@ -35,7 +35,8 @@ def estimate_advantages(batch: TrainBatch, params: AlgorithmParams, spec: Advant
     :raises ValueError: the estimator needs critic values the batch lacks, returned advantages of
         another shape than the loss mask, or distillation is on without teacher log-probs.
     """
-    name = type(spec.estimator).__name__
+    # a function's own name (a stand-in that imports its estimator lazily is named after it), else its class's
+    name = getattr(spec.estimator, "__name__", type(spec.estimator).__name__)
     if spec.needs_critic and batch.values is None:
         raise ValueError(f"{name} needs critic values: run the critic pass (train.use_critic: true)")
     result = spec.estimator(batch, params)

@@ -19,7 +19,7 @@ from typing import Any, TypeVar, cast
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from miles.errors import ConfigError
+from miles.errors import ConfigError, closest_name
 from miles.plugins import PluginSelection
 from miles.sections import (
     CORE_SECTIONS,
@@ -139,13 +139,19 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> list[str]
 # ----------------------------------------------------------------------------- validation
 
 
-def _format_pydantic(section: str, error: ValidationError) -> list[str]:
+def _format_pydantic(section: str, error: ValidationError, model: type[BaseModel]) -> list[str]:
+    """One line per error of ``section`` (validated by ``model``); an unknown key gets the
+    section's closest key as a guess."""
     lines = []
     for e in error.errors():
         loc = ".".join(str(p) for p in (section, *e["loc"]))
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling; `miles config show` prints every key)"
+            # a key of the section itself (sections hold no nested models; a dict of options has no keys to offer)
+            keys = list(model.model_fields) if len(e["loc"]) == 1 else []
+            close = closest_name(str(e["loc"][0]), keys)
+            guess = f"did you mean {section}.{close}? " if close else ""
+            msg = f"unknown key ({guess or 'check the spelling; '}`miles config show` prints every key)"
         lines.append(f"{loc}: {msg}")
     return lines
 
@@ -264,7 +270,7 @@ def build_config(data: Mapping[str, Any], *, source: str | None = None, kernel: 
     try:
         plugins = PluginsSection.model_validate(data.get("plugins") or {})
     except ValidationError as exc:
-        raise ConfigError(_format_pydantic("plugins", exc), source=source) from None
+        raise ConfigError(_format_pydantic("plugins", exc, PluginsSection), source=source) from None
     if kernel is None:
         kernel = Kernel.load(PluginSelection.from_settings(plugins.enable, plugins.disable))
     extra_models = {e.name: e.obj.model for e in kernel.config_sections().entries()}
@@ -280,7 +286,9 @@ def build_config(data: Mapping[str, Any], *, source: str | None = None, kernel: 
     switched_off = {info.name for info in kernel.plugins() if info.status != "loaded"}
     for name in data:
         if name not in known and name not in switched_off:
-            errors.append(f"{name}: unknown section; known sections: {', '.join(known)}")
+            close = closest_name(name, known)
+            guess = f"did you mean {close}? " if close else ""
+            errors.append(f"{name}: unknown section; {guess}known sections: {', '.join(known)}")
 
     values: dict[str, BaseModel] = {}
     for name, model in {**extra_models, **CORE_SECTIONS}.items():
@@ -293,7 +301,7 @@ def build_config(data: Mapping[str, Any], *, source: str | None = None, kernel: 
         try:
             values[name] = model.model_validate(raw)
         except ValidationError as exc:
-            errors += _format_pydantic(name, exc)
+            errors += _format_pydantic(name, exc, model)
 
     if check_names:
         for name, value in values.items():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 
 class MilesError(Exception):
     """Base class of every error Miles raises for bad input or setup."""
@@ -26,3 +29,10 @@ class MilesDeprecationWarning(DeprecationWarning):
 
     The ``miles`` CLI shows these (Python hides plain ``DeprecationWarning`` outside ``__main__``).
     """
+
+
+def closest_name(name: str, known: Iterable[str]) -> str | None:
+    """The one of ``known`` that ``name`` most likely misspells (difflib's ratio >= 0.6), or None:
+    what every "unknown ..." message offers as "did you mean"."""
+    matches = difflib.get_close_matches(name, list(known), n=1)
+    return matches[0] if matches else None

@@ -241,6 +241,20 @@ def miles_resolve_model(name: str) -> Path | None:
 
 
 @hookspec
+def miles_model_names() -> Sequence[str]:
+    """List the model names this plugin's :func:`miles_resolve_model` resolves.
+
+    **Runs in** the process whose model name no plugin resolved (``miles train`` checks
+    ``model.name`` before it makes the run folder): the error suggests the closest of these names.
+
+    Every implementation is called; the lists are joined. A resolver of open-ended names (hub
+    ids, say) lists the ones worth suggesting.
+
+    :returns: model names, e.g. ``["smollm2-135m-instruct"]``.
+    """
+
+
+@hookspec
 def miles_register_chat_families(register: Register[ChatFamily]) -> None:
     """Register chat-template families for token-in-token-out sessions (``tito.family``).
 

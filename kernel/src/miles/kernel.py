@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from miles.errors import MilesDeprecationWarning, PluginError
+from miles.errors import MilesDeprecationWarning, PluginError, closest_name
 from miles.kinds import (
     ADVANTAGE,
     AGENT,
@@ -247,11 +247,21 @@ class Kernel:
         resolved = self._pm.hook.miles_resolve_model(name=name)
         if resolved is None:
             resolvers = [i.name for i in self.plugins() if "miles_resolve_model" in i.hooks]
+            known = self.model_names()
+            close = closest_name(name, known)
             raise PluginError(
                 f"model {name!r} is not a local folder and no plugin knows it (resolvers: "
-                f"{', '.join(resolvers) or 'none; pip install miles-models'}); `miles models list` shows known models"
+                f"{', '.join(resolvers) or 'none; pip install miles-models'}). "
+                + (f"Did you mean {close!r}? " if close else "")
+                + (f"Known models: {', '.join(known)} (`miles models list` shows which are cached)" if known
+                   else "`miles models list` shows known models")
             )
         return Path(resolved)
+
+    def model_names(self) -> list[str]:
+        """Every model name the plugins' resolvers list (``miles_model_names``), in order, once each."""
+        answers = self._pm.hook.miles_model_names()
+        return list(dict.fromkeys(name for answer in answers for name in answer or ()))
 
     # ------------------------------------------------------------------ rollout captures
 

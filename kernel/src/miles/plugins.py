@@ -4,11 +4,15 @@ Every plugin -- the kernel's own built-ins included -- is a module named by an e
 ``miles`` group; the entry-point name is the plugin's name (what ``plugins.disable`` and
 ``MILES_DISABLE_PLUGINS`` refer to). Loading, in order:
 
-1. block every disabled name (config ``plugins.disable`` plus ``MILES_DISABLE_PLUGINS``,
-   comma-separated) with ``set_blocked``; essential plugins refuse;
-2. import and register each entry point, skipping blocked names and, when ``plugins.enable`` is
+1. check the names: every name in ``plugins.enable``, ``plugins.disable`` and
+   ``MILES_DISABLE_PLUGINS`` (comma-separated) must be an installed plugin -- a misspelled
+   disable would leave on the plugin the user meant to turn off -- and essential plugins refuse
+   to be disabled. "Installed" means a distribution declares the entry point, whether or not its
+   module imports: disabling is how a user gets past a plugin that fails to;
+2. block every disabled name with ``set_blocked``;
+3. import and register each entry point, skipping blocked names and, when ``plugins.enable`` is
    set (allow-list mode), names not in it;
-3. ``check_pending()``: a misspelled ``miles_*`` hook implementation is an error, not a no-op.
+4. ``check_pending()``: a misspelled ``miles_*`` hook implementation is an error, not a no-op.
 
 A plugin that fails to import is an error naming its distribution, entry point and the import
 error, with the command to disable it.
@@ -24,7 +28,7 @@ from importlib import metadata
 import pluggy
 
 from miles import hookspecs
-from miles.errors import PluginError
+from miles.errors import PluginError, closest_name
 
 ENTRY_POINT_GROUP = "miles"
 DISABLE_ENV = "MILES_DISABLE_PLUGINS"
@@ -45,18 +49,28 @@ class PluginInfo:
 
 @dataclass(frozen=True, slots=True)
 class PluginSelection:
-    """Which plugins to load: ``enable`` (allow-list, None = all) and ``disable`` (block-list)."""
+    """Which plugins to load: ``enable`` (allow-list, None = all) and the block-list, kept apart
+    by where it came from so that an error can say which one to fix: ``disable`` (the config's
+    ``plugins.disable``) and ``disable_env`` (``MILES_DISABLE_PLUGINS``)."""
 
     enable: tuple[str, ...] | None = None
     disable: tuple[str, ...] = ()
+    disable_env: tuple[str, ...] = ()
 
     @classmethod
     def from_settings(cls, enable: Iterable[str] | None, disable: Iterable[str]) -> PluginSelection:
+        """The config's ``plugins.enable`` / ``plugins.disable`` with ``MILES_DISABLE_PLUGINS``."""
         env = [n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()]
         return cls(
             enable=tuple(sorted(set(enable))) if enable is not None else None,
-            disable=tuple(sorted(set(disable) | set(env))),
+            disable=tuple(sorted(set(disable))),
+            disable_env=tuple(sorted(set(env))),
         )
+
+    @property
+    def blocked(self) -> frozenset[str]:
+        """Every disabled name, from the config or the environment."""
+        return frozenset(self.disable) | frozenset(self.disable_env)
 
 
 @dataclass(slots=True)
@@ -89,17 +103,8 @@ def load_plugins(selection: PluginSelection) -> LoadedPlugins:
     entry_points = _entry_points()
     available = {ep.name for ep in entry_points}
 
-    refused = sorted(set(selection.disable) & ESSENTIAL_PLUGINS)
-    if refused:
-        raise PluginError(f"plugin(s) {', '.join(refused)} cannot be disabled: the kernel needs them")
-    if selection.enable is not None:
-        missing = sorted(set(selection.enable) - available)
-        if missing:
-            raise PluginError(
-                f"plugins.enable names plugin(s) that are not installed: {', '.join(missing)}; "
-                f"installed: {', '.join(sorted(available))}"
-            )
-    for name in selection.disable:
+    _check_names(selection, available)
+    for name in sorted(selection.blocked):
         pm.set_blocked(name)
 
     loaded = LoadedPlugins(pm)
@@ -147,6 +152,27 @@ def load_plugins(selection: PluginSelection) -> LoadedPlugins:
             f"hooks are listed in docs/plugins/hooks.md{_closest_hooks(pm)}\n{_disable_hint(plugin_name or '?')}"
         ) from exc
     return loaded
+
+
+def _check_names(selection: PluginSelection, installed: set[str]) -> None:
+    """Every problem with the names of ``selection`` at once (see step 1 of the module docstring)."""
+    problems = []
+    refused = sorted(selection.blocked & ESSENTIAL_PLUGINS)
+    if refused:
+        problems.append(f"plugin(s) {', '.join(refused)} cannot be disabled: the kernel needs them")
+    for source, names in (("plugins.enable", selection.enable or ()), ("plugins.disable", selection.disable),
+                          (DISABLE_ENV, selection.disable_env)):
+        unknown = sorted(set(names) - installed)
+        if unknown:
+            problems.append(f"{source} names plugin(s) that are not installed: {_with_guesses(unknown, installed)}; "
+                            f"installed: {', '.join(sorted(installed))}")
+    if problems:
+        raise PluginError("\n".join(problems))
+
+
+def _with_guesses(names: list[str], installed: set[str]) -> str:
+    """``lamma (did you mean 'llama'?), nosuch``."""
+    return ", ".join(f"{n} (did you mean {close!r}?)" if (close := closest_name(n, installed)) else n for n in names)
 
 
 def _disable_hint(name: str) -> str:

@@ -6,12 +6,11 @@ which plugin and distribution registered it, so errors can name both.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from miles.errors import PluginError
+from miles.errors import PluginError, closest_name
 
 T = TypeVar("T")
 S_contra = TypeVar("S_contra", contravariant=True)
@@ -87,8 +86,8 @@ class Registry(Generic[T]):
         if not self._entries:
             install = f"; {self.provides}" if self.provides else "; install a package that provides one"
             return f"unknown {self.kind} {name!r}: no {self.kind} is registered (no loaded plugin implements {self.hook}){install}"
-        close = difflib.get_close_matches(name, list(self._entries), n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
+        close = closest_name(name, self._entries)
+        hint = f" Did you mean {close!r}?" if close else ""
         return f"unknown {self.kind} {name!r}; registered: {self.describe()}.{hint}"
 
     def describe(self) -> str:

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 from miles.advantages import estimate_advantages
-from miles_algorithms.estimators import ADVANTAGES
+from miles_algorithms.catalog import ADVANTAGE_SPECS
 from miles_contracts import AdvantageResult, AdvantageSpec
 from miles_contracts.testing.advantage import check_advantage
 
@@ -110,8 +110,8 @@ def test_suite_gives_a_critic_estimator_values():
 
 
 def test_suite_reads_the_zero_sum_contract_from_the_spec():
-    assert ADVANTAGES["grpo"].zero_sum_groups is True
-    check_advantage(ADVANTAGES["grpo"])
+    assert ADVANTAGE_SPECS["grpo"].zero_sum_groups is True
+    check_advantage(ADVANTAGE_SPECS["grpo"])
 
 
 def test_the_kernel_stage_passes_and_a_stage_without_the_kernel_terms_is_caught():

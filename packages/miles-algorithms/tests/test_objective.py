@@ -7,8 +7,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from miles_algorithms.catalog import ADVANTAGE_SPECS
 from miles_algorithms.corrections import CORRECTIONS
-from miles_algorithms.estimators import ADVANTAGES, GRPO, PPO
+from miles_algorithms.estimators import GRPO, PPO
 from miles_algorithms.losses import POLICY_LOSSES
 from miles_algorithms.objective import (
     actor_loss,
@@ -267,8 +268,8 @@ def test_clear_errors_for_missing_pieces(make_batch):
         actor_loss(torch.zeros(2, 4), ready, AlgorithmParams(kl_loss_coef=0.1), policy_loss=PPO_CLIP, correction=NONE)
     with pytest.raises(ValueError, match="entropy_coef != 0 needs the per-token entropy"):
         actor_loss(torch.zeros(2, 4), ready, AlgorithmParams(entropy_coef=0.1), policy_loss=PPO_CLIP, correction=NONE)
-    with pytest.raises(ValueError, match="PPO needs critic values"):
-        compute_advantages(raw, params, ADVANTAGES["ppo"])  # the spec declares needs_critic
+    with pytest.raises(ValueError, match="ppo needs critic values"):
+        compute_advantages(raw, params, ADVANTAGE_SPECS["ppo"])  # the spec declares needs_critic
     with pytest.raises(ValueError, match="the ppo estimator needs critic values"):
         compute_advantages(raw, params, PPO())  # a bare estimator: its own check
     with pytest.raises(ValueError, match="critic_loss needs batch.values"):

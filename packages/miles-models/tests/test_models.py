@@ -40,6 +40,16 @@ def test_an_unknown_name_lists_the_known_models():
         resolve_model("gpt-17-ultra")
 
 
+def test_the_kernel_suggests_the_closest_catalogued_name_for_an_unknown_one():
+    from miles.errors import PluginError
+    from miles.kernel import Kernel
+
+    kernel = Kernel.load()
+    assert kernel.model_names() == [SMOLLM]  # miles_model_names: what this plugin resolves
+    with pytest.raises(PluginError, match=f"Did you mean '{SMOLLM}'\\? Known models: {SMOLLM}"):
+        kernel.resolve_model("smollm2-135m")
+
+
 def test_a_known_but_uncached_model_says_how_to_pull_it(empty_home):
     with pytest.raises(ModelNotFoundError, match=f"miles models pull {SMOLLM}"):
         resolve_model(SMOLLM)

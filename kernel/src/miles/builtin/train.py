@@ -35,6 +35,7 @@ def _train(args: argparse.Namespace, ctx: RunContext) -> int:
 
 def _train_run(args: argparse.Namespace) -> str:
     from miles.config import load_config
+    from miles.kernel import Kernel
     from miles.loop.run_dir import new_run_dir
     from miles.loop.runner import run_training
 
@@ -49,6 +50,9 @@ def _train_run(args: argparse.Namespace) -> str:
         (run_dir / "config.yaml").write_text(config.to_yaml())
         return run_training(config, run_dir, resume=True)
     config = load_config(config_path, overrides)
+    # a model name no plugin knows fails here, before the run folder exists (it would hold only
+    # config.yaml); a known one is pulled now rather than after the folder is made
+    Kernel.load(config.plugin_selection).resolve_model(config.model.name)
     return run_training(config, new_run_dir(config))
 
 

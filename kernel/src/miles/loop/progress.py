@@ -5,7 +5,40 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TextIO
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutProgress:
+    """Where one step's rollout is, as :meth:`~miles.loop.rollout.RolloutManager.collect` reports
+    it: at the start of each round and after each finished sample.
+
+    :ivar done: samples finished this step.
+    :ivar total: samples drawn so far this step; a top-up round (the filters dropped groups) draws
+        more, so it grows between rounds.
+    :ivar round: the over-sampling round, from 1.
+    :ivar groups_drawn: prompt groups drawn so far this step.
+    :ivar groups_wanted: ``rollout.prompts_per_step``, the groups the step trains on.
+    :ivar groups_kept: groups the filters kept in the rounds before this one.
+    """
+
+    done: int
+    total: int
+    round: int = 1
+    groups_drawn: int = 0
+    groups_wanted: int = 0
+    groups_kept: int = 0
+
+    @property
+    def note(self) -> str:
+        """Why more groups than the step trains on are being generated; empty when none are."""
+        if self.round > 1:
+            return (f"top-up round {self.round}: the filters kept {self.groups_kept}/{self.groups_wanted} groups, "
+                    f"{self.groups_drawn} drawn")
+        if self.groups_drawn > self.groups_wanted:
+            return f"over-sampling: {self.groups_drawn} groups drawn for {self.groups_wanted}"
+        return ""
 
 
 class Progress:
@@ -14,20 +47,26 @@ class Progress:
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
         self._last = 0.0
+        self._round: tuple[int, int] = (0, 0)  # (step, round) last reported
 
     def message(self, text: str) -> None:
         self._clear()
         print(text, file=self.stream, flush=True)
 
-    def rollout(self, step: int, done: int, total: int) -> None:
-        """Redraw the bar (TTY) or print a line every 10% (logs)."""
+    def rollout(self, step: int, p: RolloutProgress) -> None:
+        """Redraw the bar (TTY) or print a line every 30 s, when a top-up round grows the total, and
+        at the end (logs). The bar counts samples; its note says when and why the total grew."""
         width = 30
-        filled = int(width * done / max(total, 1))
+        filled = int(width * p.done / max(p.total, 1))
         bar = "=" * filled + ">" * (filled < width) + " " * (width - filled - 1)
-        text = f"step {step}/{self.total} rollout [{bar}] {done}/{total} samples"
+        text = f"step {step}/{self.total} rollout [{bar}] {p.done}/{p.total} samples"
+        if p.note:
+            text += f" ({p.note})"
+        new_round = (step, p.round) != self._round
+        self._round = (step, p.round)
         if self.tty:
-            print("\r" + text, end="", file=self.stream, flush=True)
-        elif done == total or time.monotonic() - self._last > 30:
+            print("\r\033[K" + text, end="", file=self.stream, flush=True)
+        elif p.done == p.total or (new_round and p.round > 1) or time.monotonic() - self._last > 30:
             self._last = time.monotonic()
             print(text, file=self.stream, flush=True)
 
@@ -43,7 +82,10 @@ class Progress:
             f"groups {g('rollout/groups_kept', '.0f')}/{g('rollout/groups_generated', '.0f')}",
             f"lp_diff {g('train/train_rollout_logprob_abs_diff', '.1e')}",
             f"loss {g('train/loss', '.4f')}",
-            f"{g('perf/rollout_tokens_per_s', '.1f')} tok/s",
+            # perf/rollout_tokens_per_s: response tokens of every sample the step generated (kept or
+            # filtered out) per second of its rollout's wall time (fully_async: the batch's tokens
+            # over the time since the previous batch); not the engine's decode speed
+            f"{g('perf/rollout_tokens_per_s', '.1f')} generated tok/s",
             f"time rollout {g('time/rollout', '.1f')}s train {g('time/train', '.1f')}s sync {g('time/sync', '.1f')}s",
         ]
         if "eval/accuracy" in m:

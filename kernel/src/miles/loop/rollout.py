@@ -26,6 +26,7 @@ from miles_contracts.wire.engine import SamplingParams
 
 from miles.data.source import source_metrics
 from miles.filtering import apply_filters, over_sampler_for
+from miles.loop.progress import RolloutProgress
 from miles.rewards import score_samples
 
 MAX_ROUNDS = 4  # over-sampling rounds before a step trains on fewer groups than asked
@@ -158,7 +159,7 @@ class RolloutManager:
         seed = sampling_seed(self.config.run.seed, sample.index)
         return dataclasses.replace(ctx, sampling_params=ctx.sampling_params.model_copy(update={"sampling_seed": seed}))
 
-    async def collect(self, step: int, progress: Callable[[int, int], None] | None = None) -> StepRollout:
+    async def collect(self, step: int, progress: Callable[[RolloutProgress], None] | None = None) -> StepRollout:
         r = self.config.rollout
         wanted = r.prompts_per_step
         kept: list[list[Sample]] = []
@@ -168,15 +169,19 @@ class RolloutManager:
         generated_groups = 0
         start = time.perf_counter()
         ctx = self.context()
-        for _ in range(MAX_ROUNDS):
+        for round_no in range(1, MAX_ROUNDS + 1):
             draw = self.over_sampler.groups_to_draw(wanted - len(kept))
             if draw == 0:
                 break
             groups = self.make_groups(self.data.next_prompts(draw), r.samples_per_prompt)
             samples = [s for g in groups for s in g]
-            base, total = len(everything), len(everything) + len(samples)
-            on_done = (lambda d, base=base, total=total: progress(base + d, total)) if progress else None
-            await self.generate(samples, ctx, on_done)
+            # the total grows by this round's samples: reported at once, with why (RolloutProgress.note)
+            round_start = RolloutProgress(done=len(everything), total=len(everything) + len(samples), round=round_no,
+                                          groups_drawn=generated_groups + len(groups), groups_wanted=wanted,
+                                          groups_kept=len(kept))
+            if progress is not None:
+                progress(round_start)
+            await self.generate(samples, ctx, _reporter(progress, round_start))
             report = await score_samples(samples, self.run)
             reward_metrics.update(report.metrics())
             everything += samples
@@ -209,6 +214,19 @@ class RolloutManager:
         await self.generate(samples, self.context(evaluation=True))
         await score_samples(samples, self.run)
         return samples, {f"eval/{name}": value for name, value in evaluation_metrics(groups, k).items()}
+
+
+def _reporter(progress: Callable[[RolloutProgress], None] | None,
+              round_start: RolloutProgress) -> Callable[[int], None] | None:
+    """``on_done(finished)`` for :meth:`RolloutManager.generate`: reports ``round_start`` with
+    ``finished`` more samples done (None without a ``progress`` callback)."""
+    if progress is None:
+        return None
+
+    def on_done(finished: int) -> None:
+        progress(dataclasses.replace(round_start, done=round_start.done + finished))
+
+    return on_done
 
 
 def rollout_metrics(samples: list[Sample], kept: list[list[Sample]], drops: Counter[str],

@@ -101,7 +101,7 @@ class StepOps:
         resynced = self.resync_restarted_engines() if resync else {}
         if not self._services.stale_engines:
             await self.wait_engines(router=True)
-        rollout = await self.rollouts.collect(step, progress=lambda d, t: self.progress.rollout(step, d, t))
+        rollout = await self.rollouts.collect(step, progress=lambda p: self.progress.rollout(step, p))
         rollout.metrics.update(resynced)
         return rollout
 

@@ -1,9 +1,9 @@
 """Advantage estimators, registered by name (``algorithm.advantage``).
 
 Each is a callable ``(batch, params) -> AdvantageResult``, registered in an ``AdvantageSpec`` that
-declares what it needs (:data:`ADVANTAGES`); whitening and distillation are the kernel's, applied
-after every estimator (:mod:`miles.advantages`). Notation for
-row ``b`` (one piece of a rollout) with trainable tokens ``t``:
+declares what it needs (:data:`miles_algorithms.catalog.ADVANTAGE_SPECS`); whitening and
+distillation are the kernel's, applied after every estimator (:mod:`miles.advantages`). Notation
+for row ``b`` (one piece of a rollout) with trainable tokens ``t``:
 
 - ``R``: the rollout's scalar reward; ``R~``: group-normalised (see :mod:`normalization`);
 - ``kl_t = KL estimate(log pi_sample(t) - log pi_ref(t))`` with ``params.kl_estimator``, where
@@ -26,7 +26,7 @@ trainable token (each piece is a complete model-generated sequence with its own 
 from __future__ import annotations
 
 import torch
-from miles_contracts import AdvantageEstimator, AdvantageResult, AdvantageSpec, AlgorithmParams, TrainBatch
+from miles_contracts import AdvantageEstimator, AdvantageResult, AlgorithmParams, TrainBatch
 
 from miles_algorithms.gae import discounted_returns, gae
 from miles_algorithms.kl import masked_kl
@@ -79,7 +79,7 @@ class GRPO:
 
 class GSPO(GRPO):
     """GRPO's advantages for GSPO's sequence-level importance ratio (``train.policy_loss: gspo``);
-    the pairing is declared by its spec (``ADVANTAGES["gspo"].policy_loss``)."""
+    the pairing is declared by its spec (``ADVANTAGE_SPECS["gspo"].policy_loss`` in :mod:`.catalog`)."""
 
 
 class PPO:
@@ -123,14 +123,3 @@ ESTIMATORS: dict[str, AdvantageEstimator] = {
     "reinforce_pp": ReinforcePP(),
     "reinforce_pp_baseline": ReinforcePPBaseline(),
 }
-
-ADVANTAGES = {
-    "grpo": AdvantageSpec(ESTIMATORS["grpo"], zero_sum_groups=True),
-    # GSPO is GRPO's advantages *and* the gspo loss's sequence-level ratio: with the token-level
-    # ppo_clip loss it would silently be GRPO, so the config is refused with another loss
-    "gspo": AdvantageSpec(ESTIMATORS["gspo"], zero_sum_groups=True, policy_loss="gspo"),
-    "ppo": AdvantageSpec(ESTIMATORS["ppo"], needs_critic=True),
-    "reinforce_pp": AdvantageSpec(ESTIMATORS["reinforce_pp"]),
-    "reinforce_pp_baseline": AdvantageSpec(ESTIMATORS["reinforce_pp_baseline"]),
-}
-"""What the plugin registers: each estimator with what it declares."""

@@ -7,7 +7,9 @@ Registered names:
 - policy losses (``train.policy_loss``): ``ppo_clip``, ``gspo``, ``cispo``;
 - mismatch corrections (``algorithm.correction``): ``none``, ``tis``, ``mis``.
 
-torch is imported only when a registry is collected, not when ``miles plugins`` lists plugins.
+Registering imports no torch (:mod:`miles_algorithms.catalog`): validating a config collects these
+registries, and ``miles config show`` should not wait for torch. An implementation imports it at
+its first call.
 """
 
 from __future__ import annotations
@@ -16,26 +18,22 @@ from miles import hookimpl
 from miles.registry import Register
 from miles_contracts import AdvantageSpec, CorrectionSpec, PolicyLossSpec
 
+from miles_algorithms.catalog import ADVANTAGE_SPECS, CORRECTION_SPECS, POLICY_LOSS_SPECS
+
 
 @hookimpl
 def miles_register_advantages(register: Register[AdvantageSpec]) -> None:
-    from miles_algorithms.estimators import ADVANTAGES
-
-    for name, spec in ADVANTAGES.items():
+    for name, spec in ADVANTAGE_SPECS.items():
         register(name, spec)
 
 
 @hookimpl
 def miles_register_policy_losses(register: Register[PolicyLossSpec]) -> None:
-    from miles_algorithms.losses import POLICY_LOSSES
-
-    for name, loss in POLICY_LOSSES.items():
-        register(name, PolicyLossSpec(loss))
+    for name, spec in POLICY_LOSS_SPECS.items():
+        register(name, spec)
 
 
 @hookimpl
 def miles_register_mismatch_corrections(register: Register[CorrectionSpec]) -> None:
-    from miles_algorithms.corrections import CORRECTIONS
-
-    for name, correction in CORRECTIONS.items():
-        register(name, CorrectionSpec(correction))
+    for name, spec in CORRECTION_SPECS.items():
+        register(name, spec)

@@ -14,7 +14,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import httpx
 from miles_contracts import Sample
 
 from miles_longtail.workload import LongTailSection, episode
@@ -28,6 +27,8 @@ class LongTailAgent:
 
     async def __call__(self, base_url: str, prompt: Any, request_kwargs: dict[str, Any],
                        metadata: dict[str, Any]) -> dict[str, Any]:
+        import httpx  # here, not at the top: every `miles` command loads this plugin (docs/benchmarks/cli.md)
+
         plan = episode(self.settings, int(metadata["index"]))
         messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         body = dict(request_kwargs)

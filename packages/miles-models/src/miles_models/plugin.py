@@ -1,4 +1,5 @@
-"""Plugin ``models``: the ``miles models pull`` and ``miles models list`` commands."""
+"""Plugin ``models``: the ``miles models pull`` and ``miles models list`` commands, and model names
+resolved to the cache (pulled on first use)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,14 @@ def miles_register_commands(register: Register[CommandSpec]) -> None:
     register("models pull", CommandSpec("fetch a known model and convert it to safetensors in the cache",
                                         _pull, add_arguments=_pull_args))
     register("models list", CommandSpec("list known models and what is cached", _list))
+
+
+@hookimpl
+def miles_model_names() -> list[str]:
+    """The catalogued names (what :func:`miles_resolve_model` claims)."""
+    from miles_models.catalog import CATALOG
+
+    return list(CATALOG)
 
 
 @hookimpl
