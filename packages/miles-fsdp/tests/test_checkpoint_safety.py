@@ -24,6 +24,7 @@ class _Runs:
         return os.system, (self.command,)
 
 
+@pytest.mark.slow
 def test_resume_refuses_every_planted_file_and_still_loads_a_good_checkpoint(tiny_dense, backend_factory, tmp_path,
                                                                             monkeypatch) -> None:
     # with this set, any torch.load that relies on torch's default would unpickle anything

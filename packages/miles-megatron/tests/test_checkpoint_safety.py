@@ -33,6 +33,7 @@ def _first_linear(backend):
     return backend.actor.chunks[0].decoder.layers[0].self_attention.linear_proj
 
 
+@pytest.mark.slow
 def test_resume_refuses_every_planted_file_and_still_loads_a_good_checkpoint(tiny_dense, backend_factory, tmp_path,
                                                                             monkeypatch) -> None:
     """The layer extra-state case: Transformer Engine (GPU only) would ``pickle.loads`` a non-empty
