@@ -77,7 +77,8 @@ NOT_IMPORTED: dict[tuple[str, str], str] = {
 UNDECLARED_OK: dict[tuple[str, str], str] = {
     # the kernel and the contracts install without torch (tests/test_workspace.py); these imports
     # run only on a train backend's tensors or models, in a process the backend's package set up
-    ("miles-kernel", "torch"): "advantages.py and trainer/collectives.py run on a backend's tensors, in its ranks",
+    ("miles-kernel", "torch"): "advantages.py, trainer/collectives.py and trainer/safe_checkpoint.py run on a "
+                               "backend's tensors and checkpoints, in its ranks",
     ("miles-contracts", "torch"): "batch helpers and conformance suites work on tensors a plugin made",
     ("miles-contracts", "transformers"): "conformance suites for train backends and bridges, run by those packages",
     ("miles-contracts", "megatron-core"): "testing/megatron.py, run by miles-megatron's tests",

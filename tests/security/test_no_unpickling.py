@@ -122,24 +122,44 @@ def test_disk_updates_stay_inside_the_allowed_folders(engine, tmp_path_factory: 
 
 def test_resume_refuses_a_checkpoint_whose_pickles_would_run_code(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
-    from miles_fsdp.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+    from miles.trainer.safe_checkpoint import (
+        SafeFileSystemReader,
+        SafeLoadPlanner,
+        UnsafeCheckpointError,
+        refusals_surface,
+    )
 
     marker = tmp_path / "pwned"
     state = {"w": torch.arange(4.0), "lr": 0.1}
     good = tmp_path / "good"
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(good)))
     loaded = {"w": torch.zeros(4), "lr": 0.0}
-    dcp.load(loaded, storage_reader=SafeFileSystemReader(str(good)), planner=SafeLoadPlanner())
+    dcp.load(loaded, storage_reader=SafeFileSystemReader.checked(good), planner=SafeLoadPlanner())
     assert loaded["lr"] == 0.1 and torch.equal(loaded["w"], torch.arange(4.0))
 
     # a .metadata that runs a command when unpickled
     (good / ".metadata").write_bytes(pickle.dumps(_Runs(os.system, f"touch {marker}")))
-    # (DCP wraps the error of a rank in its CheckpointException, a BaseException, keeping the message)
-    with pytest.raises(BaseException, match=r"refusing (posix|os)\.system"):
-        dcp.load(loaded, storage_reader=SafeFileSystemReader(str(good)), planner=SafeLoadPlanner())
+    with pytest.raises(UnsafeCheckpointError, match=r"refusing (posix|os)\.system"):
+        SafeFileSystemReader.checked(good)
     # a state value that does
     bad = tmp_path / "bad"
     dcp.save({"w": torch.zeros(1), "x": _Runs(os.system, f"touch {marker}")}, storage_writer=dcp.FileSystemWriter(str(bad)))
-    with pytest.raises(BaseException, match="refusing the checkpoint value 'x'"):
-        dcp.load({"w": torch.zeros(1), "x": None}, storage_reader=SafeFileSystemReader(str(bad)), planner=SafeLoadPlanner())
+    with pytest.raises(UnsafeCheckpointError, match="refusing the checkpoint value 'x'"), refusals_surface():
+        dcp.load({"w": torch.zeros(1), "x": None}, storage_reader=SafeFileSystemReader.checked(bad), planner=SafeLoadPlanner())
     assert not marker.exists()
+
+
+def test_checkpoint_metadata_cannot_rewrite_the_classes_it_names(tmp_path: Path) -> None:
+    """GLOBAL of an admitted class, then BUILD with slot state: ``setattr`` on the class itself (a
+    plain unpickler sets ``StorageMeta.load_id`` for the rest of the process). The metadata reader
+    builds instances only."""
+    from miles.trainer.safe_checkpoint import UnsafeCheckpointError, read_dcp_metadata
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    path = tmp_path / ".metadata"
+    path.write_bytes(b"\x80\x02ctorch.distributed.checkpoint.metadata\nStorageMeta\n"
+                     b"N}X\x07\x00\x00\x00load_idK\x05s\x86b.")  # (None, {"load_id": 5}) applied to the class
+    before = StorageMeta.__dict__.get("load_id")
+    with pytest.raises(UnsafeCheckpointError, match="refusing to set attributes of .*StorageMeta"):
+        read_dcp_metadata(path)
+    assert StorageMeta.__dict__.get("load_id") == before

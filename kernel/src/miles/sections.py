@@ -2,7 +2,9 @@
 
 Fields that name a registered implementation carry ``Choice("<kind>")`` metadata; the loader checks
 them against the registries, so ``algorithm.advantage: grpoo`` fails at start-up with the list of
-registered estimators.
+registered estimators. Fields that decide what code runs or where the run's secrets go carry
+``Privileged("<what it decides>")``: ``miles train --resume`` does not take them from a run folder
+alone (:mod:`miles.loop.folder_config`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,19 @@ class Choice:
     """Marks a config field whose value(s) must be registered names of ``kind``."""
 
     kind: str
+
+
+@dataclass(frozen=True, slots=True)
+class Privileged:
+    """Marks a config field that decides what code runs (an interpreter, a command or its flags, an
+    import path, an environment that changes what a process loads) or where the run's secrets go
+    (a server that receives the run's token or credentials from the environment). ``what`` says
+    which, for the error that names the field.
+
+    Annotate the whole field (``python: Annotated[str | None, Privileged("...")] = None``).
+    """
+
+    what: str
 
 
 class Section(BaseModel):

@@ -20,6 +20,10 @@ first use), a synthetic arithmetic task, GRPO, a few steps on CPU.
   miles train examples/arithmetic/config.yaml   # a config file
   miles train rollout.temperature=0.8 run.steps=20
   miles train --resume runs/miles-20261129-101500 [run.steps=20]
+
+--resume takes the settings that start programs or receive the run's token (sglang.python,
+sglang.env, ...) from the run folder only if the command line repeats them, or with
+--trust-run-config (docs/design/security.md, "Run folders and checkpoints").
 """
 
 
@@ -36,10 +40,13 @@ def _train(args: argparse.Namespace, ctx: RunContext) -> int:
 def _train_run(args: argparse.Namespace) -> str:
     from miles.config import load_config
     from miles.kernel import Kernel
+    from miles.loop.folder_config import TRUST_FLAG, refuse_folder_privileges
     from miles.loop.run_dir import new_run_dir
     from miles.loop.runner import run_training
 
     config_path, overrides = split_config_args(args.items)
+    if args.trust_run_config and not args.resume:
+        raise MilesError(f"{TRUST_FLAG} goes with --resume RUN_DIR: it accepts that run folder's config")
     if args.resume:
         run_dir = Path(args.resume)
         if config_path is not None:
@@ -47,6 +54,8 @@ def _train_run(args: argparse.Namespace) -> str:
         if not (run_dir / "config.yaml").is_file():
             raise MilesError(f"{run_dir} is not a run folder (no config.yaml); runs live under run.output_dir")
         config = load_config(run_dir / "config.yaml", overrides)
+        if not args.trust_run_config:  # before anything runs: the folder may come from anyone
+            refuse_folder_privileges(config, overrides, run_dir)
         (run_dir / "config.yaml").write_text(config.to_yaml())
         return run_training(config, run_dir, resume=True)
     config = load_config(config_path, overrides)
@@ -59,6 +68,9 @@ def _train_run(args: argparse.Namespace) -> str:
 def _args(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.add_argument("--trust-run-config", action="store_true",
+                   help="with --resume: take every setting from the run folder's config.yaml, those that start "
+                        "programs or receive the run's token included (only for a folder you wrote)")
 
 
 @hookimpl

@@ -7,8 +7,8 @@ Layout of a checkpoint folder::
       trainer_state.json        step, scheduler states, the caller's extra_state (written by rank 0)
       rng/rank_<r>.pt           RNG states of each rank (torch, CUDA, Python, NumPy)
 
-Loading unpickles nothing unchecked: DCP's ``.metadata`` and non-tensor values go through
-:mod:`miles_fsdp.safe_dcp`, RNG files load with ``weights_only=True``, the rest is JSON.
+Loading unpickles nothing unchecked: DCP's ``.metadata``, its non-tensor values and the RNG files
+go through :mod:`miles.trainer.safe_checkpoint` (shared with miles-megatron); the rest is JSON.
 
 ``trainer_state.json`` is deleted when a save starts and written (atomically) when every rank is
 done, so an interrupted save is never loaded as complete; other files in the folder (the
@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from miles.trainer.safe_checkpoint import SafeFileSystemReader, SafeLoadPlanner, load_plain, refusals_surface
 
 from miles_fsdp.distributed import DistContext, barrier
-from miles_fsdp.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
 FORMAT_VERSION = 1
 STATE_FILE = "trainer_state.json"  # written last: its presence marks a complete checkpoint
@@ -158,14 +158,15 @@ def load_checkpoint(path: Path, modules: list[TrainedModule], dist_ctx: DistCont
         model_sd, optim_sd = get_state_dict(m.module, m.optimizer)
         state[m.name] = model_sd
         state[f"{m.name}_optim"] = optim_sd
-    # through the checks of safe_dcp: a folder given to --resume may come from anywhere
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
+    # through the checks of safe_checkpoint: a folder given to --resume may come from anywhere
+    with refusals_surface():
+        dcp.load(state, storage_reader=SafeFileSystemReader.checked(path), planner=SafeLoadPlanner())
     for m in modules:
         set_state_dict(m.module, m.optimizer, model_state_dict=state[m.name], optim_state_dict=state[f"{m.name}_optim"])
         m.scheduler.load_state_dict(trainer_state["schedulers"][m.name])
 
     rng_file = path / "rng" / f"rank_{dist_ctx.rank}.pt"
     if rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=True), dist_ctx.device)
+        _set_rng_state(load_plain(rng_file), dist_ctx.device)
     extra = json.loads((path / EXTRA_FILE).read_text())
     return int(trainer_state["step"]), int(trainer_state.get("skipped_steps", 0)), extra

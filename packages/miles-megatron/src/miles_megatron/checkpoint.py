@@ -12,6 +12,9 @@ Layout of a checkpoint folder::
 Weights and optimizer state are saved as global tensors (the distributed optimizer in its
 ``fully_reshardable`` form), so a checkpoint saved with one TP / PP / DP layout loads with
 another; megatron-core reshards on load. RNG files of ranks that did not exist are skipped.
+
+Loading unpickles nothing unchecked: megatron-core's files go through :mod:`miles_megatron.safe_load`,
+the RNG files through :func:`miles.trainer.safe_checkpoint.load_plain`; the rest is JSON.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from miles.trainer.safe_checkpoint import load_plain
 
 from miles_megatron.parallel import Ranks, barrier
 
@@ -187,7 +191,7 @@ def save(path: Path, chunks: list[Any], optimizer: Any, step: int, layout: Any, 
 
 def load(path: Path, chunks: list[Any], optimizer: Any, ranks: Ranks) -> tuple[int, int, dict[str, Any]]:
     """Collective. Restores weights, optimizer and RNG; returns ``(step, skipped_steps, extra_state)``."""
-    from megatron.core import dist_checkpointing
+    from miles_megatron.safe_load import load_distributed, without_extra_state
 
     path = Path(path)
     if not (path / STATE_FILE).is_file():
@@ -196,13 +200,14 @@ def load(path: Path, chunks: list[Any], optimizer: Any, ranks: Ranks) -> tuple[i
     if trainer.get("format") != FORMAT_VERSION:
         raise ValueError(f"{path}: checkpoint format {trainer.get('format')} is not {FORMAT_VERSION}")
     _materialize_adam_state(optimizer)
-    loaded = dist_checkpointing.load(_sharded_state(chunks, optimizer, loading=True), str(path / "megatron"))
+    # a folder given to --resume may come from anywhere: every file through safe_load's checks
+    loaded = load_distributed(_sharded_state(chunks, optimizer, loading=True), path / "megatron")
     for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(loaded[f"model{i}"], strict=False)
+        chunk.load_state_dict(without_extra_state(loaded[f"model{i}"], f"{path}: model chunk {i}"), strict=False)
     with _keep_adam_step(optimizer):
         optimizer.load_state_dict(loaded["optimizer"])
     _unshare_adam_steps(optimizer)
     rng = path / "rng" / f"rank_{ranks.rank}.pt"
     if rng.is_file():
-        _set_rng_state(torch.load(rng, weights_only=True))
+        _set_rng_state(load_plain(rng))
     return int(trainer["step"]), int(trainer.get("skipped_steps", 0)), json.loads((path / EXTRA_FILE).read_text())

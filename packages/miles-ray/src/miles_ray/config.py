@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from miles.sections import Section
+from miles.sections import Privileged, Section
 from pydantic import Field
 
 
 class RaySection(Section):
-    address: str | None = Field(
+    address: Annotated[str | None, Privileged("the Ray cluster that runs the run's processes, with their "
+                                              "environment and the run's token")] = Field(
         default=None, description="Ray cluster to join (host:port of its head); null: RAY_ADDRESS if set, "
         "else start a Ray instance on this machine",
     )

@@ -8,18 +8,19 @@ through ``sglang_args`` unchanged.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from miles.sections import Section
+from miles.sections import Privileged, Section
 from pydantic import Field, model_validator
 
 
 class SGLangSection(Section):
-    python: str | None = Field(
+    python: Annotated[str | None, Privileged("the Python interpreter that runs SGLang")] = Field(
         default=None, description="Python of SGLang's environment (default: the one running Miles); SGLang pins "
         "its own transformers, so it usually has a virtual environment of its own",
     )
-    env: dict[str, str] = Field(
+    env: Annotated[dict[str, str], Privileged("the SGLang process's environment (PYTHONPATH, LD_PRELOAD, ... "
+                                               "choose the code it loads)")] = Field(
         default_factory=dict, description="environment of the SGLang process on top of Miles' own, e.g. "
         "{PYTHONPATH: /opt/sglang-site} (a PYTHONPATH here replaces Miles', never joins it)",
     )
@@ -43,7 +44,10 @@ class SGLangSection(Section):
         default=False, description="SGLang's /health runs a one-token greedy generation (its default); off here, "
         "/health only says the server is up and /health_generate keeps the deep check (docs/design/sglang.md)",
     )
-    sglang_args: list[str] = Field(default_factory=list, description="more launch_server flags, passed as they are, last")
+    sglang_args: Annotated[list[str], Privileged("flags passed to SGLang as they are (--trust-remote-code runs the "
+                                                 "model folder's Python)")] = Field(
+        default_factory=list, description="more launch_server flags, passed as they are, last",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> SGLangSection:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from miles.sections import Choice, Section
+from miles.sections import Choice, Privileged, Section
 from pydantic import Field
 
 
@@ -13,7 +13,7 @@ class TitoSection(Section):
     family: Annotated[str, Choice("chat_family")] | None = Field(
         default=None, description="registered chat family; default: the one the model's bridge names"
     )
-    session_server_url: str | None = Field(
+    session_server_url: Annotated[str | None, Privileged("a server the run's token is sent to")] = Field(
         default=None,
         description="session server the agentic generator uses; default: the run's, else one started in-process",
     )
