@@ -53,8 +53,8 @@ class PrometheusTracker:
         self._server = _MetricsServer((section.host, section.port), self.registry, token)
         self._thread = threading.Thread(target=self._server.serve_forever, name="miles-prometheus", daemon=True)
         self._thread.start()
-        host, port = self._server.server_address[:2]
-        self.url = f"http://{host}:{port}/metrics"
+        port = self._server.server_address[1]
+        self.url = f"http://{section.host}:{port}/metrics"
         log.info("prometheus: serving the run's metrics at %s%s", self.url, "" if token is None else " (run token required)")
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
