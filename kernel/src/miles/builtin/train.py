@@ -37,6 +37,7 @@ def _train_run(args: argparse.Namespace) -> str:
     from miles.config import load_config
     from miles.loop.run_dir import new_run_dir
     from miles.loop.runner import run_training
+    from miles.private_files import write_private_text
 
     config_path, overrides = split_config_args(args.items)
     if args.resume:
@@ -46,7 +47,7 @@ def _train_run(args: argparse.Namespace) -> str:
         if not (run_dir / "config.yaml").is_file():
             raise MilesError(f"{run_dir} is not a run folder (no config.yaml); runs live under run.output_dir")
         config = load_config(run_dir / "config.yaml", overrides)
-        (run_dir / "config.yaml").write_text(config.to_yaml())
+        write_private_text(run_dir / "config.yaml", config.to_yaml())
         return run_training(config, run_dir, resume=True)
     config = load_config(config_path, overrides)
     return run_training(config, new_run_dir(config))
