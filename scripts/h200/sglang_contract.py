@@ -48,13 +48,13 @@ def main() -> int:
                             # the trimmed SGLang of ../shared/device/sglang.sh has no xgrammar
                             sglang_args=["--grammar-backend", "none"])
     spec = EngineSpec(model_path=args.model, port=args.port)
-    plan = launch_plan(spec, section, token=token)
-    print("launch:", " ".join(a if a != token else "<token>" for a in plan.command()), flush=True)
+    plan = launch_plan(spec, section, authenticated=True)  # the token reaches SGLang from its environment
+    print("launch:", " ".join(plan.command()), flush=True)
     executor = LocalExecutor(args.out, startup_timeout=480)
     results = []
     started = time.perf_counter()
     try:
-        executor.start("sglang", plan.command(), health_url=f"{spec.url}/health")
+        executor.start("sglang", plan.command(), health_url=f"{spec.url}/health", env={"MILES_AUTH_TOKEN": token})
         print(f"SGLang healthy after {time.perf_counter() - started:.0f} s", flush=True)
         engine = EngineUnderTest(spec.url, token=token, model_path=args.model, long_tokens=args.long_tokens,
                                  settle_s=0.5)

@@ -79,10 +79,11 @@ def test_the_router_needs_the_token_and_a_fake_worker_cannot_join(router, engine
 
 def test_the_session_server_needs_the_token_and_a_session_key_reaches_its_own_session_only(session_server) -> None:
     url = session_server.url
-    assert httpx.get(url + "/health").status_code == 200
+    health = httpx.get(url + "/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok"}  # liveness: no model path, no counts
     for method, path in [("POST", "/sessions"), ("GET", "/sessions/abc"), ("DELETE", "/sessions/abc"),
                          ("GET", "/sessions/abc/v1/models"), ("POST", "/sessions/abc/v1/chat/completions"),
-                         ("GET", "/openapi.json")]:
+                         ("GET", "/openapi.json"), ("GET", "/server_info")]:
         answer = httpx.request(method, url + path, headers=WRONG)
         assert answer.status_code == 401, (path, answer.text)
         assert answer.json()["error"]["code"] == "invalid_api_key"
@@ -96,6 +97,7 @@ def test_the_session_server_needs_the_token_and_a_session_key_reaches_its_own_se
     assert httpx.post(f"{second['base_url']}/chat/completions", json=chat, headers=own).status_code == 401
     assert httpx.get(f"{url}/sessions/{first['session_id']}", headers=own).status_code == 401
     assert httpx.post(f"{url}/sessions", headers=own).status_code == 401
+    assert httpx.get(f"{url}/server_info", headers=own).status_code == 401
 
 
 def test_a_deleted_sessions_key_gets_404_not_401(session_server) -> None:
@@ -140,6 +142,48 @@ def test_cross_origin_and_non_json_requests_are_refused(server: str, request: py
     assert form.status_code == 415 and "application/json" in form.text
     text = served.client.post(path, content=b"{}", headers={"content-type": "text/plain"})
     assert text.status_code == 415
+
+
+PROTECTED_GET = {"engine": "/get_model_info", "router": "/list_workers", "session_server": "/server_info"}
+
+
+@pytest.mark.parametrize("server", ["engine", "router", "session_server"])
+def test_a_request_that_names_another_host_is_refused(server: str, request: pytest.FixtureRequest) -> None:
+    """DNS rebinding: a page at http://evil.example:<port> whose name the attacker re-points at
+    127.0.0.1 is, to the browser, same-origin with the server (its Origin and Host both name
+    evil.example), so the Origin check passes it; the Host check does not, token or none."""
+    served = request.getfixturevalue(server)
+    port = served.url.rsplit(":", 1)[1]
+    rebound = {"Host": f"evil.example:{port}", "Origin": f"http://evil.example:{port}"}
+    for path in ("/health", PROTECTED_GET[server]):
+        refused = served.client.get(path, headers=rebound)
+        assert refused.status_code == 400 and "evil.example" in refused.text and "--allowed-host" in refused.text
+    # addresses (never an attacker's name) and localhost are served
+    for host in (f"localhost:{port}", f"10.9.8.7:{port}", f"[::1]:{port}", f"127.0.0.1:{port}"):
+        assert served.client.get(PROTECTED_GET[server], headers={"Host": host}).status_code == 200, host
+
+
+def test_a_server_answers_to_the_names_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from miles.server_process import add_server_security_arguments, allowed_hosts
+    from miles_contracts.wire.guard import RequestGuard
+    from miles_tito.server.background import BackgroundServer
+
+    async def ok(scope, receive, send):  # type: ignore[no-untyped-def]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host")
+    add_server_security_arguments(parser)
+    names = allowed_hosts(parser.parse_args(["--host", "gpu-node-3", "--allowed-host", "Trainer.Internal"]))
+    monkeypatch.setenv("MILES_ALLOWED_HOSTS", "proxy.example, other.example")
+    with BackgroundServer(lambda: RequestGuard(ok, token="t" * 32, public_paths=["/"], allowed_hosts=names)) as server:
+        answers = {host: httpx.get(server.url, headers={"Host": host}).status_code
+                   for host in ("gpu-node-3:1", "trainer.internal", "proxy.example:8", "other.example", "evil.example")}
+    assert answers == {"gpu-node-3:1": 200, "trainer.internal": 200, "proxy.example:8": 200, "other.example": 200,
+                       "evil.example": 400}
 
 
 def test_token_helpers(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

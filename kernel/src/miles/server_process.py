@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from miles_contracts.wire.auth import TOKEN_ENV
-from miles_contracts.wire.guard import DEFAULT_MAX_BODY_BYTES
+from miles_contracts.wire.guard import ALLOWED_HOSTS_ENV, DEFAULT_MAX_BODY_BYTES
 
 from miles.cli.section_args import add_config_file_argument, section_overrides
 
@@ -48,13 +48,23 @@ def context_from_args(args: argparse.Namespace, role: str) -> RunContext:
 
 
 def add_server_security_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--auth-token`` and ``--max-body-mb``, the same for the engine, router and session server."""
+    """``--auth-token``, ``--max-body-mb`` and ``--allowed-host``, the same for the engine, router and
+    session server."""
     parser.add_argument("--auth-token", default=None, metavar="TOKEN",
                         help=f"token every route but /health requires (default: ${TOKEN_ENV}; with neither, one is "
                              "made and printed). Prefer the environment variable: flags show in `ps`")
     parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20,
                         help="largest request body in MiB; larger ones are refused with 413 "
                              f"(default {DEFAULT_MAX_BODY_BYTES / 2**20:g})")
+    parser.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                        help=f"a host name clients may address this server by (repeat for several); IP addresses, "
+                             f"localhost and the --host name always work, and {ALLOWED_HOSTS_ENV} lists more")
+
+
+def allowed_hosts(args: argparse.Namespace) -> list[str]:
+    """The names a server started with ``args`` answers to besides addresses and ``localhost``: its
+    ``--host`` and every ``--allowed-host``."""
+    return [args.host, *args.allowed_host]
 
 
 def stop_within(grace: float, stop: Callable[[], None]) -> None:

@@ -72,7 +72,7 @@ class Cluster:
         self.processes.append(self.router)
         self.router.start()
         self.router.wait_healthy(self.url, timeout=60)
-        wait_until(lambda: self.client.get("/health").json()["healthy_workers"] == 2, timeout=30)
+        wait_until(lambda: self.client.get("/list_workers").json()["counts"]["healthy"] == 2, timeout=30)
 
     def worker(self, port: int) -> dict[str, Any]:
         url = self.engine_url(port)

@@ -144,7 +144,8 @@ def test_a_worker_that_is_not_up_yet_joins_when_it_answers() -> None:
         assert client.get("/health").status_code == 503
         with running(late):
             wait_until(lambda: worker_view(client, late.url)["state"] == "healthy")
-            assert client.get("/health").json()["healthy_workers"] == 1
+            assert client.get("/health").json() == {"status": "ok"}  # public: liveness, no counts
+            assert client.get("/list_workers").json()["counts"]["healthy"] == 1
             assert client.post("/generate", json=PROMPT).headers["x-miles-worker"] == late.url
 
 

@@ -214,7 +214,7 @@ def test_agentic_trains_on_the_calculator_agents_exact_tokens(engine_url: str, t
     assert len(sample.weight_versions) == 3
     messages = sample.metadata["messages"]
     assert messages[0]["role"] == "system" and [m["content"] for m in messages if m["role"] == "tool"] == ["42", "42"]
-    assert authed.get(f"{calls_server}/health").json()["sessions"] == 0  # collected and deleted
+    assert authed.get(f"{calls_server}/server_info").json()["sessions"] == 0  # collected and deleted
 
 
 @pytest.mark.parametrize(("agent", "reason", "detail", "turns"), [
@@ -229,7 +229,7 @@ def test_a_failing_or_slow_agent_costs_its_sample(engine_url: str, tokenizer: An
     assert (sample.status, sample.exit_reason) == (Status.ABORTED, reason)
     assert detail in (sample.exit_detail or "")
     assert len(sample.weight_versions) == turns  # what the agent did before failing is kept
-    assert authed.get(f"{calls_server}/health").json()["sessions"] == 0
+    assert authed.get(f"{calls_server}/server_info").json()["sessions"] == 0
 
 
 def test_agentic_starts_a_session_server_in_process_when_the_run_has_none(engine_url: str, tokenizer: Any,

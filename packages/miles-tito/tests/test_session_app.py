@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from miles.engine_client import EngineRequestError
 from miles_contracts.wire.engine import GenerateRequest, GenerateResponse
@@ -59,7 +60,7 @@ def test_chat_round_trip_and_session_lifecycle(server: str) -> None:
     assert models["data"][0]["id"] == "tiny"
     view = authed.delete(f"{server}/sessions/{created['session_id']}").json()
     assert view["metadata"] == {"task": 1} and [r["output_ids"] for r in view["records"]] == [[28, 29]]
-    assert authed.get(f"{server}/health").json()["sessions"] == 0
+    assert authed.get(f"{server}/server_info").json()["sessions"] == 0
 
 
 def test_streaming_sends_server_sent_events(server: str) -> None:
@@ -80,6 +81,34 @@ def test_unknown_paths_methods_and_trailing_slashes_answer_as_fastapi_did(server
     assert authed.get(f"{server}/sessions").headers["allow"] == "POST"
     redirect = authed.post(f"{server}/sessions/", follow_redirects=False)
     assert redirect.status_code == 307 and redirect.headers["location"] == f"{server}/sessions"
+
+
+def test_base_url_and_redirects_name_the_servers_own_address_not_the_host_header(server: str) -> None:
+    """An agent follows ``base_url`` with its session key: built from the Host header a client wrote
+    (here a name the guard lets through, at another port), it would send the key there."""
+    elsewhere = {"Host": "localhost:1"}
+    created = authed.post(f"{server}/sessions", headers=elsewhere).json()
+    assert created["base_url"] == f"{server}/sessions/{created['session_id']}/v1"
+    redirect = authed.post(f"{server}/sessions/?a=1", headers=elsewhere, follow_redirects=False)
+    assert redirect.status_code == 307 and redirect.headers["location"] == f"{server}/sessions?a=1"
+
+
+def test_a_session_remembers_its_latest_failures_only(server: str) -> None:
+    """A client holding only the session key cannot grow the server's memory: 200 failed requests
+    leave the 64 latest (their messages cut short) and a count of the rest."""
+    from miles_tito.server.service import FAILURE_MESSAGE_CHARS, FAILURES_KEPT
+
+    created = authed.post(f"{server}/sessions").json()
+    key = {"Authorization": f"Bearer {created['api_key']}"}
+    with httpx.Client(headers=key) as agent:
+        for n in range(200):
+            role = f"role-{n}-" + "x" * 5000  # an invalid role, quoted in the error
+            body = {"messages": [{"role": role, "content": "hi"}]}
+            assert agent.post(f"{created['base_url']}/chat/completions", json=body).status_code == 400
+    view = authed.get(f"{server}/sessions/{created['session_id']}").json()
+    assert len(view["failures"]) == FAILURES_KEPT and view["failures_dropped"] == 200 - FAILURES_KEPT
+    assert "role-199-" in view["failures"][-1]["message"] and "role-136-" in view["failures"][0]["message"]
+    assert all(len(f["message"]) <= FAILURE_MESSAGE_CHARS for f in view["failures"])
 
 
 def test_errors_are_openai_shaped_with_retry_advice(server: str, engine: StandInEngine) -> None:

@@ -13,6 +13,10 @@ constant time (:func:`is_authorized`) and require it on every route but ``/healt
 A server started by hand takes ``--auth-token`` or the environment variable; with neither it makes
 one, puts it in its own environment and prints it (:func:`server_token`), so nothing ever listens
 without a token.
+
+The session server hands each session a narrower credential, its key (:func:`new_session_key`):
+``miles-sk-`` and 32 random characters. The prefix lets logs (``miles.redaction``) and secret
+scanners recognise a key wherever one was printed, without knowing its value.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ AUTHORIZATION = "Authorization"
 _SCHEME = "bearer "
 _MIN_LENGTH = 16
 
+SESSION_KEY_PREFIX = "miles-sk-"
+SESSION_KEY_PATTERN = SESSION_KEY_PREFIX + "[A-Za-z0-9_-]{32}"
+"""A session key as a regular expression (the prefix, then ``secrets.token_urlsafe(24)``)."""
+
 
 class InvalidTokenError(ValueError):
     """A token too short to be a secret, or one that cannot travel in an HTTP header."""
@@ -38,6 +46,11 @@ class InvalidTokenError(ValueError):
 def new_token() -> str:
     """A fresh random token (256 bits, URL-safe characters)."""
     return secrets.token_urlsafe(32)
+
+
+def new_session_key() -> str:
+    """A fresh session key: :data:`SESSION_KEY_PREFIX` and 192 random bits (32 URL-safe characters)."""
+    return SESSION_KEY_PREFIX + secrets.token_urlsafe(24)
 
 
 def check_token(token: str) -> str:

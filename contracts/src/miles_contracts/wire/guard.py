@@ -2,6 +2,14 @@
 
 An ASGI middleware (no framework needed), wrapped around the engine, router and session server:
 
+0. **A host it serves.** The ``Host`` header must name this server: an IP address (any: an address
+   is never an attacker's name), ``localhost`` (or ``*.localhost``), or a name in ``allowed_hosts``
+   (a server passes its ``--host`` and ``--allowed-host`` flags) or in ``MILES_ALLOWED_HOSTS``
+   (comma-separated; ``*`` allows any). Anything else is refused with 400. This is what stops DNS
+   rebinding: a web page at ``http://evil.example:<port>`` whose name the attacker re-points at
+   127.0.0.1 is, to the browser, same-origin with the server, so its requests carry its own Origin
+   (passing check 1) and can read the answers; they also carry ``Host: evil.example``. A request
+   without ``Host`` (HTTP/1.0) passes: browsers always send one.
 1. **Same origin.** A request with an ``Origin`` header naming another site (a browser page that
    a user has open) is refused with 403: browsers attach ``Origin`` to cross-site requests, other
    clients do not send it.
@@ -21,8 +29,10 @@ The body is read whole by the guard (it is bounded) and handed to the app as one
 
 from __future__ import annotations
 
+import ipaddress
 import json
-from collections.abc import Awaitable, Callable, Iterable
+import os
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from miles_contracts.wire.auth import TOKEN_ENV, bearer, is_authorized
@@ -31,6 +41,9 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 ErrorBody = Callable[[int, str], bytes]
+
+ALLOWED_HOSTS_ENV = "MILES_ALLOWED_HOSTS"
+"""Host names every Miles server of this environment answers to, comma-separated (``*``: any)."""
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 """32 MiB: a 128k-token prompt as JSON ids is ~1 MB, a long agent conversation a few MB."""
@@ -49,13 +62,15 @@ class RequestGuard:
     :param public_paths: paths served without a token (health checks).
     :param also_accept: ``(path, presented_token) -> bool``, called when the run's token does not
         match, for credentials narrower than the run's token.
+    :param allowed_hosts: host names (not addresses: those always pass) this server answers to
+        besides ``localhost`` and those of ``MILES_ALLOWED_HOSTS``, e.g. the name it binds.
     :param error_body: the bytes of an error answer (status, message); JSON ``{"detail": ...}`` by default.
     """
 
     def __init__(self, app: Any, *, token: str, public_paths: Iterable[str] = ("/health",),
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  also_accept: Callable[[str, str], bool] | None = None,
-                 error_body: ErrorBody = detail_body) -> None:
+                 error_body: ErrorBody = detail_body, allowed_hosts: Iterable[str] = ()) -> None:
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
         self.app = app
@@ -64,6 +79,7 @@ class RequestGuard:
         self.max_body_bytes = max_body_bytes
         self.also_accept = also_accept
         self.error_body = error_body
+        self.allowed_hosts = host_names(allowed_hosts)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -86,6 +102,11 @@ class RequestGuard:
         await self.app(scope, _replay(body, receive), send)
 
     def _refusal(self, scope: Scope, headers: dict[str, str]) -> tuple[int, str] | None:
+        host = headers.get("host")
+        if host is not None and not host_allowed(host, self.allowed_hosts):
+            return 400, (f"Host {host!r} is not a name this server answers to (a guard against DNS rebinding); "
+                         f"address it by IP or as localhost, or start it with --allowed-host NAME (or list the "
+                         f"name in {ALLOWED_HOSTS_ENV})")
         origin = headers.get("origin")
         if origin is not None and not _same_origin(origin, headers.get("host", "")):
             return 403, (f"cross-origin request refused (Origin {origin!r}); Miles servers answer programs, "
@@ -136,6 +157,32 @@ class RequestGuard:
             headers.append((b"www-authenticate", b"Bearer"))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+def host_names(names: Iterable[str] = (), environ: Mapping[str, str] | None = None) -> frozenset[str]:
+    """``names`` and those of ``MILES_ALLOWED_HOSTS``, lower-case, without a trailing dot."""
+    listed = (os.environ if environ is None else environ).get(ALLOWED_HOSTS_ENV, "").split(",")
+    return frozenset(n.strip().lower().rstrip(".") for n in [*names, *listed] if n.strip())
+
+
+def host_allowed(host: str, names: frozenset[str]) -> bool:
+    """Whether a ``Host`` header value (``name[:port]``, ``[v6]:port``) names an IP address,
+    ``localhost``, a ``*.localhost`` name, or one of ``names`` (``*`` among them: any name)."""
+    if host.startswith("["):
+        literal, bracket, _ = host[1:].partition("]")
+        return bool(bracket) and _is_address(literal)
+    name = host.rpartition(":")[0] if ":" in host else host
+    name = name.lower().rstrip(".")
+    return (_is_address(name) or name == "localhost" or name.endswith(".localhost") or name in names
+            or "*" in names)
+
+
+def _is_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _headers(scope: Scope) -> dict[str, str]:

@@ -138,7 +138,8 @@ class SessionView(_Response):
 
     :ivar token_ids: the conversation so far: the last active turn's ``input_ids + output_ids``.
     :ivar records: every turn, in order (rolled-back ones included and marked).
-    :ivar failures: requests that produced no turn.
+    :ivar failures: requests that produced no turn (the latest 64; the server keeps no more).
+    :ivar failures_dropped: how many earlier failed requests were not kept.
     :ivar max_trim_tokens: the chat family's limit, needed to assemble the records.
     :ivar trajectory: the active records assembled (None before the first turn).
     :ivar trajectory_error: why the records could not be assembled, if they could not.
@@ -152,6 +153,7 @@ class SessionView(_Response):
     token_ids: list[int] = Field(default_factory=list)
     records: list[TurnRecord] = Field(default_factory=list)
     failures: list[RequestFailure] = Field(default_factory=list)
+    failures_dropped: int = 0
     max_trim_tokens: int = 0
     closed: bool = False
     trajectory: TrajectoryView | None = None

@@ -43,6 +43,7 @@ def _train_run(args: argparse.Namespace) -> str:
     from miles.loop.folder_config import TRUST_FLAG, refuse_folder_privileges
     from miles.loop.run_dir import new_run_dir
     from miles.loop.runner import run_training
+    from miles.private_files import write_private_text
 
     config_path, overrides = split_config_args(args.items)
     if args.trust_run_config and not args.resume:
@@ -56,7 +57,7 @@ def _train_run(args: argparse.Namespace) -> str:
         config = load_config(run_dir / "config.yaml", overrides)
         if not args.trust_run_config:  # before anything runs: the folder may come from anyone
             refuse_folder_privileges(config, overrides, run_dir)
-        (run_dir / "config.yaml").write_text(config.to_yaml())
+        write_private_text(run_dir / "config.yaml", config.to_yaml())
         return run_training(config, run_dir, resume=True)
     config = load_config(config_path, overrides)
     # a model name no plugin knows fails here, before the run folder exists (it would hold only

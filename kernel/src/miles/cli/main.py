@@ -84,7 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code = command.run(args, ctx)
     except MilesError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        from miles.redaction import redact
+
+        print(f"error: {redact(str(exc))}", file=sys.stderr)  # it may quote a log or a command line
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

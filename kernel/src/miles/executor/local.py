@@ -4,8 +4,9 @@ One node, ``local`` at 127.0.0.1, with the GPUs this machine shows (``CUDA_VISIB
 set, else ``nvidia-smi``), or as many as the config says. A process given GPUs sees only those.
 Every child gets its own process group and a parent-death signal (Linux ``PR_SET_PDEATHSIG``), so
 neither Ctrl-C nor a crash of the driver (even SIGKILL) leaves orphans; ``shutdown()`` terminates
-each group, then kills what is still alive. Output goes to ``<run_dir>/logs/<name>.log``; a service
-that dies during start-up is reported with the tail of its log.
+each group, then kills what is still alive. Output goes to ``<run_dir>/logs/<name>.log`` (mode
+0600, the run's secrets redacted: :mod:`miles.executor.output`); a service that dies during start-up
+is reported with the tail of its log.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ import httpx
 from miles_contracts.cluster import Endpoint, Node
 
 from miles.errors import MilesError
+from miles.executor.output import OutputPump, open_log
+from miles.private_files import private_dir
+from miles.redaction import Redactor
 
 _PR_SET_PDEATHSIG = 1
 HOST = "127.0.0.1"
@@ -56,6 +60,7 @@ class Service:
     gpus: tuple[str, ...] = ()
     argv: list[str] = field(default_factory=list)  # of the current process
     process: subprocess.Popen[bytes] | None = None
+    output: OutputPump | None = None  # copies the current process's output into log_path
     restarts: int = 0
     started_at: float = field(default_factory=time.monotonic)
 
@@ -63,6 +68,8 @@ class Service:
         return self.process is not None and self.process.poll() is None
 
     def log_tail(self, lines: int = 25) -> str:
+        if self.output is not None and not self.alive():
+            self.output.settle()  # what a dead process printed last is what explains it
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
@@ -76,8 +83,7 @@ class LocalExecutor:
     """
 
     def __init__(self, run_dir: Path, *, startup_timeout: float = 600.0, gpus: Sequence[str] | None = None) -> None:
-        self.log_dir = run_dir / "logs"
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = private_dir(run_dir / "logs")
         self.startup_timeout = startup_timeout
         self._given_gpus = tuple(gpus) if gpus is not None else None
         self._services: dict[str, Service] = {}
@@ -196,15 +202,19 @@ class LocalExecutor:
 
     def _spawn(self, service: Service) -> None:
         service.argv = list(service.command(service.endpoint))
-        log = service.log_path.open("ab")
-        log.write(f"\n==== start {time.strftime('%H:%M:%S')}: {' '.join(service.argv)}\n".encode())
-        log.flush()
-        service.process = subprocess.Popen(
-            service.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **service.env}, start_new_session=True,
-            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
-        )
-        log.close()
+        redactor = Redactor.for_environment(os.environ, service.env)
+        log = open_log(service.log_path, redactor, service.argv)
+        try:
+            service.process = subprocess.Popen(
+                service.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, **service.env}, start_new_session=True,
+                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
+            )
+        except BaseException:
+            log.close()
+            raise
+        assert service.process.stdout is not None
+        service.output = OutputPump(service.process.stdout, log, redactor, name=service.name)
         service.started_at = time.monotonic()
 
     def _wait_healthy(self, service: Service) -> None:
@@ -231,6 +241,8 @@ class LocalExecutor:
     def _terminate(self, service: Service, grace: float = 5.0) -> None:
         if service.process is not None:
             terminate_group(service.process, grace)
+        if service.output is not None:
+            service.output.settle()
 
 
 def terminate_group(process: subprocess.Popen[bytes], grace: float = 5.0) -> None:

@@ -1,8 +1,8 @@
 """The run folder ``<output_dir>/<name>/`` and its checkpoints.
 
-    config.yaml              the resolved config the run started with
+    config.yaml              the resolved config the run started with (mode 0600: it can hold secrets)
     metrics.jsonl            one line per step (the jsonl tracker)
-    logs/<service>.log       engine, router and session-server output
+    logs/<service>.log       engine, router and session-server output (0600, secrets redacted)
     samples/step_000003.jsonl  every sample of a step (prompt, response, reward, status)
     checkpoints/step_000004/   backend state + miles-state.json (written last: its presence marks
                                a complete checkpoint)
@@ -26,6 +26,7 @@ from miles_contracts import Sample
 
 from miles.config import MilesConfig
 from miles.errors import MilesError
+from miles.private_files import write_private_text
 
 STATE_FILE = "miles-state.json"
 CONFIG_FILE = "config.yaml"
@@ -41,7 +42,7 @@ def new_run_dir(config: MilesConfig) -> Path:
             f"or choose another run.name"
         )
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / CONFIG_FILE).write_text(config.to_yaml())
+    write_private_text(run_dir / CONFIG_FILE, config.to_yaml())
     return run_dir
 
 

@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
-    from miles.server_process import context_from_args
+    from miles.server_process import allowed_hosts, context_from_args
     from miles_contracts.wire.auth import server_token
     from miles_models import resolve_model
 
@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     path = resolve_model(args.model or ctx.config.model.name, auto_pull=True)
     settings = engine_config_of(ctx.config, path, run_dir=ctx.run_dir.resolve() if ctx.run_dir else None)
     engine = Engine.from_config(settings, background=False)
-    app = create_app(engine, auth_token=token, max_body_bytes=int(args.max_body_mb * 2**20))
+    app = create_app(engine, auth_token=token, max_body_bytes=int(args.max_body_mb * 2**20),
+                     allowed_hosts=allowed_hosts(args))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_keep_alive=60, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
     # HTTP on a helper thread, the scheduler on the main thread (see Scheduler.run for why).

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -63,15 +64,16 @@ INLINE_VALIDATE_BYTES = 1 << 20
 """``/generate`` bodies up to this size are validated on the event loop; larger ones in a thread."""
 
 
-def create_app(engine: Engine, *, auth_token: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> RequestGuard:
+def create_app(engine: Engine, *, auth_token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               allowed_hosts: Sequence[str] = ()) -> RequestGuard:
     """The ASGI app: the request guard, then ``POST /generate`` on :class:`GenerateFastPath`, every
     other route on FastAPI. ``auth_token`` defaults to the run's (``MILES_AUTH_TOKEN``; a new one is
-    set there when it is unset, so this process's clients and children share it)."""
+    set there when it is unset, so this process's clients and children share it); ``allowed_hosts``
+    are host names the guard accepts besides addresses and ``localhost``."""
     token = auth_token or ensure_run_token()
     public = [path for path, kind in ENGINE_ROUTES.items() if kind == HEALTH]
     return RequestGuard(GenerateFastPath(_fastapi_app(engine), engine), token=token, public_paths=public,
-                        max_body_bytes=max_body_bytes)
+                        max_body_bytes=max_body_bytes, allowed_hosts=allowed_hosts)
 
 
 def _fastapi_app(engine: Engine) -> FastAPI:

@@ -8,7 +8,8 @@
   and trainer rank 0 sits on the first GPU of the first node.
 * **Processes** (trainer ranks, engines, the router) are started by the host of their first
   bundle, with ``CUDA_VISIBLE_DEVICES`` set to the GPUs of their bundles, on a port free on that
-  node; processes without GPUs run beside the driver. Every process gets the run token
+  node; processes without GPUs run beside the driver. They listen on 127.0.0.1 when the whole run
+  is on the driver's node, else on their node's address (:mod:`miles_ray.addresses`). Every process gets the run token
   (``MILES_AUTH_TOKEN``), the ``MILES_*`` variables and ``ray.forward_env`` explicitly: Ray workers
   inherit the environment of ``ray start``, not the driver's.
 * **Logs** are written on each node and copied into ``<run>/logs/<name>.log`` every
@@ -36,8 +37,10 @@ from typing import Any
 
 import httpx
 from miles.errors import MilesError
+from miles.private_files import open_private, private_dir
 from miles_contracts.cluster import Endpoint, Node
 
+from miles_ray.addresses import process_address
 from miles_ray.config import RaySection
 from miles_ray.host import ProcessHost
 
@@ -100,8 +103,7 @@ class RayExecutor:
 
         self.section = section
         self.startup_timeout = startup_timeout
-        self.log_dir = run_dir / "logs"
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = private_dir(run_dir / "logs")
         self.run_id = f"{run_dir.name}-{uuid.uuid4().hex[:6]}"
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
@@ -115,6 +117,8 @@ class RayExecutor:
                 options["_node_ip_address"] = section.node_ip_address
             ray.init(**options)
         self._remote_host = ray.remote(ProcessHost)
+        self._driver_node = ray.get_runtime_context().get_node_id()
+        self._nodes_in_use: set[str] = set()  # nodes the run's processes are placed on
         self._cluster = _Cluster()
         self._processes: dict[str, _Process] = {}
         self._lock = threading.RLock()
@@ -135,7 +139,8 @@ class RayExecutor:
     def reserve(self, gpus: int) -> list[Node]:
         if gpus == 0:
             head = self.nodes()[0]
-            return [Node(head.name, head.address)]
+            self._nodes_in_use = {head.name}
+            return [Node(head.name, self._address(head.address))]
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -165,14 +170,15 @@ class RayExecutor:
         for node, bundles in by_node.items():
             for bundle in bundles:
                 self._cluster.bundles[(node, bundle.gpu)] = bundle
+        self._nodes_in_use = set(by_node)
         order = {n.name: i for i, n in enumerate(self.nodes())}
-        return [Node(node, bundles[0].address, tuple(b.gpu for b in bundles))
+        return [Node(node, self._address(bundles[0].address), tuple(b.gpu for b in bundles))
                 for node, bundles in sorted(by_node.items(), key=lambda item: order.get(item[0], len(order)))]
 
     def driver_address(self) -> str:
         import ray
 
-        return self.section.node_ip_address or ray.util.get_node_ip_address()
+        return self.section.node_ip_address or self._address(ray.util.get_node_ip_address())
 
     # -------------------------------------------------------------- processes
 
@@ -331,12 +337,19 @@ class RayExecutor:
                 time.sleep(1.0)
         host = process.hosts[0]
         process.node, process.host_pid = infos[0]["node_id"], infos[0]["pid"]
-        process.endpoint = Endpoint(infos[0]["address"], self._call(host.free_port.remote()))
+        # a host that Ray placed again after its node left may be on another node than the driver's
+        address = self._address(infos[0]["address"], on=infos[0]["node_id"])
+        process.endpoint = Endpoint(address, self._call(host.free_port.remote()))
         env = dict(process.env)
         if process.gpus and self.section.gpu_resource == "GPU":
             env["CUDA_VISIBLE_DEVICES"] = ",".join(g for info in infos for g in info["gpus"])
         argv = list(process.command(process.endpoint))
         process.pid = self._call(host.spawn.remote(process.name, process.log_name, argv, env))
+
+    def _address(self, node_address: str, *, on: str | None = None) -> str:
+        """Where a process on the node ``on`` (default: one the run reserved) at ``node_address`` listens."""
+        nodes = self._nodes_in_use | {on} if on is not None else self._nodes_in_use
+        return process_address(node_address, nodes, self._driver_node)
 
     def _status(self, process: _Process) -> int | str | None:
         """None while ``process`` runs; otherwise why not (exit status, or ``lost`` with its host)."""
@@ -367,8 +380,8 @@ class RayExecutor:
                 chunk = self._call(process.hosts[0].read_log.remote(process.log_name, process.log_offset), timeout=10)
                 if not chunk:
                     return
-                with (self.log_dir / f"{process.name}.log").open("ab") as log:
-                    log.write(chunk)
+                with open_private(self.log_dir / f"{process.name}.log") as log:
+                    log.write(chunk)  # redacted on its node, as it was written there
                 process.log_offset += len(chunk)
 
     def _tail(self, name: str, lines: int = 25) -> str:

@@ -3,7 +3,7 @@
 One host lives in each GPU bundle of the run's placement group (and one, pinned, on a node that
 runs processes without GPUs: the router beside the driver). It starts processes with ``Popen``
 exactly as the local executor does -- own process group, parent-death signal, output to a log file
-on its node -- and answers the driver's questions about them (alive? exit code? log bytes since
+on its node (0600 in a 0700 folder, the run's secrets redacted: ``miles.executor.output``) -- and answers the driver's questions about them (alive? exit code? log bytes since
 offset N?). The driver copies the logs into ``<run>/logs`` (nodes need not share a filesystem).
 
 A host in a bundle is restarted by Ray (``max_restarts=-1``) when its node leaves and the bundle
@@ -17,12 +17,14 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from miles.executor.local import die_with_parent, free_port, terminate_group
+from miles.executor.output import OutputPump, open_log
+from miles.private_files import private_dir
+from miles.redaction import Redactor
 
 _READ_LIMIT = 1 << 20
 
@@ -31,9 +33,9 @@ class ProcessHost:
     """Starts, watches and stops processes on this actor's node (used as a Ray actor)."""
 
     def __init__(self, run_id: str) -> None:
-        self.log_dir = Path(tempfile.gettempdir()) / "miles-ray-logs" / run_id
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = private_dir(Path(tempfile.gettempdir()) / "miles-ray-logs" / run_id)
         self._processes: dict[str, subprocess.Popen[bytes]] = {}
+        self._outputs: dict[str, OutputPump] = {}
         self._logs: dict[str, Path] = {}
 
     def info(self) -> dict[str, Any]:
@@ -50,16 +52,21 @@ class ProcessHost:
         """Start ``argv`` as process ``name``, its output in log ``log_name``; returns its pid."""
         self.terminate(name)
         path = self.log_dir / log_name
-        with path.open("ab") as log:
-            log.write(f"==== start {time.strftime('%H:%M:%S')} on {socket.gethostname()}: {' '.join(argv)}\n".encode())
-            log.flush()
+        redactor = Redactor.for_environment(os.environ, env)
+        log = open_log(path, redactor, argv, where=f" on {socket.gethostname()}")
+        try:
             process = subprocess.Popen(
-                list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env={**os.environ, **env}, start_new_session=True,
                 # the actor's methods run on one long-lived thread, which the death signal is tied to
                 preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
             )
+        except BaseException:
+            log.close()
+            raise
+        assert process.stdout is not None
         self._processes[name] = process
+        self._outputs[name] = OutputPump(process.stdout, log, redactor, name=name)
         self._logs[log_name] = path
         return process.pid
 
@@ -67,7 +74,12 @@ class ProcessHost:
         """None while ``name`` runs, its exit status once it ended, ``"unknown"`` if this host never
         started it (a host restarted on another node)."""
         process = self._processes.get(name)
-        return "unknown" if process is None else process.poll()
+        if process is None:
+            return "unknown"
+        status = process.poll()
+        if status is not None:
+            self._outputs[name].settle()  # its last lines are in the log before it is read
+        return status
 
     def read_log(self, log_name: str, offset: int) -> bytes:
         path = self._logs.get(log_name)
@@ -81,6 +93,7 @@ class ProcessHost:
         process = self._processes.pop(name, None)
         if process is not None:
             terminate_group(process, grace)
+            self._outputs.pop(name).settle()
 
     def stop_all(self) -> None:
         for name in reversed(list(self._processes)):

@@ -1,7 +1,8 @@
 """The router's HTTP face (FastAPI).
 
 Own endpoints: ``POST /add_worker`` and ``POST /remove_worker`` (``?url=`` or ``{"url": ...}``),
-``GET /list_workers``, ``GET /health`` (200 when a worker serves, else 503), ``GET /metrics``
+``GET /list_workers``, ``GET /health`` (200 when a worker serves, else 503; to anyone, so it says
+no more than that: the fleet's state is in ``/list_workers``), ``GET /metrics``
 (``?format=prometheus`` for the text format). Fan-out paths go to every worker
 (:mod:`miles_router.fanout`); every other path -- ``/generate``, ``/model_info``,
 ``/health_generate``, ``/v1/...`` -- goes to one worker with failover (:mod:`miles_router.proxy`).
@@ -56,11 +57,13 @@ _PER_ENGINE_ONLY = {
 
 def create_app(section: RouterSection | None = None, workers: Sequence[str] = (),
                middlewares: Sequence[NamedMiddleware] | None = None, *, ctx: RunContext | None = None,
-               auth_token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               auth_token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               allowed_hosts: Sequence[str] = ()) -> FastAPI:
     """The router app. ``middlewares`` defaults to those ``section.middlewares`` names, built by
     the specs ``ctx.kernel`` registers with ``section.middleware_options`` (a section that names
     middlewares needs one of the two). ``auth_token`` (default the run's, ``MILES_AUTH_TOKEN``, made
-    and set there when unset) is what callers must send and what the router sends to its engines."""
+    and set there when unset) is what callers must send and what the router sends to its engines;
+    ``allowed_hosts`` are host names the guard accepts besides addresses and ``localhost``."""
     section = section or RouterSection()
     if middlewares is None:
         if section.middlewares and ctx is None:
@@ -81,7 +84,7 @@ def create_app(section: RouterSection | None = None, workers: Sequence[str] = ()
     app = FastAPI(title="miles router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = router
     app.add_middleware(RequestGuard, token=token, public_paths=[p for p, kind in ROUTER_ROUTES.items() if kind == HEALTH],
-                       max_body_bytes=max_body_bytes)
+                       max_body_bytes=max_body_bytes, allowed_hosts=allowed_hosts)
 
     @app.post("/add_worker")
     async def add_worker(request: Request) -> JSONResponse:
@@ -117,7 +120,11 @@ def create_app(section: RouterSection | None = None, workers: Sequence[str] = ()
     @app.get("/health")
     async def health() -> JSONResponse:
         ok, body = router.health()
-        return JSONResponse(body, status_code=200 if ok else 503)
+        public = {"status": body["status"]}  # no counts, versions or reasons: /list_workers has them
+        if not ok:
+            public["message"] = ("no worker can serve requests now: GET /list_workers (with the run's token) says "
+                                 "why; add one with POST /add_worker?url=...")
+        return JSONResponse(public, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics(format: str = "json") -> Response:

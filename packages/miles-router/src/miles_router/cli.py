@@ -52,6 +52,7 @@ def section_from_args(args: argparse.Namespace) -> RouterSection:
 
 
 def run(args: argparse.Namespace) -> int:
+    from miles.server_process import allowed_hosts
     from miles_contracts.wire.auth import server_token
 
     from miles_router.middleware import build_middlewares
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     middlewares = build_middlewares(section.middlewares, section.middleware_options, ctx)
     token = server_token(args.auth_token, name="router")
     serve(workers, port=args.port, host=args.host, section=section, middlewares=middlewares, log_level=args.log_level,
-          auth_token=token, max_body_bytes=int(args.max_body_mb * 2**20))
+          auth_token=token, max_body_bytes=int(args.max_body_mb * 2**20), allowed_hosts=allowed_hosts(args))
     return 0
 
 

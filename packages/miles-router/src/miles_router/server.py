@@ -44,7 +44,8 @@ SHUTDOWN_GRACE_S = 5  # whole seconds: uvicorn takes timeout_graceful_shutdown a
 
 def serve(workers: Sequence[str], *, port: int, host: str = "127.0.0.1", section: RouterSection | None = None,
           middlewares: Sequence[NamedMiddleware] | None = None, ctx: RunContext | None = None,
-          log_level: str = "info", auth_token: str | None = None, max_body_bytes: int | None = None) -> None:
+          log_level: str = "info", auth_token: str | None = None, max_body_bytes: int | None = None,
+          allowed_hosts: Sequence[str] = ()) -> None:
     """Serve the router until interrupted (what ``miles serve router`` runs); ``middlewares`` is
     the chain (default: built from ``section`` by ``ctx``'s kernel, see :func:`~miles_router.app.create_app`)."""
     import uvicorn
@@ -53,7 +54,7 @@ def serve(workers: Sequence[str], *, port: int, host: str = "127.0.0.1", section
     from miles_router.app import create_app
 
     app = create_app(section, workers, middlewares, ctx=ctx, auth_token=auth_token,
-                     max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+                     max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES, allowed_hosts=allowed_hosts)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5,
                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
 

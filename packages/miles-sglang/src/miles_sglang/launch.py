@@ -1,7 +1,7 @@
 """How one SGLang engine is started: ``python -m sglang.launch_server`` with flags from the config.
 
-:func:`launch_plan` is a pure function from (engine spec, ``sglang`` section, token, GPUs) to the
-argv and the environment of the process, so any launcher can use it: :class:`SGLangEngine` folds
+:func:`launch_plan` is a pure function from (engine spec, ``sglang`` section, whether the run has a
+token, GPUs) to the argv and the environment of the process, so any launcher can use it: :class:`SGLangEngine` folds
 the environment into the argv (``env K=V ... python -m sglang.launch_server ...``), and
 :data:`SGLANG_SERVICE` (an :class:`SGLangService`'s spec) is what the package registers through ``miles_register_services`` (role
 ``engine``): the executor picks host, port and GPUs (``CUDA_VISIBLE_DEVICES``), the service the rest.
@@ -10,10 +10,16 @@ SGLang runs in its own environment (``sglang.python``, ``sglang.env``): it pins 
 version Miles does not use, and the two must never share a Python process.
 
 The run token reaches SGLang as ``--api-key``: SGLang checks ``Authorization: Bearer`` against it on
-every route but ``/health*`` and ``/metrics``, the header Miles' clients send. SGLang reads the key
-from its argv or a ``--config`` file only, so it is visible in the process list of the engine's
-host (``/proc/<pid>/cmdline``); on hosts shared with other users, mount ``/proc`` with
-``hidepid=2``.
+every route but ``/health*`` and ``/metrics``, the header Miles' clients send. SGLang (0.5.13) reads
+the key from its argv or a ``--config`` file only, and argv is what every user of the host sees
+(``/proc/<pid>/cmdline``) and what an executor writes into the engine's log. So the token is never
+in argv: an authenticated engine is started as ``python -c <API_KEY_FROM_ENV> <flags>``, a line that
+takes the token out of ``MILES_AUTH_TOKEN`` (the process inherits it from the run) and appends
+``--api-key`` to ``sys.argv`` inside the process before it runs ``sglang.launch_server`` as
+``python -m`` would. (A 0600 YAML for ``--config`` would work too, but is a file holding the token
+that must be cleaned up, on every node.) SGLang still prints its ``server_args``, the key included,
+when it logs at ``info``; the executor redacts the run's secrets from every log line
+(``miles.executor.output``).
 """
 
 from __future__ import annotations
@@ -33,6 +39,14 @@ if TYPE_CHECKING:
     from miles_contracts import EngineSpec, ServiceLaunch
 
 TOKEN_ENV = "MILES_AUTH_TOKEN"
+API_KEY_FROM_ENV = (
+    f"import os, runpy, sys; key = os.environ.pop({TOKEN_ENV!r}, '') or sys.exit('miles: {TOKEN_ENV} is not set, "
+    "and this SGLang engine must not serve without a token'); sys.argv += ['--api-key', key]; "
+    "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)"
+)
+"""The launcher of an authenticated engine (``python -c``): the token from the environment becomes
+``--api-key`` in ``sys.argv`` only, never in the command line of the process. The variable is removed
+before SGLang runs, so its own processes do not inherit it."""
 _DTYPES = {"bfloat16", "float16", "float32", "half", "float"}
 
 
@@ -61,28 +75,29 @@ _GRPC_OFFSET = 10000  # SGLang's native gRPC port is --port + this
 _HEALTH_GENERATION = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
 
 
-def launch_plan(spec: EngineSpec, section: SGLangSection, *, token: str | None = None,
+def launch_plan(spec: EngineSpec, section: SGLangSection, *, authenticated: bool = False,
                 gpus: Sequence[int | str] | None = None) -> LaunchPlan:
     """The argv and environment that serve ``spec`` with SGLang.
 
     :param spec: model folder, host, port, device and dtype (``auto`` leaves SGLang's default),
         ``deterministic`` (``--enable-deterministic-inference``).
     :param section: the run's ``sglang`` section.
-    :param token: the run token, given to SGLang as ``--api-key`` (``None``: an open server).
+    :param authenticated: SGLang requires the run token (``--api-key``), which it reads from
+        ``MILES_AUTH_TOKEN`` in its environment when it starts (:data:`API_KEY_FROM_ENV`); the token
+        is in neither the argv nor the ``env`` of the plan. ``False``: an open server.
     :param gpus: the GPUs this engine may use, as ``CUDA_VISIBLE_DEVICES`` entries; ``None`` leaves
         the inherited ones. Their number must be what the layout needs (``tp_size * dp_size``).
     """
     if gpus is not None and len(gpus) != gpus_needed(section):
         raise ValueError(f"an engine with tp_size={section.tp_size} and dp_size={section.dp_size} runs on "
                          f"{gpus_needed(section)} GPUs, but {len(gpus)} were given ({list(gpus)})")
-    argv = [section.python or sys.executable, "-m", "sglang.launch_server",
+    entry = ["-c", API_KEY_FROM_ENV] if authenticated else ["-m", "sglang.launch_server"]
+    argv = [section.python or sys.executable, *entry,
             "--model-path", str(spec.model_path), "--host", spec.host, "--port", str(spec.port),
             "--tp-size", str(section.tp_size), "--dp-size", str(section.dp_size), "--ep-size", str(section.ep_size),
             "--weight-version", "0",  # as the embedded engine: the first weight sync makes it 1
             "--log-level", section.log_level]
     argv += _value_flags(spec, section) + _switches(spec, section)
-    if token:
-        argv += ["--api-key", token]
     argv += list(section.sglang_args)
     env = dict(section.env)
     if spec.port + _GRPC_OFFSET > 65535 and "SGLANG_GRPC_PORT" not in env:
@@ -139,9 +154,9 @@ def _switches(spec: EngineSpec, section: SGLangSection) -> list[str]:
 class SGLangEngine:
     """``command(spec)``: the argv (environment folded in) of the SGLang server that serves ``spec``.
 
-    ``spec.options`` holds the ``sglang`` section (:attr:`config_section`); the token comes from
-    ``MILES_AUTH_TOKEN`` in the launcher's environment, the GPUs from the environment the executor
-    starts the process in.
+    ``spec.options`` holds the ``sglang`` section (:attr:`config_section`); with ``MILES_AUTH_TOKEN``
+    in the launcher's environment the engine requires that token, which it inherits from the
+    environment the executor starts it in, as it does its GPUs.
     """
 
     config_section = "sglang"
@@ -151,7 +166,7 @@ class SGLangEngine:
 
     def command(self, spec: EngineSpec) -> list[str]:
         section = SGLangSection.model_validate(dict(spec.options))
-        return launch_plan(spec, section, token=self._environ.get(TOKEN_ENV) or None).command()
+        return launch_plan(spec, section, authenticated=bool(self._environ.get(TOKEN_ENV))).command()
 
 
 class SGLangService:

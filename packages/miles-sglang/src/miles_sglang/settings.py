@@ -13,6 +13,8 @@ from typing import Annotated, Any
 from miles.sections import Privileged, Section
 from pydantic import Field, model_validator
 
+from miles_sglang.owned_flags import owned_flags
+
 
 class SGLangSection(Section):
     python: Annotated[str | None, Privileged("the Python interpreter that runs SGLang")] = Field(
@@ -55,11 +57,12 @@ class SGLangSection(Section):
         if self.tp_size % self.ep_size:
             errors.append(f"ep_size ({self.ep_size}) must divide tp_size ({self.tp_size}): SGLang's expert-parallel "
                           "ranks are a split of its tensor-parallel ones")
-        owned = {"--model-path", "--host", "--port", "--api-key", "--tp-size", "--dp-size", "--ep-size"}
-        clash = sorted(arg.split("=", 1)[0] for arg in self.sglang_args if arg.split("=", 1)[0] in owned)
+        clash = owned_flags(self.sglang_args)
         if clash:
-            errors.append(f"sglang_args sets {clash}, which Miles sets itself (use model.name, the executor, the run "
-                          "token and sglang.tp_size / dp_size / ep_size)")
+            names = [(arg.split("=", 1)[0], option) for arg, option in clash]  # never echo a value given
+            spelled = ", ".join(name if name == option else f"{name} (SGLang reads {option})" for name, option in names)
+            errors.append(f"sglang_args sets {spelled}, which Miles sets itself (use model.name, the executor, the "
+                          "run token and sglang.tp_size / dp_size / ep_size)")
         if errors:
             raise ValueError("; ".join(errors))
         return self

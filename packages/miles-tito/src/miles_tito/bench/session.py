@@ -152,7 +152,7 @@ async def _bench(engine: str, server: str, pid: int, levels: list[int], args: ar
     # One client per worker: a worker's requests are sequential, so each holds one connection.
     clients = [_Client(server, engine) for _ in range(max(levels))]
     try:
-        stop_ids = (await clients[0].call("server", "GET", "/health"))["stop_token_ids"]
+        stop_ids = (await clients[0].call("server", "GET", "/server_info"))["stop_token_ids"]
         await _session_worker(clients[0], 1, 0, args)  # warm-up: first requests load caches
         # This process holds transformers' ~400k objects: a full collection of them (~200 ms) while
         # 256 requests are in flight would be counted as the server's latency. Frozen, it is not.

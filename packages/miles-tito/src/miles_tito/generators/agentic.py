@@ -164,6 +164,8 @@ def _finish(
         sample.metadata["messages"] = view.messages
     if view.failures:
         sample.metadata["session_failures"] = [f.model_dump() for f in view.failures]
+    if view.failures_dropped:
+        sample.metadata["session_failures_dropped"] = view.failures_dropped
     if outcome is not None:
         return sample.finish(*outcome)
     if not records:

@@ -5,7 +5,8 @@
 ``GET    /sessions/{id}/v1/models``              the served model (some clients ask first)
 ``GET    /sessions/{id}``                        :class:`SessionView`: records with exact token ids
 ``DELETE /sessions/{id}``                        waits for the request in flight, returns the final view
-``GET    /health``
+``GET    /health``                               liveness only: ``{"status": "ok"}``, to anyone
+``GET    /server_info``                          model, chat family, stop ids, open sessions
 ``GET    /openapi.json``                         this API as OpenAPI 3.1
 
 Every route but ``/health`` needs the run's token (``Authorization: Bearer $MILES_AUTH_TOKEN``;
@@ -14,6 +15,10 @@ requires JSON and refuses cross-origin requests). A session's own OpenAI routes
 (``/sessions/{id}/v1/...``) also take that session's ``api_key``, returned by ``POST /sessions``:
 an agent holds a key that reaches its own session and nothing else, and passes it the ordinary way,
 ``AsyncOpenAI(base_url=base_url, api_key=api_key)``.
+
+That ``base_url`` (and the ``Location`` of a redirect) names the address the request arrived on,
+the socket's own (uvicorn's ``scope["server"]``), never the ``Host`` header: a client writes that
+header, and an agent that follows a URL built from it sends its session key wherever it pointed.
 
 Errors are OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``) with the status
 codes of :mod:`miles_tito.errors`. Deterministic errors carry ``x-should-retry: false`` so OpenAI
@@ -31,7 +36,7 @@ Here a request costs one dictionary look-up to route and two ``send`` calls to a
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,10 +105,8 @@ class Call:
             raise InvalidRequest(f"the request body is not valid JSON: not UTF-8 ({exc.reason})") from None
 
     def base_url(self) -> str:
-        """The server's URL as the client addressed it (Host header), like Starlette's ``request.base_url``."""
-        from starlette.requests import Request
-
-        return str(Request(self.scope).base_url).rstrip("/")
+        """This server's URL at the address the request arrived on (see the module docstring)."""
+        return server_url(self.scope)
 
 
 class _ClientGone(Exception):
@@ -121,6 +124,7 @@ class SessionApp:
         # Routes by path shape: the path's segments, with the session id's segment as "*".
         self._routes: dict[tuple[str, ...], dict[str, Handler]] = {
             ("health",): {"GET": self.health},
+            ("server_info",): {"GET": self.server_info},
             ("openapi.json",): {"GET": self.openapi},
             ("sessions",): {"POST": self.create_session},
             ("sessions", "*"): {"GET": self.get_session, "DELETE": self.delete_session},
@@ -139,9 +143,13 @@ class SessionApp:
     # ------------------------------------------------------------------ endpoints
 
     async def health(self, call: Call) -> Reply:
+        """Public: says the server answers, and nothing about what it serves."""
+        return json_reply({"status": "ok"})
+
+    async def server_info(self, call: Call) -> Reply:
         service = self.service
         return json_reply({
-            "status": "ok", "sessions": len(service.sessions), "family": service.tito.family.name,
+            "sessions": len(service.sessions), "family": service.tito.family.name,
             "model": service.model_name, "stop_token_ids": service.tito.stop_token_ids,
         })
 
@@ -220,16 +228,18 @@ class SessionApp:
 
 
 def create_app(service: SessionService, *, auth_token: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> RequestGuard:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_hosts: Sequence[str] = ()) -> RequestGuard:
     """The session server behind the request guard. ``auth_token`` defaults to the run's
-    (``MILES_AUTH_TOKEN``, made and set there when unset)."""
+    (``MILES_AUTH_TOKEN``, made and set there when unset); ``allowed_hosts`` are host names the guard
+    accepts besides addresses and ``localhost``."""
     return RequestGuard(SessionApp(service), token=auth_token or ensure_run_token(), public_paths=["/health"],
                         max_body_bytes=max_body_bytes, also_accept=service.accepts_session_key,
-                        error_body=_guard_error)
+                        error_body=_guard_error, allowed_hosts=allowed_hosts)
 
 
 def _guard_error(status: int, message: str) -> bytes:
-    code = {401: "invalid_api_key", 403: "cross_origin", 413: "request_too_large", 415: "unsupported_media_type"}
+    code = {400: "host_not_allowed", 401: "invalid_api_key", 403: "cross_origin", 413: "request_too_large",
+            415: "unsupported_media_type"}
     body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code.get(status)}}
     return json.dumps(body).encode()
 
@@ -238,16 +248,23 @@ def _model_reply(model: Any) -> Reply:
     return json_reply(model.model_dump(mode="json"))
 
 
+def server_url(scope: Scope) -> str:
+    """``http://<address>:<port>`` of the socket the request arrived on."""
+    host, port = scope["server"]
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address
+    return f"{scope.get('scheme', 'http')}://{host}:{port}"
+
+
 def _redirect_or_404(scope: Scope, match: Callable[[str], tuple[Any, str]]) -> Reply:
-    """Starlette's ``redirect_slashes``: the same path with the trailing slash toggled, if that one exists."""
+    """Starlette's ``redirect_slashes``: the same path with the trailing slash toggled, if that one
+    exists, at this server's own address."""
     path: str = scope["path"]
     if path != "/":
         other = path[:-1] if path.endswith("/") else path + "/"
         if match(other)[0] is not None:
-            from starlette.datastructures import URL
-
-            location = str(URL(scope=scope).replace(path=other))
-            return Reply(b"", 307, b"", [(b"location", location.encode("latin-1"))])
+            query = scope.get("query_string", b"")
+            location = f"{server_url(scope)}{other}".encode("latin-1") + (b"?" + query if query else b"")
+            return Reply(b"", 307, b"", [(b"location", location)])
     return Reply(_NOT_FOUND, 404)
 
 

@@ -70,7 +70,7 @@ def session_options(ctx: RunContext, partial_rollout: bool | None = None) -> dic
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
-    from miles.server_process import context_from_args
+    from miles.server_process import allowed_hosts, context_from_args
     from miles_contracts.wire.auth import server_token
 
     from miles_tito.config import TitoSection
@@ -82,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or ctx.config.model.name
     tito = load_tito(model, tito_section.family, tito_section.render_check, kernel=ctx.kernel)
     make = app_factory(args.router, tito, model_name=str(model), auth_token=token,
-                       max_body_bytes=int(args.max_body_mb * 2**20), **session_options(ctx, args.partial_rollout))
+                       max_body_bytes=int(args.max_body_mb * 2**20), allowed_hosts=allowed_hosts(args),
+                       **session_options(ctx, args.partial_rollout))
     app = make()
     # Everything loaded so far (transformers, the tokenizer: ~400k objects) lives as long as the
     # process. Frozen, the collector stops re-scanning it: a full collection took ~180 ms, a pause

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,10 +29,12 @@ def load_tito(model: str | Path, family: str | None = None, render_check: Render
 
 
 def app_factory(engine_url: str, tito: TitoTokenizer, *, model_name: str, auth_token: str | None = None,
-                max_body_bytes: int | None = None, **options: Any) -> Callable[[], Any]:
+                max_body_bytes: int | None = None, allowed_hosts: Sequence[str] = (),
+                **options: Any) -> Callable[[], Any]:
     """A function that builds the app (call it in the thread or process that serves it).
 
     :param auth_token: what callers must send and what the server sends upstream (default: the run's).
+    :param allowed_hosts: host names the guard accepts besides addresses and ``localhost``.
     :param options: keyword arguments of :class:`~miles_tito.server.service.SessionService`.
     """
 
@@ -50,6 +52,6 @@ def app_factory(engine_url: str, tito: TitoTokenizer, *, model_name: str, auth_t
         token = auth_token or ensure_run_token()
         engine = HttpEngineClient(engine_url, retries=1, max_connections=UPSTREAM_CONNECTIONS, auth_token=token)
         return create_app(SessionService(engine, tito, model_name=model_name, **options), auth_token=token,
-                          max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+                          max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES, allowed_hosts=allowed_hosts)
 
     return make

@@ -39,6 +39,8 @@ def session_openapi() -> dict[str, Any]:
 
     paths = {
         "/health": {"get": {"summary": "liveness", "operationId": "health", "security": [], "responses": answers("200")}},
+        "/server_info": {"get": {"summary": "model, chat family, stop token ids and open sessions",
+                                 "operationId": "server_info", "responses": answers("200", "401")}},
         "/openapi.json": {"get": {"summary": "this document", "operationId": "openapi", "responses": answers("200", "401")}},
         "/sessions": {"post": {"summary": "open a session", "operationId": "create_session",
                                "requestBody": body(CreateSessionRequest, False),

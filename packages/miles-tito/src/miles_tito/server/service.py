@@ -22,14 +22,14 @@ import asyncio
 import hashlib
 import hmac
 import logging
-import secrets
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from miles_contracts import CaptureSpec, EngineClient
+from miles_contracts.wire.auth import new_session_key
 from miles_contracts.wire.session import (
     CreateSessionRequest,
     RequestFailure,
@@ -51,6 +51,11 @@ from miles_tito.turn import TurnRequest, TurnResult, run_turn
 log = logging.getLogger(__name__)
 EXPIRED_MEMORY = 10_000
 """Most expired session ids remembered (for the 404 that says so); the oldest are forgotten first."""
+FAILURES_KEPT = 64
+"""Failed requests a session remembers, the latest; older ones are only counted. A client with the
+session's key could otherwise grow its memory without bound (2,000 entries in 11 s were measured)."""
+FAILURE_MESSAGE_CHARS = 1000
+"""A remembered failure's message is cut to this length (messages may quote what the client sent)."""
 
 
 @dataclass(slots=True)
@@ -61,11 +66,12 @@ class Session:
     metadata: dict[str, Any]
     created_at: float = field(default_factory=time.time)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    failures: list[RequestFailure] = field(default_factory=list)
+    failures: deque[RequestFailure] = field(default_factory=lambda: deque(maxlen=FAILURES_KEPT))
+    failures_dropped: int = 0  # older failures than the ones kept
     captures: list[CaptureSpec] = field(default_factory=list)  # engine captures every turn carries
     closing: bool = False
     last_used: float = field(default_factory=time.monotonic)
-    api_key: str = field(default_factory=lambda: secrets.token_urlsafe(24))  # reaches this session only
+    api_key: str = field(default_factory=new_session_key)  # reaches this session only
 
 
 @dataclass(slots=True)
@@ -196,6 +202,7 @@ class SessionService:
             token_ids=conversation.token_ids,
             records=list(conversation.records),
             failures=list(session.failures),
+            failures_dropped=session.failures_dropped,
             max_trim_tokens=self.tito.family.max_trim_tokens,
             closed=session.closing,
             trajectory=trajectory,
@@ -265,7 +272,10 @@ class SessionService:
 
     @staticmethod
     def _fail(session: Session, error: TitoError) -> TitoError:
-        session.failures.append(RequestFailure(at=time.time(), status_code=error.status_code, code=error.code, message=error.message))
+        if len(session.failures) == FAILURES_KEPT:
+            session.failures_dropped += 1  # the deque drops the oldest as the new one comes in
+        session.failures.append(RequestFailure(at=time.time(), status_code=error.status_code, code=error.code,
+                                               message=error.message[:FAILURE_MESSAGE_CHARS]))
         return error
 
 
