@@ -109,6 +109,13 @@ def test_a_router_path_that_is_not_ascii_is_encoded_not_a_5xx(router, path: str)
     assert router.client.get("/model_info").status_code == 200
 
 
+def test_a_mooncake_session_host_that_does_not_resolve_is_a_400(engine) -> None:
+    """The name lookup's socket.gaierror (an OSError) was a 500."""
+    body = {"session_id": "no-such-host.invalid:1234", "address": 0, "size": 0, "tensors": []}
+    answer = engine.client.post("/update_weights_from_mooncake", json=body)
+    assert answer.status_code == 400 and "cannot pull the bucket over Mooncake" in _detail(answer), answer.text[:300]
+
+
 @pytest.mark.parametrize("url", ["http://[::1", "http://a\x00b:1", "http://a b:1"])
 def test_a_worker_url_that_is_not_one_is_a_400(router, url: str) -> None:
     """An unclosed IPv6 bracket (urlsplit's ValueError) and a NUL in the host (httpx.InvalidURL in
