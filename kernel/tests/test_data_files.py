@@ -61,6 +61,26 @@ def test_malformed_lines_are_skipped_counted_and_reported_with_file_and_line(ker
     assert samples[2].metadata["data_location"] == f"{path}:7"
 
 
+def test_a_deeply_nested_line_is_a_skipped_counted_record_not_a_recursion_error(kernel: Kernel, tmp_path: Path,
+                                                                                 caplog) -> None:
+    """Ten thousand levels overflow json.loads' recursion; five hundred parse, and then broke what
+    walks a sample later (the loop's group buffer deep-copies samples; copy.deepcopy and pickle
+    overflow at that depth). Both are records with a reason, as any other malformed line."""
+    path = tmp_path / "train.jsonl"
+    beyond_the_parser = '{"prompt": "a", "metadata": ' + '{"x": ' * 10_000 + "1" + "}" * 10_001
+    parsed_but_too_deep = '{"prompt": "b", "metadata": {"x": ' + "[" * 500 + "]" * 500 + "}}"
+    deep_but_ordinary = '{"prompt": "c", "metadata": ' + '{"x": ' * 20 + "1" + "}" * 21  # tool schemas nest this far
+    path.write_text("\n".join([beyond_the_parser, parsed_but_too_deep, deep_but_ordinary, '{"prompt": "d"}']) + "\n")
+    with caplog.at_level(logging.WARNING):
+        source = open_data_source(context_for(kernel=kernel), config(path, shuffle=False))
+    assert len(source) == 2 and source_metrics(source)["data/skipped_records"] == 2.0
+    for line in (1, 2):
+        assert f"{path}:{line}: refused: JSON arrays and objects nest deeper than 100 levels" in caplog.text
+    assert [s.prompt[0]["content"] for s in source.next_prompts(2)] == ["c", "d"]
+    with pytest.raises(DataError, match=r":1: refused: JSON arrays and objects nest deeper"):
+        open_data_source(context_for(kernel=kernel), config(path, on_error="fail"))
+
+
 def test_on_error_fail_stops_at_the_first_malformed_line(kernel: Kernel, tmp_path: Path) -> None:
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join(LINES) + "\n")

@@ -415,6 +415,16 @@ def test_header_injection_is_refused() -> None:
         run(client.request("GET", "/", headers={"X-Key": "a\r\nEvil: 1"}))
 
 
+@pytest.mark.parametrize("target", ["/a b", "/x\r\nEvil: 1", "/caf\u00e9", "/\u4e2d"])
+def test_a_request_target_that_is_not_visible_ascii_is_refused(target: str) -> None:
+    """It would end the request line early (a space, CR/LF: another header or request) or could
+    not be written at all (text beyond Latin-1 made a UnicodeEncodeError the router turned into a
+    503); callers percent-encode it."""
+    client = HttpClient("http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="invalid request target"):
+        run(client.request("GET", target))
+
+
 # ----------------------------------------------------------------------------------- parser
 
 

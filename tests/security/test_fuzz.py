@@ -1,5 +1,6 @@
-"""Schemathesis against the OpenAPI documents of the engine and the session server: whatever a
-client sends that the schema describes (and much that it does not), the answer is never a 5xx.
+"""Schemathesis against the OpenAPI documents of the engine and the session server, and the
+engine's data routes through a router: whatever a client sends that the schema describes (and
+much that it does not), the answer is never a 5xx.
 
 Examples are bounded (a few per operation) to keep the suite fast; the engine runs with a
 128-token context so that a generated ``max_new_tokens`` cannot make one example slow. Routes that
@@ -16,6 +17,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from miles_contracts.wire.auth import auth_headers
+from miles_contracts.wire.engine import DATA, ENGINE_ROUTES
 from miles_engine.openapi import engine_openapi
 from miles_tito.server.openapi import session_openapi
 from security_support import serve_engine
@@ -40,6 +42,26 @@ def test_the_engine_answers_no_5xx(case, fuzzed_engine: str) -> None:
     if case.path in EXCLUDED:
         pytest.skip("changes what the engine serves; tested on its own")
     response = case.call(base_url=fuzzed_engine, headers=auth_headers(), timeout=60)
+    assert response.status_code < 500, f"{case.method} {case.path} -> {response.status_code}: {response.text[:300]}"
+
+
+@pytest.fixture(scope="module")
+def fuzzed_router(fuzzed_engine: str) -> Iterator[str]:
+    from miles_router import RouterServer
+    from miles_router.config import RouterSection
+
+    with RouterServer([fuzzed_engine], section=RouterSection(health_interval=0.2, health_timeout=5.0)) as server:
+        yield server.url
+
+
+@engine_schema.parametrize()
+@EXAMPLES
+def test_the_router_answers_no_5xx_on_the_engine_data_routes(case, fuzzed_router: str) -> None:
+    """The router parses and re-sends every body and path itself (its fan-out and control routes
+    are tested in test_bad_input.py and the router's own suite)."""
+    if ENGINE_ROUTES[case.path] != DATA:
+        pytest.skip("not a data route")
+    response = case.call(base_url=fuzzed_router, headers=auth_headers(), timeout=60)
     assert response.status_code < 500, f"{case.method} {case.path} -> {response.status_code}: {response.text[:300]}"
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import re
 import ssl
 from collections.abc import Mapping
 from typing import Any
@@ -46,6 +47,7 @@ __all__ = ["MAX_HEAD_BYTES", "ConnectFailed", "ConnectionLost", "HttpClient", "H
 
 
 _INLINE_BODY_BYTES = 256 * 1024
+_UNSAFE_TARGET = re.compile(r"[^\x21-\x7e]")  # anything but visible ASCII
 """Bodies up to this size are copied into the head's buffer: one write, one packet when small."""
 
 
@@ -284,6 +286,9 @@ class HttpClient:
     # request bytes
 
     def _head(self, method: str, path: str, body: bytes, headers: Mapping[str, str] | None) -> bytes:
+        if _UNSAFE_TARGET.search(path):  # a space or CR/LF would end the request line; text is not bytes
+            raise ValueError(f"invalid request target {path!r}: percent-encode it (urllib.parse.quote) to "
+                             "visible ASCII")
         lines = [f"{method} {self._prefix}{path} HTTP/1.1\r\n", self._host_line, self._auth_line]
         if headers:
             for name, value in headers.items():

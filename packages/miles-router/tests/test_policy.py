@@ -42,6 +42,9 @@ def test_worker_urls_are_normalised(raw: str, expected: str) -> None:
     ("http://user:pw@host:1", "credentials"),
     ("", "non-empty string"),
     (42, "non-empty string"),
+    ("http://[::1", "is not a URL"),  # urlsplit's ValueError was a 500 from POST /add_worker
+    ("http://a\x00b:1", "give a DNS name"),  # httpx.InvalidURL in the first probe: a 500 too
+    ("http://a b:1", "give a DNS name"),
 ])
 def test_malformed_worker_urls_say_what_is_wrong(raw: object, says: str) -> None:
     with pytest.raises(InvalidWorkerUrl, match=says):

@@ -61,6 +61,8 @@ def create_weight_group(
         raise ValueError(f"unknown weight-group backend {backend!r}; use one of {', '.join(BACKENDS)}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside the group of world_size {world_size}")
+    if not 1 <= master_port <= 65535:  # TCPStore would raise an opaque TypeError (its port is a uint16)
+        raise ValueError(f"master_port must be a TCP port in [1, 65535], got {master_port}")
     store = dist.TCPStore(
         master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False,
     )

@@ -29,9 +29,9 @@ says where SGLang's behaviour is subtle (pause modes, cache flushes, abort by ri
 from __future__ import annotations
 
 import base64
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 """Header the router reads for session affinity (the same key reaches the same engine)."""
@@ -75,6 +75,37 @@ MAX_STOP_TOKEN_IDS = 4096
 """Limits of :class:`SamplingParams`: each stop string is matched against the text at every
 decode step, so their number bounds the per-token cost one request may impose on its batch."""
 
+MIN_REPETITION_PENALTY = 0.01
+"""The smallest ``repetition_penalty`` taken (SGLang takes [0, 2]). The penalty divides the
+positive logits of seen tokens, so a value near zero sends them to infinity (1e-39 made every
+log-prob NaN, sent as ``null``, and the argmax one token repeated). At 0.01 a seen token's logit
+grows at most 100-fold: a model's logits (tens, at most thousands) stay far inside float32 and even
+float16 (65,504), and a token already 100 times more likely is as repeated as a penalty can make it."""
+
+MAX_NAME_CHARS = 256
+MAX_WEIGHT_GROUP_RANKS = 2**16
+"""A weight group's largest ``world_size``: the trainer and every engine rank of a fleet, with
+room to spare; gloo and NCCL keep per-rank state, so a typo must not ask for billions of ranks."""
+
+
+def _printable(value: str) -> str:
+    if not value.isprintable():
+        raise ValueError("must be printable text: no newlines, tabs or other control characters")
+    return value
+
+
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_printable)]
+"""A weight version or a process-group name: 1 to 256 printable characters. Both are echoed in
+answers and logs, and the router compares versions on every probe: an empty one is no version,
+and a megabyte one a megabyte per probe and per log line."""
+
+StrictCount = Annotated[int, Field(strict=True)]
+"""A JSON integer and nothing else: pydantic's default (lax) mode takes ``"1"`` and ``true`` as 1,
+which turned ``input_ids: [false]`` into token 0 and ``max_new_tokens: true`` into one token."""
+
+FilePath = Annotated[str, Field(min_length=1, max_length=4096)]
+"""A path on the engine's host (4096: Linux's PATH_MAX); a NUL byte is refused where it is used."""
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -88,24 +119,26 @@ class SamplingParams(_Request):
     """SGLang sampling parameters. ``temperature == 0`` means greedy; ``top_k == -1`` means off.
 
     Every field is bounded to what the sampling kernels accept (ints fit int32, seeds a torch
-    generator, penalties SGLang's ranges, floats finite), so a request that validates cannot fail
-    inside a batched step and take its batch-mates with it.
+    generator, penalties SGLang's ranges -- ``repetition_penalty`` from
+    :data:`MIN_REPETITION_PENALTY` --, floats finite), so a request that validates cannot fail
+    inside a batched step and take its batch-mates with it, nor answer non-finite log-probs.
+    Integers must be JSON integers (:data:`StrictCount`).
     """
 
-    max_new_tokens: int = Field(default=128, ge=0, le=INT32_MAX)
+    max_new_tokens: StrictCount = Field(default=128, ge=0, le=INT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1, le=INT32_MAX)
-    min_new_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    top_k: StrictCount = Field(default=-1, ge=-1, le=INT32_MAX)
+    min_new_tokens: StrictCount = Field(default=0, ge=0, le=INT32_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: list[StrictCount] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
-    sampling_seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
+    sampling_seed: StrictCount | None = Field(default=None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=2.0)
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
@@ -137,13 +170,13 @@ class GenerateRequest(_Request):
     """
 
     text: str | None = None
-    input_ids: list[int] | None = None
+    input_ids: list[StrictCount] | None = None
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     rid: str | None = Field(default=None, max_length=256)
     return_logprob: bool = False
-    logprob_start_len: int = -1
+    logprob_start_len: StrictCount = Field(default=-1, ge=-1, le=INT32_MAX)
     return_routed_experts: bool = False
-    routed_experts_start_len: int = Field(default=0, ge=0)
+    routed_experts_start_len: StrictCount = Field(default=0, ge=0, le=INT32_MAX)
     stream: bool = False
 
     @model_validator(mode="after")
@@ -222,10 +255,10 @@ class ContinueGenerationRequest(_Request):
 
 
 class UpdateWeightsFromDiskRequest(_Request):
-    model_path: str
+    model_path: FilePath
     load_format: str | None = None
     abort_all_requests: bool = False
-    weight_version: str | None = None
+    weight_version: Name | None = None
     flush_cache: bool = True
 
 
@@ -238,37 +271,40 @@ class UpdateWeightsFromTensorRequest(_Request):
     load_format: str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
-    weight_version: str | None = None
+    weight_version: Name | None = None
 
 
 class InitWeightsUpdateGroupRequest(_Request):
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    group_name: str = "weight_update_group"
+    """Join a weight-broadcast group as ranks ``rank_offset ...``; the trainer hosts it (rank 0)
+    at ``master_address:master_port``."""
+
+    master_address: Name
+    master_port: StrictCount = Field(ge=1, le=65535)
+    rank_offset: StrictCount = Field(ge=0, lt=MAX_WEIGHT_GROUP_RANKS)
+    world_size: StrictCount = Field(ge=1, le=MAX_WEIGHT_GROUP_RANKS)
+    group_name: Name = "weight_update_group"
     backend: str = "nccl"
 
 
 class UpdateWeightsFromDistributedRequest(_Request):
     names: list[str]
     dtypes: list[str]
-    shapes: list[list[int]]
-    group_name: str = "weight_update_group"
+    shapes: list[list[StrictCount]]
+    group_name: Name = "weight_update_group"
     flush_cache: bool = True
     abort_all_requests: bool = False
-    weight_version: str | None = None
+    weight_version: Name | None = None
     load_format: str | None = None
 
 
 class DestroyWeightsUpdateGroupRequest(_Request):
-    group_name: str = "weight_update_group"
+    group_name: Name = "weight_update_group"
 
 
 class UpdateWeightVersionRequest(_Request):
     """SGLang aborts every request by default here: a client that pauses first sends ``false``."""
 
-    new_version: str
+    new_version: Name
     abort_all_requests: bool = True
 
 

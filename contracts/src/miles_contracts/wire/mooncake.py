@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from miles_contracts.wire.engine import Name
+
 if TYPE_CHECKING:
     import torch
 
@@ -56,7 +58,7 @@ class UpdateWeightsFromMooncakeRequest(BaseModel):
     tensors: list[MooncakeTensor]
     flush_cache: bool = True
     abort_all_requests: bool = False
-    weight_version: str | None = None
+    weight_version: Name | None = None
 
 
 def import_transfer_engine() -> Any:

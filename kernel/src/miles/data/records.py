@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from miles import bounded_json
 from miles.data.errors import DataError, RecordProblem, require_data_extra
 
 RawRecord = tuple[str, "dict[str, Any] | RecordProblem"]
@@ -33,7 +34,8 @@ def files_of(path: Path, suffixes: tuple[str, ...], what: str) -> list[Path]:
 
 
 def read_jsonl(path: Path) -> Iterator[RawRecord]:
-    """One JSON object per line; blank lines are ignored."""
+    """One JSON object per line; blank lines are ignored. A line nested deeper than
+    :data:`miles.bounded_json.MAX_DEPTH` levels is a malformed record (not a ``RecursionError``)."""
     with path.open("rb") as handle:
         for number, raw in enumerate(handle, start=1):
             location = f"{path}:{number}"
@@ -45,7 +47,10 @@ def read_jsonl(path: Path) -> Iterator[RawRecord]:
             if not line:
                 continue
             try:
-                value = json.loads(line)
+                value = bounded_json.loads(line)
+            except bounded_json.NestedTooDeep as exc:
+                yield location, RecordProblem(f"refused: {exc}; a prompt record needs a few")
+                continue
             except json.JSONDecodeError as exc:
                 yield location, RecordProblem(f"not valid JSON ({exc.msg} at column {exc.colno})")
                 continue

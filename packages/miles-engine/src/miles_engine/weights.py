@@ -285,7 +285,10 @@ class WeightStore:
 def confined(path: str | Path, allowed: list[Path]) -> Path:
     """``path`` resolved (symlinks, ``..``), if it lies inside one of the ``allowed`` folders
     (resolved already); a :class:`WeightUpdateError` naming them otherwise."""
-    resolved = Path(path).expanduser().resolve()
+    try:
+        resolved = Path(path).expanduser().resolve()
+    except (ValueError, RuntimeError, OSError) as exc:  # a NUL byte; "~user" of no such user
+        raise WeightUpdateError(f"model_path {str(path)!r} is not a usable path on the engine's host: {exc}") from None
     if not any(resolved == root or resolved.is_relative_to(root) for root in allowed):
         roots = ", ".join(str(r) for r in allowed) or "none"
         raise WeightUpdateError(f"model_path {str(path)!r} is outside the folders this engine may load weights from "

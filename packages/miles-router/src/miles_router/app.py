@@ -1,8 +1,9 @@
 """The router's HTTP face (FastAPI).
 
 Own endpoints: ``POST /add_worker`` and ``POST /remove_worker`` (``?url=`` or ``{"url": ...}``),
-``GET /list_workers``, ``GET /health`` (200 when a worker serves, else 503; to anyone, so it says
-no more than that: the fleet's state is in ``/list_workers``), ``GET /metrics``
+``GET /list_workers``, ``GET /health`` (200 when a worker serves; else 503, with ``"status": "paused"``
+while every serving worker is paused, as a paused engine answers; to anyone, so it says no more
+than that: the fleet's state is in ``/list_workers``), ``GET /metrics``
 (``?format=prometheus`` for the text format). Fan-out paths go to every worker
 (:mod:`miles_router.fanout`); every other path -- ``/generate``, ``/model_info``,
 ``/health_generate``, ``/v1/...`` -- goes to one worker with failover (:mod:`miles_router.proxy`).
@@ -15,7 +16,6 @@ requests go to the engines with the router's token, never the caller's ``Authori
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from miles import bounded_json
 from miles_contracts import RouterRequest, RouterResponse
 from miles_contracts.wire.auth import ensure_run_token
 from miles_contracts.wire.engine import CONTROL, HEALTH, ROUTING_KEY_HEADER
@@ -121,7 +122,9 @@ def create_app(section: RouterSection | None = None, workers: Sequence[str] = ()
     async def health() -> JSONResponse:
         ok, body = router.health()
         public = {"status": body["status"]}  # no counts, versions or reasons: /list_workers has them
-        if not ok:
+        if body["status"] == "paused":
+            public["message"] = "every worker is paused (a weight sync); requests wait until they continue"
+        elif not ok:
             public["message"] = ("no worker can serve requests now: GET /list_workers (with the run's token) says "
                                  "why; add one with POST /add_worker?url=...")
         return JSONResponse(public, status_code=200 if ok else 503)
@@ -163,7 +166,9 @@ async def _json_body(request: Request) -> dict[str, Any] | None | JSONResponse:
     if not raw.strip():
         return None
     try:
-        body = json.loads(raw)
+        body = bounded_json.loads(raw)
+    except bounded_json.NestedTooDeep as exc:
+        return _error(400, f"request body refused: {exc}; no engine request needs that many")
     except ValueError as exc:
         return _error(400, f"request body is not valid JSON ({exc}); send a JSON object")
     if not isinstance(body, dict):

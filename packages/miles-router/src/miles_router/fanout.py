@@ -8,8 +8,9 @@ answer aggregates every worker's result::
      "workers": [{"url", "success", "status_code", "response", "error"}, ...],
      "failed": [url, ...], "skipped": {url: reason}}
 
-with HTTP 200 when every target succeeded, 502 when some failed (``failed`` names them), 503
-when there was no worker to send it to. A worker succeeded when it answered 2xx and did not say
+with HTTP 200 when every target succeeded, 502 when some failed (``failed`` names them), the
+workers' 4xx when every one refused the request as a client error, 503 when there was no worker
+to send it to. A worker succeeded when it answered 2xx and did not say
 ``"success": false``.
 
 After a weight update the router reads each updated worker's ``weight_version`` and makes it the
@@ -88,7 +89,7 @@ class Broadcaster:
             message = f"{request.path} succeeded on all {len(results)} workers"
         body = {"success": not failed, "message": message, "workers": [r.describe() for r in results],
                 "failed": [r.url for r in failed], "skipped": skipped}
-        return RouterResponse(502 if failed else 200, body)
+        return RouterResponse(200 if not failed else _refused_by_all(results) or 502, body)
 
     async def _send(self, worker: Worker, request: RouterRequest) -> WorkerResult:
         try:
@@ -118,6 +119,16 @@ class Broadcaster:
             return as_version(response.json().get("weight_version")) if response.is_success else None
         except (httpx.HTTPError, ValueError, AttributeError):
             return None
+
+
+def _refused_by_all(results: list[WorkerResult]) -> int | None:
+    """The 4xx to answer when every worker refused the request as a client error (an empty weight
+    version, say): the request was bad, not the fleet, and a 502 would blame the engines. Their
+    common status, or 400 when they differ; None when any worker did otherwise."""
+    codes = {r.status_code for r in results if r.status_code is not None and 400 <= r.status_code < 500}
+    if not codes or any(r.status_code not in codes for r in results):
+        return None
+    return codes.pop() if len(codes) == 1 else 400
 
 
 def _decode(response: httpx.Response) -> Any:

@@ -126,7 +126,7 @@ class HealthMonitor:
         # the client carries the router's token (Router.start)
         try:
             return await self.client.request(method, worker.url + path, json=body, timeout=self.timeout)
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:  # InvalidURL is no HTTPError, and would end the round
             raise ProbeFailed(f"{method} {path}: {describe_error(exc)}") from None
 
 

@@ -23,7 +23,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any, NoReturn
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 import httpx
 from miles.http11 import ConnectFailed, ConnectionLost, HttpClient, ProtocolError, ResponseTimeout
@@ -154,7 +154,7 @@ class Forwarder:
         handed_to_stream = False
         try:
             outgoing = self.client.build_request(
-                request.method, worker.url + request.path, params=request.state.get(STATE_QUERY) or None,
+                request.method, worker.url + wire_path(request.path), params=request.state.get(STATE_QUERY) or None,
                 headers=_forwarded_headers(request), content=_payload(request.body), timeout=self.timeout,
             )
             try:
@@ -237,8 +237,15 @@ def _forwarded_headers(request: RouterRequest) -> dict[str, str]:
 def _path_and_query(request: RouterRequest) -> str:
     query = request.state.get(STATE_QUERY)  # the raw query string (or a mapping set by a middleware)
     if not query:
-        return request.path
-    return f"{request.path}?{query if isinstance(query, str) else urlencode(query, doseq=True)}"
+        return wire_path(request.path)
+    return f"{wire_path(request.path)}?{query if isinstance(query, str) else urlencode(query, doseq=True)}"
+
+
+def wire_path(path: str) -> str:
+    """``path`` as it goes on the wire: the router matches routes on the decoded path, and what it
+    decoded (``%E4%B8%AD``, ``%0D%0A``, ``%3F``) must be encoded again, or it could not be written
+    (HTTP request lines are bytes, not text), would end the request line early, or start a query."""
+    return quote(path, safe="/:@!$&'()*+,;=")
 
 
 def _payload(body: dict[str, Any] | None) -> bytes | None:

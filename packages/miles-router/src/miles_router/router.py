@@ -110,13 +110,25 @@ class Router:
         return {"workers": workers, "urls": [w["url"] for w in workers], **self.fleet.describe()}
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        serving = len(self.fleet.serving())
-        body: dict[str, Any] = {"status": "ok" if serving else "unavailable", "healthy_workers": serving,
-                                "workers": len(self.fleet), **self.fleet.describe()}
-        if not serving:
+        """``(serves now, body)``. ``status`` is ``ok`` while a serving worker is not paused,
+        ``paused`` while every serving worker is (a weight sync pauses them all; a request sent now
+        waits on one until the sync continues it), ``unavailable`` when none serves. Only ``ok``
+        serves now; ``paused`` is the engines' own word for alive but held (see
+        :meth:`miles_router.fleet.Fleet.routable`), so whoever treats a paused engine as up treats
+        this router the same way."""
+        serving = self.fleet.serving()
+        unpaused = [w for w in serving if not w.paused]
+        status = "ok" if unpaused else "paused" if serving else "unavailable"
+        body: dict[str, Any] = {"status": status, "healthy_workers": len(serving),
+                                "paused_workers": len(serving) - len(unpaused), "workers": len(self.fleet),
+                                **self.fleet.describe()}
+        if status == "paused":
+            body["message"] = (f"every serving worker ({len(serving)}) is paused; requests wait until "
+                               "POST /continue_generation resumes them (a weight sync does)")
+        elif status == "unavailable":
             body["message"] = (f"no healthy worker among {len(self.fleet)}: {self.fleet.counts()}" if len(self.fleet)
                                else "no worker is registered; add one with POST /add_worker?url=...")
-        return bool(serving), body
+        return bool(unpaused), body
 
     def metrics(self) -> dict[str, Any]:
         gauges = {"in_flight": sum(w.in_flight for w in self.fleet), "affinity_keys": len(self.policy.affinity),

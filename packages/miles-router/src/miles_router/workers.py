@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +83,7 @@ class Worker:
 
 
 _EXAMPLE = "http://127.0.0.1:30000"
+_HOST = re.compile(r"[a-z0-9._-]+|[0-9a-f:.]+")  # a DNS name or IPv4 address; an IPv6 address
 
 
 def normalize_worker_url(raw: object) -> str:
@@ -92,7 +94,10 @@ def normalize_worker_url(raw: object) -> str:
     if not isinstance(raw, str) or not raw.strip():
         raise InvalidWorkerUrl(f"worker URL must be a non-empty string like {_EXAMPLE}, got {raw!r}")
     text = raw.strip()
-    parts = urlsplit(text)
+    try:
+        parts = urlsplit(text)
+    except ValueError as exc:  # "http://[::1" (an unclosed IPv6 bracket)
+        raise InvalidWorkerUrl(f"worker URL {text!r} is not a URL ({exc}); e.g. {_EXAMPLE}") from None
     if parts.scheme not in ("http", "https"):
         raise InvalidWorkerUrl(f"worker URL {text!r} must start with http:// or https:// (e.g. {_EXAMPLE})")
     try:
@@ -110,6 +115,9 @@ def normalize_worker_url(raw: object) -> str:
     if port == 0:
         raise InvalidWorkerUrl(f"worker URL {text!r} has port 0; give the port the engine listens on")
     host = parts.hostname.lower()
+    if not _HOST.fullmatch(host):  # a NUL or a space would fail only later, in every probe and request
+        raise InvalidWorkerUrl(f"worker URL {text!r} has host {host!r}; give a DNS name (ASCII; punycode for others) "
+                               "or an IP address")
     if ":" in host:  # IPv6 literal
         host = f"[{host}]"
     return f"{parts.scheme}://{host}" + (f":{port}" if port is not None else "")

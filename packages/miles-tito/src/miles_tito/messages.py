@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles import bounded_json
 from miles_contracts.chat import ROLES, ToolCall
 
 _ROLE_ALIASES = {"developer": "system"}
@@ -177,8 +178,8 @@ def _tool_call(data: Any, index: int, k: int) -> ToolCall:
 def _arguments_view(arguments: str) -> Any:
     """Templates expect arguments as a mapping; keep the text when it is not a JSON object."""
     try:
-        parsed = json.loads(arguments)
-    except json.JSONDecodeError:
+        parsed = bounded_json.loads(arguments)
+    except ValueError:  # not JSON, or nested too deeply to hand a template (json.loads overflowed: a 500)
         return arguments
     return parsed if isinstance(parsed, dict) else arguments
 
@@ -187,8 +188,8 @@ def _same_arguments(a: str, b: str) -> bool:
     if a == b:
         return True
     try:
-        return json.loads(a) == json.loads(b)
-    except json.JSONDecodeError:
+        return bool(bounded_json.loads(a) == bounded_json.loads(b))
+    except ValueError:
         return False
 
 

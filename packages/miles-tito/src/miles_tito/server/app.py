@@ -40,6 +40,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles import bounded_json
 from miles_contracts.wire.auth import ensure_run_token
 from miles_contracts.wire.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
 
@@ -98,7 +99,9 @@ class Call:
                 return None
             raise InvalidRequest("the request body is empty; send a JSON object")
         try:
-            return json.loads(raw)
+            return bounded_json.loads(raw)
+        except bounded_json.NestedTooDeep as exc:
+            raise InvalidRequest(f"the request body is refused: {exc}") from None
         except json.JSONDecodeError as exc:
             raise InvalidRequest(f"the request body is not valid JSON: {exc.msg} at char {exc.pos}") from None
         except UnicodeDecodeError as exc:
