@@ -200,7 +200,12 @@ def test_a_mooncake_address_past_64_bits_is_a_400_that_says_so(engine: Any, tiny
     answer = engine.client.post(MOONCAKE_PATH, json=body)
     assert answer.status_code == 400
     assert "address: Input should be less than 18446744073709551616" in answer.json()["detail"]
-    answer = engine.client.post(MOONCAKE_PATH, json={**body, "address": 0, "size": 1 << 64})
-    assert answer.status_code == 400 and "size: Input should be less than" in answer.json()["detail"]
+    answer = engine.client.post(MOONCAKE_PATH, json={**body, "address": 0, "size": 1 << 63})
+    assert answer.status_code == 400 and "size: Input should be less than 9223372036854775808" in answer.json()["detail"]
+    answer = engine.client.post(MOONCAKE_PATH, json={**body, "address": 0, "session_id": "no port"})
+    assert answer.status_code == 400 and "session_id: String should match pattern" in answer.json()["detail"]
     answer = engine.client.post(MOONCAKE_PATH, json={**body, "address": 0})
     assert answer.status_code == 400 and "sha256: Field required" in answer.json()["detail"]
+    digest = "0" * 64
+    answer = engine.client.post(MOONCAKE_PATH, json={**body, "address": 0, "size": 1 << 62, "sha256": digest})
+    assert answer.status_code == 400 and "cannot pull the bucket over Mooncake" in answer.json()["message"]

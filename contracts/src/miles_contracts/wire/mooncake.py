@@ -50,7 +50,9 @@ class MooncakeError(RuntimeError):
 
 
 ADDRESS_LIMIT = 1 << 64
-"""Addresses and sizes are unsigned 64-bit integers in Mooncake; a larger one is refused with a 400."""
+"""Addresses are unsigned 64-bit integers in Mooncake; a larger one is refused with a 400."""
+SIZE_LIMIT = 1 << 63
+"""Sizes and offsets index one torch tensor of bytes (a signed 64-bit count); a larger one is a 400."""
 DIGEST_CHUNK_BYTES = 64 << 20
 
 
@@ -63,18 +65,19 @@ class MooncakeTensor(BaseModel):
     name: str
     dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
     shape: list[int]
-    offset: int = Field(ge=0, lt=ADDRESS_LIMIT)  # bytes from the bucket's start
-    nbytes: int = Field(ge=0, lt=ADDRESS_LIMIT)
+    offset: int = Field(ge=0, lt=SIZE_LIMIT)  # bytes from the bucket's start
+    nbytes: int = Field(ge=0, lt=SIZE_LIMIT)
 
 
 class UpdateWeightsFromMooncakeRequest(BaseModel):
     """``POST /update_weights_from_mooncake``: pull one bucket from the trainer and load it."""
 
     model_config = ConfigDict(extra="forbid")
-    session_id: str = Field(description="the trainer transfer engine's host:rpc_port")
+    session_id: str = Field(max_length=300, pattern=r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}$",
+                            description="the trainer transfer engine's host:rpc_port")
     protocol: Protocol = "tcp"
     address: int = Field(ge=0, lt=ADDRESS_LIMIT, description="where the bucket starts in the trainer's registered buffer")
-    size: int = Field(ge=0, lt=ADDRESS_LIMIT, description="bytes to pull")
+    size: int = Field(ge=0, lt=SIZE_LIMIT, description="bytes to pull")
     sha256: str = Field(pattern="^[0-9a-f]{64}$", description="bucket_digest of the bucket's bytes, as the trainer "
                         "packed them; the engine loads nothing that does not match")
     tensors: list[MooncakeTensor]
