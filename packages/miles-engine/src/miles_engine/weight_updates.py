@@ -200,7 +200,7 @@ class WeightUpdates:
         try:
             receiver = self._receiver(request)
             named = await asyncio.to_thread(receiver.pull, request)
-        except (MooncakeError, ValueError, RuntimeError, OSError) as exc:  # OSError: a session host unresolved
+        except (MooncakeError, ValueError, RuntimeError, OSError) as exc:  # OSError: a session host that does not resolve
             raise WeightUpdateError(f"cannot pull the bucket over Mooncake: {exc}") from exc
         return await self._run(lambda: self.store.load(named), version=request.weight_version,
                                abort_all=request.abort_all_requests)

@@ -18,7 +18,9 @@ class MooncakeSection(Section):
         default="tcp", description="rdma where the hosts have RDMA NICs (InfiniBand, RoCE); tcp anywhere",
     )
     device_name: str = Field(default="", description="RDMA devices of the trainer, e.g. 'mlx5_0,mlx5_1' (empty: discover)")
-    hostname: str | None = Field(
-        default=None, description="the trainer's address as the engines reach it (default: this host's address on "
-        "the route to the first engine; loopback when every engine is local)",
+    hostname: str = Field(
+        default="127.0.0.1", description="the address the trainer's transfer engine serves on and the engines reach "
+        "it at: loopback (the default) when every engine is on the trainer's host; else this host's address on the "
+        "private network the engines share. Mooncake listens on every interface and has no authentication; "
+        "connections made to any other address are dropped",
     )
