@@ -101,3 +101,14 @@ def test_a_command_of_a_missing_package_names_it(monkeypatch: pytest.MonkeyPatch
     assert main(["models", "list"]) == 2
     assert capsys.readouterr().err == ("error: `miles models list`: it comes with miles-models, whose plugin 'models' is "
                                        "installed but blocked (take it out of plugins.disable and MILES_DISABLE_PLUGINS)\n")
+
+
+def test_routing_replay_without_the_moe_models_plugin_names_it(tiny_moe: Path) -> None:
+    from miles.errors import MilesError
+    from miles_r3.layer_map import layer_map_of_run
+
+    kernel = _without("qwen3")
+    config = build_config({"model": {"name": str(tiny_moe)}, "r3": {"enabled": True}}, kernel=kernel)
+    with pytest.raises(MilesError, match="routing replay needs the MoE layer map of .*Qwen3MoeForCausalLM: it comes "
+                                         "with miles-model-qwen3, whose plugin 'qwen3' is installed but blocked"):
+        layer_map_of_run(config, kernel)
