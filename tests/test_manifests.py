@@ -55,6 +55,14 @@ NOT_IMPORTED: dict[tuple[str, str], str] = {
     ("miles-fsdp", "miles-models"): "resolves catalogued model names (model.name's default) via miles_resolve_model",
     ("miles-megatron", "miles-models"): "resolves catalogued model names (model.name's default) via miles_resolve_model",
     ("miles-fsdp", "miles-weights"): "the weight transports (weights.transport, default shared_memory) its ranks push through",
+    ("miles-megatron", "miles-weights"): "the weight transports (weights.transport, default shared_memory) its ranks push through",
+    # a train backend brings the rest of what `miles train` runs on one machine (docs/design/packaging.md)
+    **{(b, "miles-engine"): "the embedded engine (rollout.engine's default), a service started by entry point"
+       for b in ("miles-fsdp", "miles-megatron")},
+    **{(b, "miles-router"): "the router every run starts in front of its engines, a service started by entry point"
+       for b in ("miles-fsdp", "miles-megatron")},
+    **{(b, d): "first-party model plugin: bridges, chat families and MoE layer maps, claimed through miles_model_bridge"
+       for b in ("miles-fsdp", "miles-megatron") for d in ("miles-model-llama", "miles-model-qwen3")},
     ("miles-weights", "miles-engine"): "extra bench: miles bench weights starts the registered embedded engine service",
     **{("miles-longtail", d): "miles bench async trains with it (engine, backend, router, session server, transport)"
        for d in ("miles-engine", "miles-fsdp", "miles-router", "miles-tito", "miles-weights")},

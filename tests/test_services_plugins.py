@@ -73,8 +73,19 @@ def kernel():
 
 
 def test_a_generator_of_another_package_declares_what_it_needs(kernel) -> None:
-    with pytest.raises(MilesError, match="needs a 'judge' service, but no loaded plugin registers one"):
-        _plan(kernel, rollout={"generator": "judged"})
+    # found when the config is checked, before any process starts
+    with pytest.raises(ConfigError, match="rollout.generator: 'judged' needs a 'judge' service and none is installed"):
+        build_config({"rollout": {"generator": "judged"}}, kernel=kernel)
+    config = build_config({"rollout": {"generator": "judged"}}, kernel=kernel, check_names=False)
+    with pytest.raises(MilesError, match="needs a 'judge' service and none is installed"):
+        plan_services(config, kernel, plan_placement(config.resources, [Node("local", "127.0.0.1")]))
+
+
+def test_a_run_without_the_router_fails_at_config_check_naming_its_package() -> None:
+    with pytest.raises(ConfigError) as info:
+        build_config({"plugins": {"disable": ["router"]}})
+    assert ("rollout.generator: 'single_turn' needs a 'router' service and none is installed; it comes with "
+            "miles-router, whose plugin 'router' is installed but blocked") in str(info.value)
 
 
 def test_rollout_engine_must_name_an_engine_service() -> None:

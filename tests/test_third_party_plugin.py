@@ -210,7 +210,7 @@ def test_kernel_api_claims_blocks_and_allow_lists(installed: dict[str, Path]) ->
     result = _run([str(installed["python"]), "-c", script, str(installed["disable"]), str(installed["enable"])], env=_env())
     out = json.loads(result.stdout)
     assert out["claim"] == ["toy", "miles_toy_bridge.plugin", 16]
-    assert "no model plugin recognises architecture ['ToyForCausalLM']" in out["disabled"]
+    assert "no model plugin recognises architecture ToyForCausalLM (model_type toy);" in out["disabled"]
     assert out["allow_list_claim"] == "toy"
     statuses = out["allow_list"]
     assert statuses["toy"] == "loaded" and statuses["core"] == "loaded"  # core is essential

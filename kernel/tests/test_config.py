@@ -61,6 +61,7 @@ class DefaultsPlugin:
     @hookimpl
     def miles_register_services(self, register):
         register("embedded", ServiceSpec("engine", _unused))
+        register("router", ServiceSpec("router", _unused))  # every run starts one
 
     @hookimpl
     def miles_register_filters(self, register):
@@ -197,8 +198,9 @@ def test_plugins_section_selects_plugins(fresh_kernels: None, tmp_path: Path) ->
     path = write(tmp_path, "plugins:\n  enable: []\n")
     with pytest.raises(ConfigError) as info:
         load_config(path)
-    # with only essential plugins nothing registers a generator: the error says so
-    assert "rollout.generator: unknown generator 'single_turn': no generator is registered" in str(info.value)
+    # with only essential plugins nothing registers a generator: the error says which plugin would
+    assert ("rollout.generator: unknown generator 'single_turn': it comes with miles-kernel, whose plugin "
+            "'generators' is installed but not enabled (add it to plugins.enable); no generator is installed") in str(info.value)
 
 
 def test_async_settings_are_checked_against_the_mode(kernel: Kernel) -> None:

@@ -172,6 +172,35 @@ def _choice_errors(path: str, model: BaseModel, kernel: Kernel) -> list[str]:
     return errors
 
 
+def _registry_errors(sections: Mapping[str, BaseModel], kernel: Kernel) -> list[str]:
+    """Every name of ``sections`` that refers to a registry and is not registered."""
+    return [e for name, value in sections.items() for e in _choice_errors(name, value, kernel)]
+
+
+def unresolved_names(cfg: MilesConfig, kernel: Kernel) -> list[str]:
+    """What a config loaded with ``check_names=False`` names that the installed plugins do not
+    provide (each error says which package does), and what the chosen implementations need and do
+    not have. Empty for a config the driver would accept."""
+    sections: dict[str, BaseModel] = {name: getattr(cfg, name) for name in CORE_SECTIONS}
+    errors = _registry_errors({**sections, **cfg.extra}, kernel)
+    return errors + _spec_errors(cfg, kernel)
+
+
+def _with_default_train_backend(data: Mapping[str, Any], kernel: Kernel) -> Mapping[str, Any]:
+    """``data`` with ``train.backend`` filled in when the config leaves it out: ``fsdp`` where it
+    is installed, else the one train backend that is (``pip install miles-megatron`` alone trains
+    with megatron). With none, or several and no fsdp, the section's default stays, and the name
+    check says what to install or choose. A value the config gives is never changed."""
+    train = data.get("train")
+    if train is not None and (not isinstance(train, dict) or "backend" in train):
+        return data
+    installed = kernel.train_backends().names()
+    default = TrainSection.model_fields["backend"].default
+    if default in installed or len(installed) != 1:
+        return data
+    return {**data, "train": {**(train or {}), "backend": installed[0]}}
+
+
 def _nested_choices(annotation: Any) -> list[str]:
     """Choice markers inside ``list[Annotated[str, Choice(...)]]`` or ``Annotated[...] | None``."""
     found = []
@@ -221,7 +250,22 @@ def _spec_errors(cfg: MilesConfig, kernel: Kernel) -> list[str]:
     if cfg.rollout.generator in generators and generators.get(cfg.rollout.generator).needs_agent \
             and cfg.rollout.agent is None:
         errors.append(f"rollout.generator {cfg.rollout.generator!r} needs rollout.agent: the name of a registered agent")
-    return errors + _engine_errors(cfg, kernel)
+    return errors + _engine_errors(cfg, kernel) + _role_errors(cfg, kernel)
+
+
+def _role_errors(cfg: MilesConfig, kernel: Kernel) -> list[str]:
+    """Every run starts a router in front of its engines, and the generator may need more (the
+    session server for ``agentic``): a role no installed service has is an error here, before any
+    process starts, rather than after the trainer and engines are up."""
+    from miles_contracts.cluster import ROUTER
+
+    generators = kernel.generators()
+    if cfg.rollout.generator not in generators:
+        return []
+    needed = dict.fromkeys([ROUTER, *generators.get(cfg.rollout.generator).services])
+    present = {e.obj.role for e in kernel.services().entries()}
+    return [f"rollout.generator: {cfg.rollout.generator!r} needs a {role!r} service and none is installed; "
+            f"{kernel.install_state.role_hint(role)}" for role in needed if role not in present]
 
 
 def _engine_errors(cfg: MilesConfig, kernel: Kernel) -> list[str]:
@@ -286,10 +330,13 @@ def build_config(data: Mapping[str, Any], *, source: str | None = None, kernel: 
     switched_off = {info.name for info in kernel.plugins() if info.status != "loaded"}
     for name in data:
         if name not in known and name not in switched_off:
-            close = closest_name(name, known)
-            guess = f"did you mean {close}? " if close else ""
-            errors.append(f"{name}: unknown section; {guess}known sections: {', '.join(known)}")
+            hint = kernel.install_state.name_hint("config_section", name)
+            if hint is None:
+                close = closest_name(name, known)
+                hint = (f"did you mean {close}? " if close else "") + f"known sections: {', '.join(known)}"
+            errors.append(f"{name}: unknown section; {hint}")
 
+    data = _with_default_train_backend(data, kernel)
     values: dict[str, BaseModel] = {}
     for name, model in {**extra_models, **CORE_SECTIONS}.items():
         raw = data.get(name)
@@ -304,8 +351,7 @@ def build_config(data: Mapping[str, Any], *, source: str | None = None, kernel: 
             errors += _format_pydantic(name, exc, model)
 
     if check_names:
-        for name, value in values.items():
-            errors += _choice_errors(name, value, kernel)
+        errors += _registry_errors(values, kernel)
     if errors:
         raise ConfigError(errors, source=source)
 
@@ -347,4 +393,5 @@ __all__ = [
     "WeightsSection",
     "build_config",
     "load_config",
+    "unresolved_names",
 ]

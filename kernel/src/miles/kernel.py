@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from miles.errors import MilesDeprecationWarning, PluginError, closest_name
+from miles.install_hints import InstallState
 from miles.kinds import (
     ADVANTAGE,
     AGENT,
@@ -105,6 +106,14 @@ class Kernel:
                 infos.append(PluginInfo(name, None, None, repr(plugin), hooks, "loaded"))
         return sorted(infos, key=lambda i: i.name)
 
+    @property
+    def install_state(self) -> InstallState:
+        """Which plugins loaded and which are installed but switched off: what the "which package
+        provides it" hints of errors say (:mod:`miles.install_hints`)."""
+        infos = self._loaded.infos
+        return InstallState(frozenset(i.name for i in infos if i.status == "loaded"),
+                            {i.name: i.status for i in infos if i.status != "loaded"})
+
     # ------------------------------------------------------------------ registries
 
     def registry(self, kind: str) -> Registry[Any]:
@@ -120,7 +129,9 @@ class Kernel:
         return registry
 
     def _collect(self, kind: Kind[S]) -> Registry[S]:
-        registry: Registry[S] = Registry(kind.human, kind.hook, kind.provides)
+        state = self.install_state
+        registry: Registry[S] = Registry(kind.human, kind.hook, install=state.kind_hint(kind.name),
+                                         name_hint=lambda name: state.name_hint(kind.name, name))
         caller = getattr(self._pm.hook, kind.hook)
         for impl in caller.get_hookimpls():  # registration order
             plugin_name = impl.plugin_name
@@ -229,11 +240,15 @@ class Kernel:
         bridge = self.find_model_bridge(hf_config)
         if bridge is None:
             claimers = [i.name for i in self.plugins() if "miles_model_bridge" in i.hooks]
-            arch = hf_config.get("architectures") or hf_config.get("model_type") or "?"
+            architectures = [str(a) for a in hf_config.get("architectures") or ()]
+            model_type = hf_config.get("model_type")
+            arch = ", ".join(architectures) or "?"
+            arch += f" (model_type {model_type})" if model_type else ""
+            hint = self.install_state.model_hint([*architectures, *([str(model_type)] if model_type else [])])
+            fix = hint or "install the model plugin of this family or write a bridge (docs/plugins/writing-a-plugin.md)"
             raise PluginError(
                 f"no model plugin recognises architecture {arch}; installed model plugins: "
-                f"{', '.join(claimers) or 'none'}. Install one (e.g. pip install miles-model-llama) "
-                f"or write a bridge (docs/plugins/writing-a-plugin.md)"
+                f"{', '.join(claimers) or 'none'}; {fix}"
             )
         return bridge
 

@@ -1,4 +1,4 @@
-"""The registry kinds: for each, its hook, its spec and what to install when none is registered.
+"""The registry kinds: for each, its hook and its spec.
 
 One row per ``miles_register_<kind>`` hook. :class:`~miles.kernel.Kernel` collects a kind's
 registry from its hook the first time it is asked for, checks that every registered object is the
@@ -29,7 +29,6 @@ class Kind(Generic[S]):
     :ivar human: how messages name one entry (``advantage estimator``).
     :ivar spec: the type every entry must be.
     :ivar adapt: turns a bare object of the pre-spec style into the spec (kept for one release).
-    :ivar provides: what to install when nothing is registered.
     """
 
     name: str
@@ -37,37 +36,28 @@ class Kind(Generic[S]):
     human: str
     spec: type[S]
     adapt: Callable[[Any], S] | None = None
-    provides: str = ""
 
 
-GENERATOR = Kind("generator", "miles_register_generators", "generator", specs.GeneratorSpec, legacy.generator,
-                 "pip install miles-tito for multi_turn and agentic")
-TOOL = Kind("tool", "miles_register_tools", "tool", specs.ToolSpec, legacy.tool, "pip install miles-tito for the calculator")
+GENERATOR = Kind("generator", "miles_register_generators", "generator", specs.GeneratorSpec, legacy.generator)
+TOOL = Kind("tool", "miles_register_tools", "tool", specs.ToolSpec, legacy.tool)
 AGENT = Kind("agent", "miles_register_agents", "agent", specs.AgentSpec, legacy.agent)
 DATA_SOURCE = Kind("data_source", "miles_register_data_sources", "data source", specs.DataSourceSpec, legacy.data_source)
-REWARD = Kind("reward", "miles_register_rewards", "reward", specs.RewardSpec, legacy.reward,
-              "pip install miles-rm-math for the math reward")
+REWARD = Kind("reward", "miles_register_rewards", "reward", specs.RewardSpec, legacy.reward)
 FILTER = Kind("filter", "miles_register_filters", "filter", specs.FilterSpec, legacy.filter_)
-ADVANTAGE = Kind("advantage", "miles_register_advantages", "advantage estimator", specs.AdvantageSpec, legacy.advantage,
-                 "pip install miles-algorithms")
-POLICY_LOSS = Kind("policy_loss", "miles_register_policy_losses", "policy loss", specs.PolicyLossSpec, legacy.policy_loss,
-                   "pip install miles-algorithms")
+ADVANTAGE = Kind("advantage", "miles_register_advantages", "advantage estimator", specs.AdvantageSpec, legacy.advantage)
+POLICY_LOSS = Kind("policy_loss", "miles_register_policy_losses", "policy loss", specs.PolicyLossSpec, legacy.policy_loss)
 MISMATCH_CORRECTION = Kind("mismatch_correction", "miles_register_mismatch_corrections", "mismatch correction",
-                           specs.CorrectionSpec, legacy.correction, "pip install miles-algorithms")
-CHAT_FAMILY = Kind("chat_family", "miles_register_chat_families", "chat family", ChatFamily, None,
-                   "pip install miles-model-llama or miles-model-qwen3")
+                           specs.CorrectionSpec, legacy.correction)
+CHAT_FAMILY = Kind("chat_family", "miles_register_chat_families", "chat family", ChatFamily, None)
 TRAIN_BACKEND = Kind("train_backend", "miles_register_train_backends", "train backend", specs.TrainBackendSpec,
-                     legacy.train_backend, "pip install miles-fsdp (or miles-megatron)")
+                     legacy.train_backend)
 WEIGHT_TRANSPORT = Kind("weight_transport", "miles_register_weight_transports", "weight transport",
-                        specs.WeightTransportSpec, legacy.weight_transport, "pip install miles-weights")
-SERVICE = Kind("service", "miles_register_services", "service", specs.ServiceSpec, legacy.service,
-               "pip install miles-engine miles-router")
+                        specs.WeightTransportSpec, legacy.weight_transport)
+SERVICE = Kind("service", "miles_register_services", "service", specs.ServiceSpec, legacy.service)
 ROUTER_MIDDLEWARE = Kind("router_middleware", "miles_register_router_middlewares", "router middleware",
-                         specs.RouterMiddlewareSpec, legacy.router_middleware, "pip install miles-router")
-EXECUTOR = Kind("executor", "miles_register_executors", "executor", specs.ExecutorSpec, legacy.executor,
-                "pip install miles-ray for the ray executor")
-TRACKER = Kind("tracker", "miles_register_trackers", "tracker", specs.TrackerSpec, legacy.tracker,
-               "pip install miles-tracker-tensorboard, -wandb or -mlflow")
+                         specs.RouterMiddlewareSpec, legacy.router_middleware)
+EXECUTOR = Kind("executor", "miles_register_executors", "executor", specs.ExecutorSpec, legacy.executor)
+TRACKER = Kind("tracker", "miles_register_trackers", "tracker", specs.TrackerSpec, legacy.tracker)
 CONFIG_SECTION = Kind("config_section", "miles_register_config_sections", "config section", specs.ConfigSectionSpec,
                       legacy.config_section)
 COMMAND = Kind("command", "miles_register_commands", "command", specs.CommandSpec, legacy.command)

@@ -6,7 +6,7 @@ which plugin and distribution registered it, so errors can name both.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -50,14 +50,18 @@ class UnknownNameError(PluginError, LookupError):
 class Registry(Generic[T]):
     """Specs of one kind (``advantage``, ``reward`` ...) by name.
 
-    :param provides: what to install when nothing is registered (a hint such as
-        ``pip install miles-engine``).
+    :param name_hint: for a name nobody registered, which package provides it and how to get it
+        (``"it comes with miles-fsdp, which is not installed (pip install miles-fsdp)"``), or None.
+    :param install: what to install when nothing of this kind is registered
+        (``"pip install miles-fsdp or miles-megatron"``).
     """
 
-    def __init__(self, kind: str, hook: str, provides: str = "") -> None:
+    def __init__(self, kind: str, hook: str, *, name_hint: Callable[[str], str | None] | None = None,
+                 install: str = "") -> None:
         self.kind = kind
         self.hook = hook
-        self.provides = provides
+        self.name_hint = name_hint
+        self.install = install or "install a package that registers one"
         self._entries: dict[str, Entry[T]] = {}
 
     def add(self, entry: Entry[T]) -> None:
@@ -83,9 +87,14 @@ class Registry(Generic[T]):
             raise UnknownNameError(self.unknown_message(name)) from None
 
     def unknown_message(self, name: str) -> str:
+        """Why ``name`` is not here: the package that provides it (and whether it is installed),
+        else the registered names and the closest one."""
+        hint = self.name_hint(name) if self.name_hint else None
+        if hint:
+            installed = f"; installed: {self.describe()}" if self._entries else f"; no {self.kind} is installed"
+            return f"unknown {self.kind} {name!r}: {hint}{installed}"
         if not self._entries:
-            install = f"; {self.provides}" if self.provides else "; install a package that provides one"
-            return f"unknown {self.kind} {name!r}: no {self.kind} is registered (no loaded plugin implements {self.hook}){install}"
+            return f"unknown {self.kind} {name!r}: no {self.kind} is installed; {self.install}"
         close = closest_name(name, self._entries)
         hint = f" Did you mean {close!r}?" if close else ""
         return f"unknown {self.kind} {name!r}; registered: {self.describe()}.{hint}"

@@ -163,7 +163,10 @@ class RewardSection(Section):
 
 
 class TrainSection(Section):
-    backend: Annotated[str, Choice("train_backend")] = "fsdp"
+    backend: Annotated[str, Choice("train_backend")] = Field(
+        default="fsdp", description="registered train backend; when the config leaves it out: fsdp if installed, "
+                                    "else the one train backend that is (miles config show prints which)",
+    )
     policy_loss: Annotated[str, Choice("policy_loss")] = "ppo_clip"
     lr: float = Field(default=1e-6, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)

@@ -58,11 +58,23 @@ Validate a config and print it fully resolved (defaults included). Takes the sam
 
 
 def _config_show(args: argparse.Namespace, ctx: RunContext) -> int:
-    from miles.config import load_config
+    """Print the resolved config even where it names what is not installed (a bare ``miles-kernel``
+    shows the defaults), then list those names with the package of each; exit 2 if there are any,
+    as ``miles train`` would refuse the config."""
+    import sys
+
+    from miles.config import load_config, unresolved_names
+    from miles.errors import ConfigError
+    from miles.kernel import Kernel
 
     config_path, overrides = split_config_args(args.items)
-    cfg = load_config(config_path, overrides)
+    cfg = load_config(config_path, overrides, check_names=False)
     print(json.dumps(cfg.to_dict(), indent=2) if args.json else cfg.to_yaml(), end="" if not args.json else "\n")
+    missing = unresolved_names(cfg, Kernel.load(cfg.plugin_selection))  # the kernel load_config used
+    if missing:
+        source = str(config_path) if config_path is not None else None
+        print(f"error: {ConfigError(missing, source=source)}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -60,6 +60,17 @@ def build_parser(commands: dict[str, CommandSpec], selected: str | None = None) 
     return parser
 
 
+def _command_words(argv: Sequence[str]) -> list[str]:
+    """The leading words of a command line, up to its first option (``models list`` of
+    ``miles models list --json``)."""
+    words = []
+    for arg in argv:
+        if arg.startswith("-"):
+            break
+        words.append(arg)
+    return words
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from miles.kernel import Kernel
 
@@ -71,6 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         commands = {e.name: e.obj for e in kernel.commands().entries()}
     except MilesError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    missing = kernel.install_state.command_hint(_command_words(argv), set(commands))
+    if missing:  # argparse would only say "invalid choice"
+        print(f"error: {missing}", file=sys.stderr)
         return 2
     parser = build_parser(commands, named_command(argv, commands))
     args = parser.parse_args(argv)

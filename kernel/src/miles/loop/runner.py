@@ -42,7 +42,7 @@ def load_tokenizer(model_path: Path) -> Any:
     try:
         from transformers import AutoTokenizer
     except ImportError as exc:  # the kernel alone has no model stack
-        raise ImportError("miles train needs transformers: pip install miles-engine miles-fsdp") from exc
+        raise ImportError("miles train needs a train backend: pip install miles-fsdp (or miles-megatron)") from exc
     return AutoTokenizer.from_pretrained(model_path)
 
 

@@ -183,8 +183,8 @@ def _provider(kernel: Kernel, role: str, wanted_by: str) -> ServiceSpec:
     """The one registered service of ``role``."""
     entries = [e for e in kernel.services().entries() if e.obj.role == role]
     if not entries:
-        raise MilesError(f"{wanted_by} needs a {role!r} service, but no loaded plugin registers one "
-                         f"(miles_register_services); registered services: {kernel.services().describe() or 'none'}")
+        raise MilesError(f"{wanted_by} needs a {role!r} service and none is installed; "
+                         f"{kernel.install_state.role_hint(role)}")
     if len(entries) > 1:
         names = ", ".join(f"{e.name} ({e.origin})" for e in entries)
         raise MilesError(f"several plugins register a {role!r} service: {names}; disable all but one with plugins.disable")
