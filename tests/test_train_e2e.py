@@ -290,3 +290,50 @@ def test_one_step_off_on_two_ranks_and_a_killed_rank_stops_the_run(tiny_model: P
     while _pids_alive(pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _pids_alive(pids), f"processes left: {_pids_alive(pids)}"
+
+
+@pytest.mark.slow
+def test_engines_release_their_memory_while_the_trainer_trains(tiny_model: Path, tmp_path: Path) -> None:
+    """resources.release_engine_memory=all (run.mode sync): after each rollout the engine gives
+    back its KV cache and weights (on the CPU its weights stay where they are, but the engine
+    refuses updates to them until they are resumed), takes the weights back before the sync and
+    the rest right after it. In check mode every sync is bit-exact, evaluation and the next
+    rollout run on the synced weights, and both phases are timed."""
+    out = _train(*_args(tiny_model, tmp_path, "released", "run.steps=2", "weights.check=true", "eval.every=1",
+                        "eval.num_prompts=2", "resources.release_engine_memory=all"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    run = tmp_path / "released"
+    metrics = _metrics(run)
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["time/release"] > 0 and m["time/resume"] > 0
+        assert m["weights/check_passed"] == 1.0 and m["eval/num_prompts"] == 2.0
+    assert "weights check passed: version 2 is bit-exact on 1 engine(s)" in out.stderr
+    assert {tuple(s["weight_versions"]) for s in _samples(run, 2)} == {(1,)}
+    assert {tuple(s["weight_versions"]) for s in _samples_of(run, "eval", 2)} == {(2,)}
+
+
+def _samples_of(run: Path, kind: str, step: int) -> list[dict]:
+    return [json.loads(line) for line in (run / kind / f"step_{step:06d}.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_an_engine_that_restarted_while_released_gets_the_weights_and_no_resume(tiny_model: Path, tmp_path: Path,
+                                                                               reward_gate) -> None:
+    """The engine is killed while step 2's scoring is held, just before its release: the release
+    finds it gone or already restarted, the restarted process is not asked to resume what it never
+    released, and the sync gives it the trainer's weights (bit-exact in check mode)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = tmp_path / "restarted"
+    proc = subprocess.Popen([sys.executable, "-m", "miles.cli.main", "train",
+                             *_args(tiny_model, tmp_path, "restarted", "run.steps=3", "weights.check=true",
+                                    "resources.release_engine_memory=all", "reward.name=remote",
+                                    f"reward.remote_url={reward_gate.url}")],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _, output = _kill_the_engine_while_held(proc, run, reward_gate)
+    assert proc.returncode == 0, output
+    metrics = _metrics(run)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["weights/engines_restarted"] for m in metrics] == [0.0, 1.0, 0.0]
+    assert all(m["weights/check_passed"] == 1.0 and "time/release" in m and "time/resume" in m for m in metrics)
+    assert {tuple(s["weight_versions"]) for s in _samples(run, 3)} == {(2,)}

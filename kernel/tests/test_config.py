@@ -227,3 +227,21 @@ def test_a_service_checks_the_schema_but_leaves_the_names_to_the_driver(kernel: 
         load_config(None, ["rollout.tempreature=0.5"], kernel=kernel, check_names=False)
     with pytest.raises(ConfigError, match="unknown advantage estimator 'made_up'"):
         load_config(None, ["algorithm.advantage=made_up"], kernel=kernel)
+
+
+def test_releasing_engine_memory_is_refused_where_nothing_could_use_it(kernel: Kernel) -> None:
+    """resources.release_engine_memory needs a trainer on the engines' GPUs (colocated) and a mode
+    in which rollout and training take turns; each conflict names itself and the fix."""
+    assert load_config(None, ["resources.release_engine_memory=all"], kernel=kernel).resources.release_engine_memory == "all"
+    for mode in ("one_step_off", "fully_async"):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"run.mode={mode}", "algorithm.correction=tis", "resources.release_engine_memory=kv_cache"],
+                        kernel=kernel)
+        assert (f"resources.release_engine_memory (kv_cache) needs rollout and training to take turns (run.mode sync), "
+                f"but run.mode {mode} generates while the trainer trains") in str(err.value)
+        assert "use run.mode: sync, or resources.release_engine_memory: none" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["resources.colocate=false", "resources.release_engine_memory=all"], kernel=kernel)
+    assert "resources.colocate is false" in str(err.value) and "set resources.release_engine_memory: none" in str(err.value)
+    with pytest.raises(ConfigError, match="release_engine_memory: Input should be 'none', 'kv_cache' or 'all'"):
+        load_config(None, ["resources.release_engine_memory=weights"], kernel=kernel)

@@ -155,6 +155,7 @@ def test_a_step_whose_samples_were_all_aborted_is_collected_again_after_a_health
     aborted attempt stops the run, its samples dumped too."""
     from miles.config import load_config
     from miles.context import context_for
+    from miles.loop.engine_memory import EngineMemory
     from miles.loop.progress import Progress
     from miles.loop.steps import RunState, StepOps
     from miles_contracts import Status
@@ -190,7 +191,8 @@ def test_a_step_whose_samples_were_all_aborted_is_collected_again_after_a_health
     ops = StepOps(config=config, kernel=context_for(config).kernel, run_dir=tmp_path, state=RunState(2, 2),
                   progress=Progress(3), rollouts=Rollout(_step(Status.ABORTED, Status.ABORTED),
                                                          _step(Status.COMPLETED, Status.ABORTED)),
-                  learner=None, trainer=None, services=services, metrics=None, eval_prompts=[])  # type: ignore[arg-type]
+                  learner=None, trainer=None, services=services, metrics=None, eval_prompts=[],  # type: ignore[arg-type]
+                  engine_memory=EngineMemory("none", services))  # type: ignore[arg-type]
     ops.sync_weights = sync_weights  # type: ignore[method-assign]  # no trainer here: record the pushes
     rollout = asyncio.run(ops.rollout_step(2))
     assert events == ["wait engines", "wait router", "collect",  # the first attempt

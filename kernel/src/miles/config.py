@@ -221,6 +221,11 @@ def _cross_section_errors(cfg: MilesConfig) -> list[str]:
         errors.append("algorithm.kl_coef > 0 needs a reference model: set train.use_reference: true")
     if cfg.algorithm.opd_coef > 0 and cfg.train.teacher_model is None:
         errors.append("algorithm.opd_coef > 0 needs a teacher: set train.teacher_model to a model name or folder")
+    release = cfg.resources.release_engine_memory
+    if release != "none" and not cfg.resources.colocate:
+        errors.append(f"resources.release_engine_memory ({release}) hands the engines' memory to the trainer on the GPUs "
+                      f"they share, but resources.colocate is false (engines have GPUs of their own, nothing would "
+                      f"use it); set resources.release_engine_memory: none, or resources.colocate: true")
     from miles.loop.modes import loop_mode
 
     errors += loop_mode(cfg).config_errors(cfg)

@@ -67,6 +67,13 @@ class HttpEngineClient:
         data = json.dumps(body or {}, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()  # as httpx's json=
         return (await self._send("POST", path, data, routing_key)).json()
 
+    async def control(self, path: str, body: dict[str, Any] | None = None) -> str:
+        """POST a control call (pause, flush, memory release ...) and return the answer's text:
+        engines answer these with JSON, plain text or an empty body (SGLang's ``/flush_cache``,
+        the memory routes), so none is parsed. An error status raises :class:`EngineRequestError`."""
+        data = json.dumps(body or {}, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+        return (await self._send("POST", path, data, None)).text
+
     async def get(self, path: str) -> Any:
         return (await self._send("GET", path, b"", None, retries=0)).json()
 

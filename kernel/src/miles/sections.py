@@ -225,6 +225,11 @@ class ResourcesSection(Section):
         default=True, description="trainer and engines share GPUs (weights by CUDA IPC); false: engines get GPUs "
         "of their own (weights by broadcast, weights.transport=broadcast)",
     )
+    release_engine_memory: Literal["none", "kv_cache", "all"] = Field(
+        default="none", description="colocated runs in run.mode sync: after each rollout the engines give back their "
+        "KV cache (kv_cache), or KV cache, CUDA graphs and weights (all), while the trainer trains; weights come back "
+        "before the weight sync, the rest right after it (docs/design/colocated-memory.md)",
+    )
     nodes: int | None = Field(default=None, ge=1, description="machines to use; null: every node the executor offers")
     gpus_per_node: int | None = Field(
         default=None, ge=0, description="GPUs each machine offers; null: ask the executor (0: run on CPU)",

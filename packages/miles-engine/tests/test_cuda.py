@@ -78,10 +78,13 @@ def test_cuda_ipc_weight_update(cuda_engine):
 
 def test_released_memory_goes_back_to_the_gpu_and_comes_back_intact(cuda_engine):
     """Colocated runs: weights, KV cache and graphs leave the GPU while the trainer trains, and the
-    engine serves the same weights (bit for bit) once resumed."""
+    engine serves the same weights (bit for bit) once resumed, with its KV cache at the capacity it had."""
     greedy = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}}
     before = cuda_engine.generate(greedy)["output_ids"]
     sums = cuda_engine.get("/weights_checksum").json()["checksums"]
+    cache = cuda_engine.engine.scheduler.runner.cache
+    capacity = (cache.slots, cache.length)
+    assert capacity[0] > 0 and cache.keep_allocation  # kept between requests: decode graphs hold it
     held = torch.cuda.memory_allocated()
     cuda_engine.post("/pause_generation", {"mode": "abort"})
     assert cuda_engine.post("/release_memory_occupation", {}).status_code == 200
@@ -90,6 +93,7 @@ def test_released_memory_goes_back_to_the_gpu_and_comes_back_intact(cuda_engine)
     assert cuda_engine.info()["memory_released"] == ["cuda_graph", "kv_cache", "weights"]
     assert freed >= weights  # at least the weights left the GPU (the KV cache too, when allocated)
     assert cuda_engine.post("/resume_memory_occupation", {}).status_code == 200
+    assert (cache.slots, cache.length) == capacity and cache.k is not None  # back as it was, not regrown
     cuda_engine.post("/continue_generation", {})
     assert cuda_engine.get("/weights_checksum").json()["checksums"] == sums
     assert cuda_engine.generate(greedy)["output_ids"] == before

@@ -183,6 +183,25 @@ def test_the_kernel_starts_sglang_from_the_run_config():
     assert "tp_sise" in str(error.value) and "ep_size" in str(error.value)  # every error at once
 
 
+def test_releasing_engine_memory_needs_the_memory_saver():
+    """Without --enable-memory-saver SGLang answers /release_memory_occupation and frees nothing:
+    the driver refuses the run before it starts anything, and says which setting to turn on."""
+    from miles_contracts import Process, RunContext
+
+    kernel = Kernel.load()
+    plain = build_config({"rollout": {"engine": "sglang"}, "resources": {"release_engine_memory": "kv_cache"}},
+                         kernel=kernel)
+    with pytest.raises(ConfigError, match=r"release_engine_memory \(kv_cache\) needs SGLang's memory saver: set "
+                                          r"sglang.enable_memory_saver: true"):
+        kernel.configure(RunContext(plain, kernel, Process.driver(), None))
+    kernel.configure(RunContext(plain, kernel, Process.trainer_rank(0), None))  # the driver's to refuse
+    saver = build_config({"rollout": {"engine": "sglang"}, "resources": {"release_engine_memory": "all"},
+                          "sglang": {"enable_memory_saver": True}}, kernel=kernel)
+    kernel.configure(RunContext(saver, kernel, Process.driver(), None))
+    launch = ServiceLaunch(saver, "/runs/r/config.yaml", "/m", Endpoint("127.0.0.1", 5), gpus=1)
+    assert flags(SGLangService({}).command(launch))["--enable-memory-saver"] is True
+
+
 STAND_IN = textwrap.dedent('''
     """Stand-in for sglang.launch_server (SGLang needs CUDA): prints its arguments at start-up as
     SGLang does (``server_args=ServerArgs(..., api_key=...)``), then serves /health and reports its

@@ -24,6 +24,7 @@ from miles.data.source import eval_prompts, open_data_source
 from miles.engine_client import HttpEngineClient
 from miles.errors import ConfigError
 from miles.kernel import Kernel
+from miles.loop.engine_memory import EngineMemory
 from miles.loop.interrupts import stop_requested
 from miles.loop.learner import Learner
 from miles.loop.modes import loop_mode
@@ -119,7 +120,8 @@ class Run:
         self.ops = ops = StepOps(config=cfg, kernel=kernel, run_dir=self.run_dir, state=self.state,
                                  progress=self.progress, rollouts=rollouts, learner=Learner(cfg, kernel, trainer, pad),
                                  trainer=trainer, services=services, metrics=self.metrics_logger,
-                                 eval_prompts=held_out)
+                                 eval_prompts=held_out,
+                                 engine_memory=EngineMemory(cfg.resources.release_engine_memory, services))
         if self.resume:
             self._restore(ops)
         if self.resume or cfg.weights.check:

@@ -122,6 +122,12 @@ class Services:
                 time.sleep(0.5)
         return time.monotonic() - start
 
+    def starts(self, name: str) -> int:
+        """How many times the supervisor has started process ``name`` again (0: never): a changed
+        count means a fresh process, which holds none of what the one before was told."""
+        with self._lock:
+            return self._starts.get(name, 0)
+
     def mark_stale(self, name: str) -> None:
         with self._lock:
             self.stale_engines.add(name)

@@ -5,8 +5,10 @@ training (``sync``), the next rollout beside training (``one_step_off``), rollou
 (``fully_async``) -- and :class:`StepOps` does them::
 
     rollout = await ops.rollout_step(step)      # collect a step's groups (again if all aborted)
+    metrics |= await ops.release_engine_memory()   # resources.release_engine_memory (sync mode)
     metrics |= await ops.train(rollout)         # log-prob passes, advantages, optimiser step
     metrics |= ops.sync_weights()               # push to every engine as the next version
+                                                # (resume_and_sync_weights: after a release)
     metrics |= await ops.evaluate(step)         # when ops.evaluation_due(step)
     metrics["time/checkpoint"] = await ops.save()   # when ops.checkpoint_due(step)
     ops.log(step, metrics)
@@ -32,6 +34,7 @@ from miles_contracts import Sample, Status
 from miles.config import MilesConfig
 from miles.errors import MilesError
 from miles.kernel import Kernel
+from miles.loop.engine_memory import WEIGHTS, EngineMemory
 from miles.loop.learner import Learner
 from miles.loop.progress import Progress
 from miles.loop.rollout import RolloutManager, StepRollout
@@ -56,7 +59,7 @@ class StepOps:
 
     def __init__(self, *, config: MilesConfig, kernel: Kernel, run_dir: Path, state: RunState, progress: Progress,
                  rollouts: RolloutManager, learner: Learner, trainer: TrainerGroup, services: Services,
-                 metrics: MetricsLogger, eval_prompts: list[Sample]) -> None:
+                 metrics: MetricsLogger, eval_prompts: list[Sample], engine_memory: EngineMemory) -> None:
         self.config = config
         self.kernel = kernel
         self.run_dir = run_dir
@@ -68,6 +71,7 @@ class StepOps:
         self._services = services
         self._metrics = metrics
         self._eval_prompts = eval_prompts
+        self._engine_memory = engine_memory
 
     # ------------------------------------------------------------------ steps
 
@@ -182,6 +186,29 @@ class StepOps:
                                   f"{len(report.checked_engines)} engine(s): {', '.join(report.checked_engines)}")
             metrics["weights/check_passed"] = 1.0
             metrics["weights/checked_engines"] = float(len(report.checked_engines))
+        return metrics
+
+    async def release_engine_memory(self) -> dict[str, float]:
+        """After a rollout, with nothing in flight: the engines give back the memory that
+        ``resources.release_engine_memory`` names, for the trainer to use until
+        :meth:`resume_and_sync_weights` (``time/release``; nothing when the setting is ``none``).
+        Only a mode in which rollout and training take turns may call it (``LoopMode.releases_engine_memory``)."""
+        if not self._engine_memory.enabled:
+            return {}
+        return {"time/release": await self._engine_memory.release()}
+
+    async def resume_and_sync_weights(self) -> dict[str, float]:
+        """:meth:`sync_weights`, with what the engines released taken back around it: their weights
+        before the push (a released engine refuses weight updates; SGLang without a host copy lost
+        them, and the push restores them), the KV cache and CUDA graphs after it (the trainer's
+        buckets are freed by then), so that evaluation and the next rollout find them whole.
+        ``time/resume`` is both resumes together."""
+        memory = self._engine_memory
+        resumed = await memory.resume(WEIGHTS)
+        metrics = self.sync_weights()
+        resumed += await memory.resume()
+        if memory.enabled:
+            metrics["time/resume"] = resumed
         return metrics
 
     @property

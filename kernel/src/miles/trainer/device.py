@@ -1,4 +1,5 @@
-"""The device a train backend's rank computes on, from ``model.device`` and the rank's environment."""
+"""The device a train backend's rank computes on, from ``model.device`` and the rank's environment,
+and handing its cached memory back to a colocated engine."""
 
 from __future__ import annotations
 
@@ -22,3 +23,14 @@ def pick_device(preference: str) -> torch.device:
     index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def hand_back_cached_memory() -> None:
+    """Return the blocks PyTorch's CUDA allocator keeps cached but unused (a train step's freed
+    activations) to the device, so that an engine on the same GPU can take them back
+    (``resources.release_engine_memory``). Without it they stay reserved by this process, and an
+    engine resuming its KV cache finds the GPU as full as during the step. A process that never used
+    CUDA (a CPU run) has nothing cached, and the call does nothing."""
+    import torch
+
+    torch.cuda.empty_cache()

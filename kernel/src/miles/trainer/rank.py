@@ -29,6 +29,7 @@ from miles_contracts import Process, RunContext, WeightTransport
 
 from miles.errors import MilesError
 from miles.trainer import wire
+from miles.trainer.device import hand_back_cached_memory
 
 GATHERED = frozenset({"push_weights", "init"})
 """Calls whose result every rank sends (the driver combines them)."""
@@ -87,6 +88,9 @@ class RankWorker:
     def train_step(self, batch: Any) -> dict[str, float]:
         metrics = dict(self.backend.train_step(batch))
         self.context.kernel.train_step_end(metrics)  # plugins measuring inside the backend report here
+        if self.context.config.resources.release_engine_memory != "none":
+            # the engines released memory for this step and take it back next: leave it free for them
+            hand_back_cached_memory()
         return metrics
 
     def save_checkpoint(self, path: Path, extra_state: Mapping[str, Any]) -> None:

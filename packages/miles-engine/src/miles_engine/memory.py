@@ -13,6 +13,11 @@ usual. SGLang without ``--enable-weights-cpu-backup`` loses them instead; a clie
 syncs after resuming works with both. Captured CUDA graphs hold the old addresses and are dropped
 whenever weights or the KV cache move.
 
+The KV cache comes back at the capacity it had (slots x length), as SGLang's fixed pool does: a
+cache regrown from nothing by the next rollout would be reallocated several times as it doubles,
+and every reallocation drops the captured decode graphs. (They are captured again after a resume
+all the same: the new cache has new addresses.)
+
 Only an idle engine releases (SGLang asserts the same): pause with ``mode: abort`` first, or wait
 for the requests to finish. While anything is released the scheduler admits nothing; requests
 that arrive wait until every tag is resumed.
@@ -42,6 +47,7 @@ class MemoryOccupation:
         self.scheduler = scheduler
         self.released: set[str] = set()
         self._weights: list[tuple[torch.UntypedStorage, torch.Tensor]] = []  # device storage, host copy
+        self._kv_capacity = (0, 0)  # slots, length of the KV cache when it was released
 
     def release(self, tags: Iterable[str] | None) -> list[str]:
         wanted = _tags(tags)
@@ -51,6 +57,7 @@ class MemoryOccupation:
                                    f"request(s) run and {len(scheduler.waiting)} wait; pause with mode 'abort' first")
         runner = scheduler.runner
         if "kv_cache" in wanted and "kv_cache" not in self.released:
+            self._kv_capacity = (runner.cache.slots, runner.cache.length)
             runner.cache.k = runner.cache.v = None  # even a kept allocation (graphs are dropped below)
             runner.cache.slots = runner.cache.length = 0
         if "weights" in wanted and "weights" not in self.released:
@@ -71,6 +78,10 @@ class MemoryOccupation:
                 storage.copy_(host.untyped_storage())
             self._weights = []
             self.scheduler.runner.weights_changed()  # derived copies (CPU pre-packed linears) follow
+        slots, length = self._kv_capacity
+        if "kv_cache" in wanted and "kv_cache" in self.released and slots and length:
+            runner = self.scheduler.runner
+            runner.cache.reserve(slots, length, max_slots=runner.max_slots, max_length=runner.loaded.context_length)
         self.released -= wanted
         return sorted(wanted)
 

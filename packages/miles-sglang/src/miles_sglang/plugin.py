@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from miles import hookimpl
 from miles.registry import Register
-from miles_contracts import ConfigSectionSpec, ServiceSpec
+from miles_contracts import ConfigSectionSpec, RunContext, ServiceSpec
+
+if TYPE_CHECKING:
+    from miles.config import MilesConfig
 
 
 @hookimpl
@@ -19,3 +24,18 @@ def miles_register_config_sections(register: Register[ConfigSectionSpec]) -> Non
     from miles_sglang.settings import SGLangSection
 
     register("sglang", ConfigSectionSpec(SGLangSection))
+
+
+@hookimpl
+def miles_configure(config: MilesConfig, ctx: RunContext) -> None:
+    """In the driver of a run on SGLang engines: refuse settings SGLang cannot serve, before
+    anything starts."""
+    if ctx.process.kind != "driver" or config.rollout.engine != "sglang":
+        return
+    from miles.errors import ConfigError
+
+    from miles_sglang.settings import run_errors
+
+    errors = run_errors(config)
+    if errors:
+        raise ConfigError(errors)

@@ -8,12 +8,15 @@ through ``sglang_args`` unchanged.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from miles.sections import Privileged, Section
 from pydantic import Field, model_validator
 
 from miles_sglang.owned_flags import owned_flags
+
+if TYPE_CHECKING:
+    from miles.config import MilesConfig
 
 
 class SGLangSection(Section):
@@ -75,3 +78,14 @@ class SGLangSection(Section):
     def options(self) -> dict[str, Any]:
         """As ``EngineSpec.options`` (what ``SGLangEngine.command`` reads back)."""
         return self.model_dump(mode="json")
+
+
+def run_errors(config: MilesConfig) -> list[str]:
+    """What a run's other sections ask of SGLang that its ``sglang`` section does not give."""
+    section = config.section("sglang", SGLangSection)
+    release = config.resources.release_engine_memory
+    if release != "none" and not section.enable_memory_saver:
+        return [f"resources.release_engine_memory ({release}) needs SGLang's memory saver: set "
+                f"sglang.enable_memory_saver: true (without --enable-memory-saver SGLang's "
+                f"/release_memory_occupation frees nothing)"]
+    return []

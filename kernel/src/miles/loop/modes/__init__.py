@@ -41,6 +41,9 @@ class LoopMode:
         loop free for rollouts: ``ops.train(rollout, in_thread=...)``).
     :ivar continues_aborted: a generation a weight update aborts goes on under the new weights
         when ``rollout.partial_rollout`` is on (weights change under every generation).
+    :ivar releases_engine_memory: the mode lets the engines give their memory back while the
+        trainer trains (``resources.release_engine_memory``), which needs rollout and training to
+        take turns; under any other mode that setting is an error.
     :ivar reads: settings only this mode reads (setting them under another mode is an error).
     :ivar checks: the mode's own config errors.
     """
@@ -48,6 +51,7 @@ class LoopMode:
     name: str
     run: LoopRun
     continues_aborted: bool = False
+    releases_engine_memory: bool = False
     reads: tuple[str, ...] = ()
     checks: Callable[[MilesConfig], list[str]] | None = None
 
@@ -60,6 +64,12 @@ class LoopMode:
         errors = [f"{setting} ({_value(config, setting)}) applies to run.mode {owner.name} only; run.mode is "
                   f"{self.name!r}" for owner in MODES.values() if owner is not self for setting in owner.reads
                   if _is_set(config, setting)]
+        release = config.resources.release_engine_memory
+        if release != "none" and not self.releases_engine_memory:
+            errors.append(f"resources.release_engine_memory ({release}) needs rollout and training to take turns "
+                          f"(run.mode sync), but run.mode {self.name} generates while the trainer trains, so the "
+                          f"engines use their memory all the time; use run.mode: sync, or "
+                          f"resources.release_engine_memory: none")
         if self.checks is not None:
             errors += self.checks(config)
         return errors
@@ -91,7 +101,7 @@ def _fully_async_errors(cfg: MilesConfig) -> list[str]:
 
 
 MODES: dict[str, LoopMode] = {mode.name: mode for mode in (
-    LoopMode("sync", sync.run),
+    LoopMode("sync", sync.run, releases_engine_memory=True),
     LoopMode("one_step_off", one_step_off.run),
     LoopMode("fully_async", fully_async.run, continues_aborted=True,
              reads=("weights.update_interval", "rollout.max_staleness"), checks=_fully_async_errors),
