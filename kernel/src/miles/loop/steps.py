@@ -72,6 +72,7 @@ class StepOps:
         self._metrics = metrics
         self._eval_prompts = eval_prompts
         self._engine_memory = engine_memory
+        self._rollout_ended: float | None = None  # perf_counter() when the last rollout's generation ended
 
     # ------------------------------------------------------------------ steps
 
@@ -105,7 +106,11 @@ class StepOps:
         resynced = self.resync_restarted_engines() if resync else {}
         if not self._services.stale_engines:
             await self.wait_engines(router=True)
+        started = time.perf_counter()
         rollout = await self.rollouts.collect(step, progress=lambda p: self.progress.rollout(step, p))
+        if self._rollout_ended is not None:  # what the engines did not generate for since the last rollout
+            rollout.metrics["time/engines_idle"] = max(0.0, started - self._rollout_ended)
+        self._rollout_ended = time.perf_counter()
         rollout.metrics.update(resynced)
         return rollout
 
@@ -137,9 +142,11 @@ class StepOps:
             self.dump(step, (earlier or []) + rollout.all_samples)
             raise error
 
-    def dump(self, step: int, samples: list[Sample], kind: str = "samples") -> None:
-        """Write ``samples`` to the run folder (``<run>/<kind>/step_<n>.jsonl``)."""
+    def dump(self, step: int, samples: list[Sample], kind: str = "samples") -> float:
+        """Write ``samples`` to the run folder (``<run>/<kind>/step_<n>.jsonl``); the seconds it took."""
+        start = time.perf_counter()
         dump_samples(self.run_dir, step, samples, kind=kind, tokens=self.config.run.dump_tokens)
+        return time.perf_counter() - start
 
     # ------------------------------------------------------------------ training and weights
 
@@ -177,6 +184,8 @@ class StepOps:
         metrics = {
             "time/sync": time.perf_counter() - start,
             "perf/sync_gb_per_s": report.gbps,
+            "time/sync_transport": report.seconds,  # the transport's push; the rest: state gather, calls
+            "time/sync_paused": report.paused_seconds,  # the part of it during which engines did not generate
             "weights/version": float(version),
             "weights/engines_restarted": float(len(restarted)),
             "time/wait_engines": waited,

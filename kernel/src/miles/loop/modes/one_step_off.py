@@ -54,8 +54,10 @@ async def run(ops: StepOps) -> None:
                 saved_state = ops.checkpoint_state()
             # the trainer will be training meanwhile: this rollout cannot push weights to a restarted engine
             pending = asyncio.create_task(ops.collect(step + 1, resync=False))
-        ops.dump(step, rollout.all_samples)
+        # the dump goes beside training, off the event loop: on it, it held back the next rollout's start
+        dumped = asyncio.create_task(asyncio.to_thread(ops.dump, step, rollout.all_samples))
         metrics.update(await ops.train(rollout, in_thread=True))
+        metrics["time/dump"] = await dumped
         if pending is not None:
             deferred.waiting = True
         else:
