@@ -3,7 +3,8 @@
     python3 scripts/h200/overlap_bench.py [--parts miles-async trl] [--repeats 3] [--steps 20] [--model /tmp/smol]
 
 Each round runs every part once, in order (so drift over the session hits each part alike):
-``miles-async`` (``run.mode=one_step_off``), ``miles-sync``, ``trl`` (scripts/learning/trl_grpo.py),
+``miles-async`` (``run.mode=one_step_off``), ``miles-sync``, ``miles-async-compile`` (one_step_off with
+``fsdp.compile=true``), ``trl`` (scripts/learning/trl_grpo.py),
 all on the learning config (scripts/learning/arithmetic_h200.yaml) with evaluation, export and the
 final checkpoint off, ``--steps`` steps each. Per run: the median step wall time over the steps
 after the first ``--skip`` (Miles: differences of metrics.jsonl time stamps, everything the loop
@@ -28,11 +29,17 @@ from pathlib import Path
 CONFIG = "scripts/learning/arithmetic_h200.yaml"
 
 
+MILES_PARTS = {  # part -> its overrides of the learning config
+    "miles-async": ["run.mode=one_step_off"],
+    "miles-sync": ["run.mode=sync"],
+    "miles-async-compile": ["run.mode=one_step_off", "fsdp.compile=true"],
+}
+
+
 def miles_command(part: str, name: str, args: argparse.Namespace) -> list[str]:
-    mode = {"miles-async": "one_step_off", "miles-sync": "sync"}[part]
     return ["miles", "train", CONFIG, f"model.name={args.model}", f"run.output_dir={args.work}/runs", f"run.name={name}",
-            f"run.steps={args.steps}", f"run.mode={mode}", "eval.every=0", "run.export_hf=false",
-            "run.save_final=false", *args.overrides]
+            f"run.steps={args.steps}", "eval.every=0", "run.export_hf=false", "run.save_final=false",
+            *MILES_PARTS[part], *args.overrides]
 
 
 def run_one(part: str, index: int, args: argparse.Namespace) -> dict:
@@ -92,7 +99,7 @@ def report(records: list[dict], parts: list[str]) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--parts", nargs="+", default=["miles-async", "trl"])
+    parser.add_argument("--parts", nargs="+", default=["miles-async", "trl"], choices=[*MILES_PARTS, "trl"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--skip", type=int, default=3, help="leading steps left out (CUDA graphs, allocator warm-up)")
