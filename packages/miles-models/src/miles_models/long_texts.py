@@ -13,10 +13,10 @@ request's text (``/health`` included, everything stopped). Two measures:
   lower bound already exceeds the context can be refused at once, without tokenizing it.
 * :class:`TokenizerThread`: longer texts are tokenized on one worker thread, with a private copy
   of the tokenizer, through ``encode_batch_fast``. A thread alone would not help: the Rust
-  binding's ``encode`` holds the GIL for the whole call (a 4 MB text ran for 7 s during which the
-  event loop got 3 turns), ``encode_batch_fast`` releases it. The private copy keeps the caller's
-  tokenizer (and any lock around it) free, and one thread caps long texts at one core, however
-  many arrive at once (they queue). The thread runs at a lower priority (``WORKER_NICENESS``).
+  binding's ``encode`` holds the GIL for the whole call (a 2.2 MB text took 7 s, during which
+  another thread ran 3 times), ``encode_batch_fast`` releases it. The private copy keeps the
+  caller's tokenizer (and any lock around it) free, and one thread caps long texts at one core,
+  however many arrive at once (they queue). It runs at a lower priority (``WORKER_NICENESS``).
 """
 
 from __future__ import annotations
