@@ -25,14 +25,23 @@ An ASGI middleware (no framework needed), wrapped around the engine, router and 
 
 The body is read whole by the guard (it is bounded) and handed to the app as one message; later
 ``receive()`` calls reach the server, so an app still learns when its client went away.
+
+A refusal closes the connection, but only once the client has sent its body: the guard reads and
+drops the rest first (at most ``DISCARD_MAX_BYTES`` more, for at most ``DISCARD_TIMEOUT_S``). A
+socket closed with unread bytes in it is reset, and a client still sending then fails on the reset
+(``urllib``: "Broken pipe", "Connection reset by peer") without ever reading the answer. A client
+that waits for permission to send (``Expect: 100-continue``) gets the refusal at once, as does one
+that announces more than the discard bound.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
 import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from miles_contracts.wire.auth import TOKEN_ENV, bearer, is_authorized
@@ -48,7 +57,21 @@ ALLOWED_HOSTS_ENV = "MILES_ALLOWED_HOSTS"
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 """32 MiB: a 128k-token prompt as JSON ids is ~1 MB, a long agent conversation a few MB."""
 
+DISCARD_MAX_BYTES = 64 * 1024 * 1024
+"""Most bytes of a refused request's body read (and dropped) so that its client can finish sending
+and read the answer; on loopback 64 MiB take well under a second."""
+DISCARD_TIMEOUT_S = 10.0
+"""Longest wait for a refused request's client to finish sending its body."""
+
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+@dataclass(frozen=True, slots=True)
+class _Overflow:
+    """A body that passed the limit after ``read`` bytes; ``more``: the client is still sending."""
+
+    read: int
+    more: bool
 
 
 def detail_body(status: int, message: str) -> bytes:
@@ -87,19 +110,22 @@ class RequestGuard:
             return
         headers = _headers(scope)
         refusal = self._refusal(scope, headers)
-        if refusal is not None:
-            await self._refuse(send, *refusal)
-            return
-        if not _carries_body(scope, headers):
+        carries_body = _carries_body(scope, headers)
+        if refusal is None and not carries_body:
             await self.app(scope, receive, send)
             return
-        body = await self._read_body(receive)
-        if body is None:  # the client went away
-            return
-        if isinstance(body, tuple):
-            await self._refuse(send, *body)
-            return
-        await self.app(scope, _replay(body, receive), send)
+        read, more = 0, carries_body
+        if refusal is None:
+            body = await self._read_body(receive)
+            if body is None:  # the client went away
+                return
+            if isinstance(body, bytes):
+                await self.app(scope, _replay(body, receive), send)
+                return
+            refusal, read, more = (413, self._too_large()), body.read, body.more
+        if more and not await _discard_rest(receive, headers, read):
+            return  # the client went away
+        await self._refuse(send, *refusal)
 
     def _refusal(self, scope: Scope, headers: dict[str, str]) -> tuple[int, str] | None:
         host = headers.get("host")
@@ -135,7 +161,8 @@ class RequestGuard:
         return (f"request body too large: the limit is {self.max_body_bytes} bytes "
                 f"({self.max_body_bytes / 2**20:g} MiB); send less per request")
 
-    async def _read_body(self, receive: Receive) -> bytes | tuple[int, str] | None:
+    async def _read_body(self, receive: Receive) -> bytes | _Overflow | None:
+        """The whole body, or where it passed the limit, or None when the client went away."""
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -143,10 +170,11 @@ class RequestGuard:
                 return None
             chunk = message.get("body", b"")
             size += len(chunk)
+            more = message.get("more_body", False)
             if size > self.max_body_bytes:
-                return 413, self._too_large()
+                return _Overflow(size, more)
             chunks.append(chunk)
-            if not message.get("more_body", False):
+            if not more:
                 return b"".join(chunks)
 
     async def _refuse(self, send: Send, status: int, message: str) -> None:
@@ -182,6 +210,29 @@ def _is_address(text: str) -> bool:
         ipaddress.ip_address(text)
     except ValueError:
         return False
+    return True
+
+
+async def _discard_rest(receive: Receive, headers: dict[str, str], read: int) -> bool:
+    """Read and drop what is left of a refused request's body (see the module docstring), within
+    the discard bounds; False when the client went away meanwhile."""
+    if read == 0 and headers.get("expect", "").lower() == "100-continue":
+        return True  # it sends nothing before it hears from us (reading would tell it to go on)
+    length = headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) - read > DISCARD_MAX_BYTES:
+        return True  # more than is worth reading: answer now, the client may see a reset
+    discarded = 0
+    try:
+        async with asyncio.timeout(DISCARD_TIMEOUT_S):
+            while discarded <= DISCARD_MAX_BYTES:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return False
+                discarded += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    break
+    except TimeoutError:
+        pass  # a client too slow to wait for: answer anyway
     return True
 
 

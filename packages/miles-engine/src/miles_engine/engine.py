@@ -26,6 +26,7 @@ from miles_contracts.wire.engine import (
     SamplingParams,
     encode_routed_experts,
 )
+from miles_models.long_texts import LONG_TEXT_CHARS, TokenizerThread, chars_per_token_bound, min_tokens
 from pydantic import ValidationError
 
 from miles_engine.config import EngineConfig, engine_config
@@ -35,8 +36,6 @@ from miles_engine.scheduler import PauseMode, Scheduler
 from miles_engine.sequence import Sequence
 from miles_engine.weight_updates import WeightUpdates
 
-INLINE_TOKENIZE_CHARS = 4096
-"""Texts up to this long are tokenized on the event loop (a thread hop costs more than they do)."""
 _DEFAULT_CPU_KV_GB = 2.0
 _CUDA_KV_FRACTION = 0.4
 
@@ -61,6 +60,9 @@ class Engine:
                                      allowed_dirs=[self.config.model_path, *self.config.weight_dir],
                                      group_timeout=self.config.weight_group_timeout)
         self._inflight: dict[str, asyncio.Future[Sequence]] = {}
+        self.chars_per_token = chars_per_token_bound(self.loaded.tokenizer)
+        self._long_texts = TokenizerThread(self.loaded.tokenizer, add_special_tokens=True,
+                                           name="miles-engine-tokenize")
         self.started_at = time.time()
         if background:
             self.scheduler.start()
@@ -80,10 +82,8 @@ class Engine:
         def on_finish(seq: Sequence) -> None:
             loop.call_soon_threadsafe(_resolve, done, seq)
 
-        text_ids = None
-        if request.text is not None and len(request.text) > INLINE_TOKENIZE_CHARS:
-            # A long text tokenizes for seconds: not on the event loop, which also answers /health.
-            text_ids = await asyncio.to_thread(self.scheduler.codec.encode, request.text)
+        _check_request(request)  # before a long text is tokenized for a request that fails anyway
+        text_ids = None if request.text is None else await self._text_ids(request.text)
         seq = self._sequence(request, on_finish, text_ids)
         self._inflight[seq.rid] = done
         try:
@@ -100,9 +100,6 @@ class Engine:
     def _sequence(self, request: GenerateRequest, on_finish: Any, text_ids: list[int] | None = None) -> Sequence:
         loaded = self.loaded
         params = request.sampling_params
-        if request.stream:
-            raise BadRequestError("streaming is not supported by the embedded engine; send \"stream\": false")
-        _check_sampling(params)
         if request.input_ids is not None:
             ids = list(request.input_ids)
             bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < loaded.vocab_size]
@@ -110,8 +107,8 @@ class Engine:
                 raise BadRequestError(f"input_ids holds {len(bad)} token id(s) outside [0, {loaded.vocab_size}), "
                                       f"first at position {bad[0][0]}: {bad[0][1]}")
         else:
-            assert request.text is not None  # a GenerateRequest holds exactly one of text and input_ids
-            ids = text_ids if text_ids is not None else self.scheduler.codec.encode(request.text)
+            assert text_ids is not None  # a GenerateRequest holds exactly one of text and input_ids
+            ids = text_ids
             if not ids:
                 raise BadRequestError("'text' tokenizes to no tokens; send a non-empty prompt")
         context = loaded.context_length
@@ -147,6 +144,21 @@ class Engine:
             return_routed_experts=request.return_routed_experts, routed_start=routed_start,
             on_finish=on_finish,
         )
+
+    async def _text_ids(self, text: str) -> list[int]:
+        """The prompt ids of ``text``. One that cannot fit the context is refused before it is
+        tokenized; a long one is tokenized on a worker thread, never under the codec's lock, which
+        the event loop takes to decode every answer (see :mod:`miles_models.long_texts`)."""
+        context = self.loaded.context_length
+        fewest = min_tokens(len(text), self.chars_per_token)
+        if fewest >= context:
+            raise BadRequestError(f"'text' has {len(text)} characters, at least {fewest} tokens (no token of this "
+                                  f"model stands for more than {self.chars_per_token} characters), but the context "
+                                  f"length is {context}; shorten the prompt or start the engine with a larger "
+                                  f"--context-length")
+        if len(text) <= LONG_TEXT_CHARS:
+            return self.scheduler.codec.encode(text)
+        return await self._long_texts.encode(text)
 
     def _row_sampling(self, request: GenerateRequest, stop_ids: frozenset[int], prompt_len: int) -> RowSampling:
         import torch
@@ -279,6 +291,12 @@ class Engine:
         else:
             budget = _DEFAULT_CPU_KV_GB * 2**30
         return max(int(budget // per_token), 2)
+
+
+def _check_request(request: GenerateRequest) -> None:
+    if request.stream:
+        raise BadRequestError("streaming is not supported by the embedded engine; send \"stream\": false")
+    _check_sampling(request.sampling_params)
 
 
 def _check_sampling(params: SamplingParams) -> None:

@@ -15,6 +15,10 @@ A :class:`Conversation` holds the messages so far, one :class:`Turn` per generat
 :meth:`prepare` checks and computes the prompt without changing anything; :meth:`commit` applies it
 once the engine answered, so a failed engine call leaves the conversation as it was. Callers
 serialise prepare/commit per conversation (the session server holds a lock across both).
+``prepare`` is :meth:`draft` (the checks and rendering) and :meth:`complete` (the token check)
+with the new text tokenized in between; :func:`~miles_tito.turn.run_turn` calls the two itself, to
+refuse a text too long for the context before tokenizing it and to tokenize a long one off the
+event loop.
 """
 
 from __future__ import annotations
@@ -60,6 +64,22 @@ class PreparedTurn:
     known_positions: int = 0
 
 
+@dataclass(slots=True)
+class DraftTurn:
+    """A checked request whose new text is rendered but not yet tokenized.
+
+    :ivar head_ids: the kept history's ids, spliced (empty on a first turn); the prompt is these
+        followed by the ids of ``text``.
+    :ivar text: the new messages as the template renders them, with the generation prompt.
+    """
+
+    messages: list[ChatMessage]
+    head_ids: list[int]
+    text: str
+    kept_turns: int
+    trimmed: int
+
+
 class Conversation:
     def __init__(self, tito: TitoTokenizer, *, max_rollback_turns: int = 1) -> None:
         self.tito = tito
@@ -79,6 +99,13 @@ class Conversation:
         self, request: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None, extra: Mapping[str, Any] | None = None
     ) -> PreparedTurn:
         """Check ``request`` against the conversation and compute the engine prompt."""
+        draft = self.draft(request, tools, extra)
+        return self.complete(draft, self.tito.encode(draft.text))
+
+    def draft(
+        self, request: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None, extra: Mapping[str, Any] | None = None
+    ) -> DraftTurn:
+        """The checks of :meth:`prepare` that need no new token ids, and the text to tokenize."""
         if not request:
             raise InvalidRequest("'messages' is empty", param="messages")
         if request[-1].role == "assistant":
@@ -92,14 +119,23 @@ class Conversation:
         self._check_rollback(request, matched, len(self.turns) - kept)
         messages = [*self.messages[:matched], *request[matched:]]
         if kept == 0:
-            return PreparedTurn(messages, self.tito.first_turn_ids(messages, tools, extra), 0, 0)
+            return DraftTurn(messages, [], self.tito.first_turn_text(messages, tools, extra), 0, 0)
         base = self.turns[kept - 1]
         history, appended = messages[: base.message_index + 1], messages[base.message_index + 1 :]
         self._check_roles(appended, base.message_index + 1)
-        input_ids, trimmed = self.tito.appended_ids(history, base.token_ids, appended, tools, extra)
-        self._check_token_chain(base.token_ids, input_ids, trimmed)
+        head, trimmed, text = self.tito.appended_text(history, base.token_ids, appended, tools, extra)
+        return DraftTurn(messages, head, text, kept, trimmed)
+
+    def complete(self, draft: DraftTurn, text_ids: list[int]) -> PreparedTurn:
+        """The prompt of ``draft`` given the ids of its text; checks that it extends the last kept turn."""
+        input_ids = draft.head_ids + text_ids
+        if draft.kept_turns == 0:
+            return PreparedTurn(draft.messages, input_ids, 0, 0)
+        base = self.turns[draft.kept_turns - 1]
+        self._check_token_chain(base.token_ids, input_ids, draft.trimmed)
         previous = len(base.token_ids)
-        return PreparedTurn(messages, input_ids, kept, trimmed, known_positions=min(previous - 1, previous - trimmed))
+        return PreparedTurn(draft.messages, input_ids, draft.kept_turns, draft.trimmed,
+                            known_positions=min(previous - 1, previous - draft.trimmed))
 
     def _matched_prefix(self, request: Sequence[ChatMessage]) -> int:
         matched = 0

@@ -1,6 +1,6 @@
 """Plugin ``tito`` (distribution miles-tito): generators, the calculator tool, the ``session``
 service, the ``tito`` config section and the ``serve session``, ``verify-template``, ``bench
-session`` and ``bench tito`` commands.
+session``, ``bench isolation`` and ``bench tito`` commands.
 
 Light on purpose: ``miles plugins`` imports this module, so FastAPI, transformers and the
 generators load only when used.
@@ -112,6 +112,10 @@ def miles_register_commands(register: Register[CommandSpec]) -> None:
     register("bench session", _command(
         "miles_tito.bench.session",
         "latency the session server adds over calling the engine directly, and requests/s",
+    ))
+    register("bench isolation", _command(
+        "miles_tito.bench.isolation",
+        "latency of other sessions and engine requests while one huge request is in flight, against a baseline",
     ))
     register("bench tito", _command(
         "miles_tito.bench.tito",

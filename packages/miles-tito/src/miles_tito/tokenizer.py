@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from miles_contracts.chat import ChatFamily
+from miles_models.long_texts import LONG_TEXT_CHARS, TokenizerThread, chars_per_token_bound, min_tokens
 
 from miles_tito.errors import TemplateFailed, TemplateNotPrefixInvariant
 from miles_tito.messages import ChatMessage, template_views
@@ -54,6 +55,8 @@ class TitoTokenizer:
         # The Rust backend directly: the Python wrapper adds ~40 us per call, which is most of the
         # cost of tokenizing one appended tool message.
         self._backend = backend if getattr(tokenizer, "is_fast", False) and hasattr(backend, "encode") else None
+        self.chars_per_token = chars_per_token_bound(tokenizer)
+        self._long_texts = TokenizerThread(tokenizer, add_special_tokens=False, name="miles-tito-tokenize")
         self.turn_end_ids = self.encode(family.turn_end)
         self.stop_token_ids = self._single_token_ids(family.stop_tokens, "stop_tokens", required=True)
         self.trim_ids = frozenset(self._single_token_ids(family.trim_trailing, "trim_trailing", required=False))
@@ -64,6 +67,18 @@ class TitoTokenizer:
         if self._backend is not None:
             return self._backend.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def encode_off_loop(self, text: str) -> list[int]:
+        """:meth:`encode`, with a long text tokenized on a worker thread (see
+        :mod:`miles_models.long_texts`): the event loop goes on serving other sessions meanwhile."""
+        if len(text) <= LONG_TEXT_CHARS:
+            return self.encode(text)
+        return await self._long_texts.encode(text)
+
+    def min_tokens(self, text: str) -> int:
+        """The fewest tokens ``text`` can be, known without tokenizing it (0 when the tokenizer
+        gives no bound)."""
+        return min_tokens(len(text), self.chars_per_token)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -102,7 +117,13 @@ class TitoTokenizer:
         self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None, extra: Mapping[str, Any] | None = None
     ) -> list[int]:
         """Prompt ids of a conversation with no generated turn yet."""
-        return self.encode(self.render(messages, tools, add_generation_prompt=True, extra=extra))
+        return self.encode(self.first_turn_text(messages, tools, extra))
+
+    def first_turn_text(
+        self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None, extra: Mapping[str, Any] | None = None
+    ) -> str:
+        """The text whose ids :meth:`first_turn_ids` returns."""
+        return self.render(messages, tools, add_generation_prompt=True, extra=extra)
 
     def appended_ids(
         self,
@@ -120,6 +141,19 @@ class TitoTokenizer:
             prompt, and how many trailing history ids the splice dropped.
         :raises TemplateNotPrefixInvariant: appending re-rendered the history differently.
         """
+        spliced, trimmed, text = self.appended_text(history, history_ids, appended, tools, extra)
+        return spliced + self.encode(text), trimmed
+
+    def appended_text(
+        self,
+        history: Sequence[ChatMessage],
+        history_ids: Sequence[int],
+        appended: Sequence[ChatMessage],
+        tools: Sequence[Mapping[str, Any]] | None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> tuple[list[int], int, str]:
+        """:meth:`appended_ids` before the new text is tokenized: ``(spliced history ids, trimmed,
+        text of the appended messages and the generation prompt)``."""
         context = [history[i] for i in render_context(history, self.render_check)]
         before = self.render(context, tools, add_generation_prompt=False, extra=extra)
         after = self.render([*context, *appended], tools, add_generation_prompt=True, extra=extra)
@@ -127,7 +161,7 @@ class TitoTokenizer:
             indices = render_context(history, self.render_check)
             raise TemplateNotPrefixInvariant(self._describe_break(context, indices, appended, before, after))
         spliced, trimmed = self.splice(history_ids)
-        return spliced + self.encode(after[len(before) :]), trimmed
+        return spliced, trimmed, after[len(before) :]
 
     def splice(self, ids: Sequence[int]) -> tuple[list[int], int]:
         """Apply the family's splice rules to the ids of a finished turn: ``(ids, trimmed)``."""

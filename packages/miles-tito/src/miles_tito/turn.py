@@ -21,9 +21,10 @@ from miles_contracts.wire.engine import GenerateRequest, SamplingParams
 from miles_contracts.wire.session import FinishReason, TurnCapture, TurnRecord
 from pydantic import ValidationError
 
-from miles_tito.conversation import Conversation
+from miles_tito.conversation import Conversation, DraftTurn
 from miles_tito.errors import ContextLengthExceeded, EngineAborted, EngineFailed, InvalidRequest
 from miles_tito.messages import ChatMessage
+from miles_tito.tokenizer import TitoTokenizer
 
 
 @dataclass(slots=True)
@@ -66,7 +67,9 @@ async def run_turn(
 ) -> TurnResult:
     """Generate the next assistant turn of ``conversation``. Raises :class:`~miles_tito.errors.TitoError`."""
     tito = conversation.tito
-    prepared = conversation.prepare(request.messages, request.tools, request.template_extra)
+    draft = conversation.draft(request.messages, request.tools, request.template_extra)
+    _check_can_fit(draft, tito, max_context_len)
+    prepared = conversation.complete(draft, await tito.encode_off_loop(draft.text))
     budget = max_context_len - len(prepared.input_ids)
     if budget < 1:
         raise ContextLengthExceeded(
@@ -113,6 +116,23 @@ async def run_turn(
         captures=_turn_captures(generation),
     )
     return TurnResult(record, message, len(prepared.input_ids))
+
+
+def _check_can_fit(draft: DraftTurn, tito: TitoTokenizer, max_context_len: int) -> None:
+    """Refuse, without tokenizing it, a new text that has more characters than the context has
+    room for at the most characters a token of this tokenizer stands for: tokenizing a message of
+    megabytes takes seconds, only to find it too long."""
+    fewest = tito.min_tokens(draft.text)
+    if len(draft.head_ids) + fewest < max_context_len:
+        return
+    history = f"{len(draft.head_ids)} tokens of history and " if draft.head_ids else ""
+    raise ContextLengthExceeded(
+        f"the prompt is at least {len(draft.head_ids) + fewest} tokens ({history}{len(draft.text)} characters of new "
+        f"messages, and no token stands for more than {tito.chars_per_token} characters) and the context limit is "
+        f"{max_context_len}: no room to generate; shorten the messages or raise the limit "
+        f"(--max-context-len / rollout.max_context_len)",
+        param="messages",
+    )
 
 
 def _turn_captures(generation: Generation) -> dict[str, list[TurnCapture]]:

@@ -57,11 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = _model_path(args.model)
+    model = model_path(args.model)
     levels = [int(c) for c in args.concurrency.split(",")]
     with ExitStack() as stack:
-        engine = args.engine or _start(stack, [sys.executable, "-m", "miles_engine", "--model", model], args.startup_timeout)[0]
-        server, pid = _start(stack, [sys.executable, "-m", "miles_tito.server", "--router", engine, "--model", model,
+        engine = args.engine or start_process(stack, [sys.executable, "-m", "miles_engine", "--model", model], args.startup_timeout)[0]
+        server, pid = start_process(stack, [sys.executable, "-m", "miles_tito.server", "--router", engine, "--model", model,
                                      "--max-tokens", str(args.max_tokens)], args.startup_timeout)
         results = asyncio.run(_bench(engine, server, pid, levels, args))
     print(json.dumps({"benchmark": "session", "model": args.model, "turns": args.turns, "max_tokens": args.max_tokens,
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_path(name: str) -> str:
+def model_path(name: str) -> str:
     if name == "tiny-dense":
         from miles_models.testing import tiny_model
 
@@ -83,7 +83,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start(stack: ExitStack, argv: list[str], timeout: float) -> tuple[str, int]:
+def start_process(stack: ExitStack, argv: list[str], timeout: float) -> tuple[str, int]:
     """Start ``argv --port P`` and wait for its /health: ``(url, pid)``; stopped when ``stack`` closes."""
     import httpx
     from miles_contracts.wire.auth import ensure_run_token
@@ -172,8 +172,8 @@ async def _bench(engine: str, server: str, pid: int, levels: list[int], args: ar
             session_rps, direct_rps = len(requests) / session_seconds, len(requests) / direct_seconds
             out.append({
                 "concurrency": level, "requests": len(requests),
-                "added_latency_p50_ms": round(_percentile(added, 50), 3),
-                "added_latency_p99_ms": round(_percentile(added, 99), 3),
+                "added_latency_p50_ms": round(percentile(added, 50), 3),
+                "added_latency_p99_ms": round(percentile(added, 99), 3),
                 "added_latency_mean_ms": round(statistics.fmean(added), 3),
                 "session_requests_per_s": round(session_rps, 1),
                 "direct_requests_per_s": round(direct_rps, 1),
@@ -222,7 +222,7 @@ async def _direct(clients: list[_Client], prompts: list[list[int]], level: int, 
     await asyncio.gather(*[worker(clients[w]) for w in range(level)])
 
 
-def _percentile(sorted_values: list[float], q: float) -> float:
+def percentile(sorted_values: list[float], q: float) -> float:
     if not sorted_values:
         return float("nan")
     index = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
