@@ -61,7 +61,7 @@ def run_one(part: str, index: int, args: argparse.Namespace) -> dict:
         walls = [s["seconds"] for s in steps][args.skip:]
     else:
         rows = [json.loads(line) for line in (args.work / "runs" / name / "metrics.jsonl").read_text().splitlines()]
-        walls = [b["time"] - a["time"] for a, b in zip(rows, rows[1:])][max(0, args.skip - 1):]
+        walls = [b["time"] - a["time"] for a, b in zip(rows, rows[1:], strict=False)][max(0, args.skip - 1):]
         timed = rows[args.skip:]
         phases = sorted({k for r in timed for k in r if k.startswith("time/")})
         record["phase_s_median"] = {k: statistics.median(r[k] for r in timed if k in r) for k in phases}
