@@ -43,7 +43,7 @@ refresh=()
 for wheel in "$dist"/*.whl; do
   name=$(basename "$wheel"); refresh+=(--refresh-package "${name%%-*}")
 done
-uv pip install -q --python "$venv/bin/python" --find-links "$dist" "${refresh[@]}" miles-kernel miles-megatron miles-r3
+uv pip install -q --compile-bytecode --python "$venv/bin/python" --find-links "$dist" "${refresh[@]}" miles-kernel miles-megatron miles-r3
 checks=("$venv/bin/python" "$repo/scripts/ci/clean_install_checks.py")
 "${checks[@]}" installed "$dist" --expect miles-kernel miles-contracts miles-megatron miles-r3 miles-algorithms \
   miles-models miles-weights miles-engine miles-router miles-model-llama miles-model-qwen3
