@@ -1,10 +1,10 @@
 """`ProcessHost`: the Ray actor that runs a run's processes on its node.
 
 One host lives in each GPU bundle of the run's placement group (and one, pinned, on a node that
-runs processes without GPUs: the router beside the driver). It starts processes with ``Popen``
-exactly as the local executor does -- own process group, parent-death signal, output to a log file
-on its node -- and answers the driver's questions about them (alive? exit code? log bytes since
-offset N?). The driver copies the logs into ``<run>/logs`` (nodes need not share a filesystem).
+runs processes without GPUs: the router beside the driver). It starts processes exactly as the local
+executor does (:func:`miles.executor.children.spawn`: own process group, parent-death signal),
+output to a log file on its node, and answers the driver's questions about them (alive? exit code?
+log bytes since offset N?). The driver copies the logs into ``<run>/logs`` (nodes need not share a filesystem).
 
 A host in a bundle is restarted by Ray (``max_restarts=-1``) when its node leaves and the bundle
 is placed elsewhere; it then knows no process, and the executor starts them again on it.
@@ -15,14 +15,13 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from miles.executor.local import die_with_parent, free_port, terminate_group
+from miles.executor.children import free_port, spawn, terminate_all, terminate_group
 
 _READ_LIMIT = 1 << 20
 
@@ -53,12 +52,7 @@ class ProcessHost:
         with path.open("ab") as log:
             log.write(f"==== start {time.strftime('%H:%M:%S')} on {socket.gethostname()}: {' '.join(argv)}\n".encode())
             log.flush()
-            process = subprocess.Popen(
-                list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, **env}, start_new_session=True,
-                # the actor's methods run on one long-lived thread, which the death signal is tied to
-                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
-            )
+            process = spawn(argv, log=log, env={**os.environ, **env})  # dies with this actor's process
         self._processes[name] = process
         self._logs[log_name] = path
         return process.pid
@@ -83,5 +77,6 @@ class ProcessHost:
             terminate_group(process, grace)
 
     def stop_all(self) -> None:
-        for name in reversed(list(self._processes)):
-            self.terminate(name)
+        processes = list(self._processes.values())
+        self._processes.clear()
+        terminate_all(processes)

@@ -99,7 +99,7 @@ def _start(stack: ExitStack, argv: list[str], timeout: float) -> tuple[str, int]
             assert process.stderr is not None  # stderr=PIPE
             raise RuntimeError(f"`{' '.join(argv)}` exited with {process.returncode}: {process.stderr.read()[-2000:]}")
         try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=1.0, trust_env=False).status_code == 200:
                 return url, process.pid
         except httpx.HTTPError:
             pass
