@@ -7,9 +7,9 @@ Used by ``test_processes.py`` (a few trials) and, run as a script, as the soak b
     uv run python tests/security/driver_kill.py --trials 20 --real-runs 4 > docs/benchmarks/processes-cpu.json
 
 Trials run in batches, one parent (``python driver_kill.py --parent ...``) per phase started at
-once; each is signalled once it reports the phase it was told to reach, and ``/proc`` is polled
-until none of the process groups of its children has a live member, up to a bound. Batches
-alternate SIGKILL and SIGTERM. Phases:
+once; each is signalled as soon as it reports the phase it was told to reach, and ``/proc`` is
+polled until none of the process groups of its children has a live member, up to a bound.
+Batches alternate SIGKILL and SIGTERM. Phases:
 
 * ``starting``: right after the executor launched both (the children are still importing);
 * ``idle``: both healthy, nothing to do;
@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -113,7 +114,10 @@ def _parent(phase: str, model: str, run_dir: Path) -> None:
             os.kill(executor.manifest()[0]["pid"], signal.SIGKILL)
             restarted.wait(120)
     report("ready")
-    stopped.wait()
+    # with a timeout: a signal the kernel hands to another thread does not interrupt the main
+    # thread's wait, and Python runs handlers only on the main thread (it once waited forever)
+    while not stopped.wait(0.1):
+        pass
     executor.shutdown()
 
 
@@ -174,15 +178,11 @@ class Parent:
         self.pgids = [int(pid) for pid in json.loads(line)["pids"] if pid]
 
     def signal(self, sig: signal.Signals, bound: float = GONE_WITHIN_S) -> Trial:
-        """Send ``sig``; how long until none of its children's groups has a live member."""
+        """Send ``sig``; how long until none of its children's groups has a live member (the
+        parent's own exit is not timed)."""
         self.process.send_signal(sig)
-        signalled = time.monotonic()
+        gone, survivors = _gone_within(self.pgids, bound)
         self.process.wait(timeout=bound)
-        survivors = self.survivors()
-        while survivors and time.monotonic() - signalled < bound:
-            time.sleep(0.05)
-            survivors = self.survivors()
-        gone = None if survivors else time.monotonic() - signalled
         return Trial(self.phase, sig.name, len(self.pgids), gone, survivors)
 
     def survivors(self) -> list[str]:
@@ -198,14 +198,27 @@ class Parent:
                 os.killpg(pgid, signal.SIGKILL)
 
 
+def _gone_within(pgids: list[int], bound: float) -> tuple[float | None, list[str]]:
+    """Seconds until no group of ``pgids`` has a live member (None after ``bound``), and what was
+    still alive then."""
+    signalled = time.monotonic()
+    survivors = [m for g in pgids for m in live_members(g)]
+    while survivors and time.monotonic() - signalled < bound:
+        time.sleep(0.02)
+        survivors = [m for g in pgids for m in live_members(g)]
+    return (None if survivors else time.monotonic() - signalled), survivors
+
+
 def run_trials(cases: list[tuple[str, signal.Signals]], model: Path, work_dir: Path) -> list[Trial]:
-    """Start one parent per case at once (so they load the machine together), wait until each is
-    in its phase, then signal them one after another."""
+    """Start one parent per case at once (so they load the machine together) and signal each as
+    soon as it is in its phase (``starting`` at once, while its children and the others import)."""
     parents = [Parent(phase, model, work_dir / f"{i}-{phase}") for i, (phase, _) in enumerate(cases)]
+    trials = []
     try:
-        for parent in parents:
+        for parent, (_, sig) in zip(parents, cases, strict=True):
             parent.wait_ready()
-        return [parent.signal(sig) for parent, (_, sig) in zip(parents, cases, strict=True)]
+            trials.append(parent.signal(sig))
+        return trials
     finally:
         for parent in parents:
             parent.kill_all()
@@ -229,14 +242,9 @@ def real_run_trial(sig: signal.Signals, model: Path, work_dir: Path, *, step: in
         _wait(lambda: driver.poll() is None and _logged_step(run) >= step, timeout=1800)
         pgids = [int(row["pid"]) for row in json.loads((run / "services.json").read_text()) if row.get("pid")]
         driver.send_signal(sig)
-        signalled = time.monotonic()
+        gone, survivors = _gone_within(pgids, bound)
         driver.wait(timeout=bound)
-        survivors = [m for g in pgids for m in live_members(g)]
-        while survivors and time.monotonic() - signalled < bound:
-            time.sleep(0.05)
-            survivors = [m for g in pgids for m in live_members(g)]
-        return Trial(f"miles train, step {step}", sig.name, len(pgids),
-                     None if survivors else time.monotonic() - signalled, survivors)
+        return Trial(f"miles train, step {step}", sig.name, len(pgids), gone, survivors)
     finally:
         if driver.poll() is None:
             driver.kill()
@@ -279,16 +287,21 @@ def soak(trials: int, real_runs: int, burners: int, work_dir: Path) -> dict[str,
     finally:
         for process in load:
             process.kill()
-    summary: dict[str, Any] = {}
-    for (phase, sig) in sorted({(t.phase, t.signal) for t in results}):
-        group = [t for t in results if t.phase == phase and t.signal == sig]
-        times = sorted(t.gone_s for t in group if t.gone_s is not None)
-        summary[f"{sig} {phase}"] = {"trials": len(group), "left_children": sum(t.gone_s is None for t in group),
-                                     "gone_s_median": times[len(times) // 2] if times else None,
-                                     "gone_s_max": times[-1] if times else None}
     return {"command": " ".join(["uv run python tests/security/driver_kill.py", *sys.argv[1:]]),
-            "cpus": os.cpu_count(), "burners": burners, "trials": len(results),
-            "left_children": sum(t.gone_s is None for t in results), "by_case": summary,
+            "cpus": os.cpu_count(), "burners": burners, **summarize(results)}
+
+
+def summarize(results: list[Trial]) -> dict[str, Any]:
+    """Trials per (signal, phase): how many left a child behind, median and worst seconds until
+    every child was gone."""
+    by_case: dict[str, Any] = {}
+    for phase, sig in sorted({(t.phase, t.signal) for t in results}):
+        group = [t for t in results if t.phase == phase and t.signal == sig]
+        times = [t.gone_s for t in group if t.gone_s is not None]
+        by_case[f"{sig} {phase}"] = {"trials": len(group), "left_children": len(group) - len(times),
+                                     "gone_s_median": round(statistics.median(times), 3) if times else None,
+                                     "gone_s_max": round(max(times), 3) if times else None}
+    return {"trials": len(results), "left_children": sum(t.gone_s is None for t in results), "by_case": by_case,
             "survivors": [s for t in results for s in t.survivors]}
 
 
