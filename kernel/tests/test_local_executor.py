@@ -120,3 +120,48 @@ def test_launch_picks_the_port_sets_the_devices_and_restart_keeps_the_endpoint(t
     assert [row["gpus"] for row in executor.manifest()] == [["3"]]
     executor.shutdown()
     assert (tmp_path / "logs" / "web.log").read_text().count("devices 3") == 2
+
+
+def test_a_service_restarted_from_a_thread_that_ended_keeps_running(tmp_path: Path) -> None:
+    """Linux sends the parent-death signal when the *thread* that forked the child ends; the
+    executor forks every child from one thread that lives as long as the process."""
+    executor = LocalExecutor(tmp_path, startup_timeout=30)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/"
+    executor.start("web", [*SERVER, str(port)], health_url=url)
+    try:
+        helper = threading.Thread(target=executor.restart, args=("web",))  # e.g. a pool thread, or a one-off
+        helper.start()
+        helper.join()
+        pid = executor.services()["web"].process.pid
+        assert not _wait_gone(pid, timeout=3.0), "the service died with the thread that restarted it"
+        assert httpx.get(url, timeout=10).status_code == 200
+    finally:
+        executor.shutdown()
+
+
+def test_shutdown_signals_every_service_before_it_kills_any(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Services stop together: one deadline for all, not 5 s each in turn (three idle services of a
+    run took 17-22 s to stop). These ignore SIGTERM, so each is killed after the grace."""
+    from miles.executor import children
+
+    sent: list[tuple[int, int]] = []
+    signal_group = children._signal_group
+
+    def recording(pgid: int, sig: int) -> bool:
+        sent.append((pgid, sig))
+        return signal_group(pgid, sig)
+
+    monkeypatch.setattr(children, "_signal_group", recording)
+    executor = LocalExecutor(tmp_path, startup_timeout=60)
+    stubborn = ("import http.server as h, signal, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "h.HTTPServer(('127.0.0.1', int(sys.argv[1])), h.SimpleHTTPRequestHandler).serve_forever()")
+    pids = []
+    for i in range(3):
+        port = free_port()
+        executor.start(f"stubborn-{i}", [sys.executable, "-c", stubborn, str(port)], health_url=f"http://127.0.0.1:{port}/")
+        pids.append(executor.services()[f"stubborn-{i}"].process.pid)
+    executor.shutdown()
+    assert all(_wait_gone(pid) for pid in pids)
+    order = [sig for pgid, sig in sent if pgid in pids and sig != 0]
+    assert order[:3] == [signal.SIGTERM] * 3 and order[3:6] == [signal.SIGKILL] * 3, order

@@ -144,3 +144,17 @@ def test_score_binds_the_config_and_fails_only_rejected_samples(server: str) -> 
     assert samples[1].status is Status.FAILED and samples[1].exit_reason is ExitReason.REWARD_ERROR
     assert "HTTP 422" in samples[1].exit_detail
     assert (report.scored, report.failed) == (1, 1)
+
+
+def test_a_loopback_reward_server_is_reached_past_an_http_proxy(server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proxy named by HTTP_PROXY (here: nothing listens there) serves the outside world; a remote
+    reward on loopback is called directly (a remote one on another host would follow the proxy)."""
+    from miles.loopback import PROXY_VARIABLES, is_loopback_url
+
+    for name in PROXY_VARIABLES:
+        monkeypatch.setenv(name, "http://127.0.0.1:9")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    assert asyncio.run(RemoteReward(url=f"{server}/exact")([completed("4", "4")])) == [1.0]
+    assert is_loopback_url("http://localhost:8000/score") and is_loopback_url("http://127.0.0.2/x")
+    assert is_loopback_url("http://[::1]:80/") and not is_loopback_url("https://rewards.example.com/score")

@@ -1,6 +1,7 @@
 """Process-level guarantees: SIGTERM stops every server within seconds (even an engine blocked
-joining a weight group), a killed driver's shared-memory buckets do not outlive the next start and
-are private, and an interrupted or failed run never exits 0."""
+joining a weight group, or one still starting), nothing a killed driver started outlives it, a
+service whose port was taken comes up on another, a killed driver's shared-memory buckets do not
+outlive the next start and are private, and an interrupted or failed run never exits 0."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ import pytest
 from miles.errors import MilesError
 from miles_contracts.wire.auth import auth_headers
 from security_support import free_port
+from torch.distributed import TCPStore
 
 STOP_WITHIN_S = 10.0
 
@@ -57,13 +60,17 @@ def test_sigterm_stops_each_server_within_seconds(tiny_dense: Path) -> None:
     try:
         for process, url in zip(processes, (engine_url, router_url, session_url), strict=True):
             _wait_healthy(process, url)
-        # The engine blocks in a weight-group join nobody hosts (600 s allowed), a request waits on it
-        # through the router; a session request waits in the session server.
-        group = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
+        # The engine blocks inside torch's C++ rendezvous of a weight group whose store this test
+        # hosts but whose rank 0 never joins (600 s allowed); a request waits on it through the
+        # router; a session request waits in the session server.
+        store = TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timedelta(seconds=600), wait_for_workers=False)
+        group = {"master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1, "world_size": 2,
                  "backend": "gloo"}
         pending = [threading.Thread(target=_quietly, args=(f"{engine_url}/init_weights_update_group", group), daemon=True)]
         pending[0].start()
-        time.sleep(1.0)
+        deadline = time.monotonic() + 60
+        while store.num_keys() == 0 and time.monotonic() < deadline:  # until the engine wrote its address
+            time.sleep(0.05)
         for process in processes:
             process.send_signal(signal.SIGTERM)
         started = time.monotonic()
@@ -75,6 +82,81 @@ def test_sigterm_stops_each_server_within_seconds(tiny_dense: Path) -> None:
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_an_engine_that_is_still_starting(tiny_dense: Path) -> None:
+    """Signalled while it imports torch, loads the model or starts serving (staggered moments:
+    before its stop handling exists the default action ends it, after, the deadline does)."""
+    for delay in (0.0, 0.5, 1.5, 3.0, 6.0):
+        engine, _ = _start([sys.executable, "-m", "miles_engine", "--model", str(tiny_dense), "--device", "cpu"])
+        try:
+            time.sleep(delay)  # when the signal comes is what this test varies
+            engine.send_signal(signal.SIGTERM)
+            engine.wait(timeout=STOP_WITHIN_S)
+        finally:
+            if engine.poll() is None:
+                engine.kill()
+                engine.wait()
+
+
+@pytest.mark.slow
+def test_a_killed_driver_leaves_no_process_behind(tiny_dense: Path, tmp_path: Path) -> None:
+    """Five driver-like parents, started at once (a loaded machine), each with a real engine and
+    router from the local executor, are SIGKILLed in five phases (children importing, idle,
+    generating, blocked in a weight-group join, just restarted by the supervisor thread): every
+    child is gone soon after (``driver_kill.py``; its soak runs many more trials)."""
+    from driver_kill import PHASES, run_trials
+
+    trials = run_trials([(phase, signal.SIGKILL) for phase in PHASES], tiny_dense, tmp_path)
+    assert [t.survivors for t in trials] == [[]] * len(PHASES)
+    assert all(t.children == 2 and t.gone_s is not None for t in trials), trials
+
+
+@pytest.mark.slow
+def test_a_stopped_driver_stops_its_children_together(tiny_dense: Path, tmp_path: Path) -> None:
+    """SIGTERM to the parent: it stops its engine and router at once, and each is gone within its
+    own deadline (an idle engine used to spend 4-6 s after its stop in interpreter finalization,
+    and the services were stopped one after another)."""
+    from driver_kill import run_trials
+
+    trials = run_trials([("idle", signal.SIGTERM), ("busy", signal.SIGTERM)], tiny_dense, tmp_path)
+    assert all(t.gone_s is not None and t.gone_s < STOP_WITHIN_S for t in trials), trials
+
+
+@pytest.mark.slow
+def test_an_engine_whose_port_was_taken_is_started_again_on_another_port(tiny_dense: Path, tmp_path: Path) -> None:
+    """Another process takes the port between the executor's choice and the engine's bind: the
+    engine exits with EXIT_ADDRESS_IN_USE and the executor starts it on a port it picks anew."""
+    import socket
+
+    from miles.executor.local import LocalExecutor
+    from miles_engine.launcher import engine_argv
+
+    squatter = socket.socket()
+    taken: list[int] = []
+
+    def command(endpoint: Any) -> list[str]:
+        if not taken:  # the first start only: a process takes its port just before it listens
+            squatter.bind((endpoint.host, endpoint.port))
+            squatter.listen()
+            taken.append(endpoint.port)
+        return engine_argv(str(tiny_dense), port=endpoint.port, extra=["--device", "cpu"])
+
+    executor = LocalExecutor(tmp_path, startup_timeout=600)
+    try:
+        executor.launch("engine-0", command, health_path="/health", env={"OMP_NUM_THREADS": "1"})
+        executor.wait_healthy("engine-0")
+        endpoint = executor.endpoint("engine-0")
+        assert endpoint.port != taken[0]
+        answer = httpx.post(f"{endpoint.url}/generate", headers=auth_headers(), timeout=120, trust_env=False,
+                            json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
+        assert answer.status_code == 200 and len(answer.json()["output_ids"]) == 2
+        log = (tmp_path / "logs" / "engine-0.log").read_text()
+        assert f"port {taken[0]} was taken by another process" in log and "already in use" in log
+    finally:
+        executor.shutdown()
+        squatter.close()
 
 
 def _quietly(url: str, body: dict) -> None:

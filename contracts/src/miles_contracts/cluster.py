@@ -23,6 +23,11 @@ ROUTER = "router"
 SESSION = "session"
 """Role of the session server; its URL reaches generators as ``GenerateContext.session_server_url``."""
 
+EXIT_ADDRESS_IN_USE = 98
+"""Exit status of a service that could not listen on the port its endpoint names (another process
+took it between the executor's choice and the bind; 98 is Linux's ``EADDRINUSE``). An executor
+starts a service that exits with it during start-up again, on a port it picks anew."""
+
 
 @dataclass(frozen=True, slots=True)
 class Node:
@@ -83,4 +88,4 @@ class ServiceLaunch:
     run_dir: str = ""
 
 
-__all__ = ["ENGINE", "ROUTER", "SESSION", "Endpoint", "Node", "ServiceLaunch"]
+__all__ = ["ENGINE", "EXIT_ADDRESS_IN_USE", "ROUTER", "SESSION", "Endpoint", "Node", "ServiceLaunch"]

@@ -362,7 +362,10 @@ class Executor(Protocol):
 
     def wait_healthy(self, name: str) -> None:
         """Block until ``health_path`` of ``name`` answers 200 (no-op without one); raise with the
-        tail of its log if it exits or the start-up timeout passes."""
+        tail of its log if it exits or the start-up timeout passes. A process that exits with
+        :data:`~miles_contracts.cluster.EXIT_ADDRESS_IN_USE` (its port was taken before it could
+        listen) is started again on a newly picked port, a few times, before that counts as a
+        failure; ``endpoint(name)`` then gives the new one."""
         ...
 
     def endpoint(self, name: str) -> Endpoint: ...

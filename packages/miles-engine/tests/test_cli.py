@@ -65,6 +65,25 @@ def test_embedded_engine_is_registered_and_starts_a_server_from_the_config(kerne
         process.wait(30)
 
 
+def test_an_engine_whose_port_is_taken_exits_98_and_never_says_it_serves(dense_path):
+    """It listens before loading the model: the executor learns in seconds, from the exit status
+    (EXIT_ADDRESS_IN_USE), that it must pick another port. It used to print "serving", lose its
+    HTTP thread and run on without a port, forever."""
+    import socket
+
+    from miles_contracts.cluster import EXIT_ADDRESS_IN_USE
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "miles_engine", "--model", str(dense_path), "--device", "cpu",
+                               "--port", str(port)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == EXIT_ADDRESS_IN_USE, done.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{port}: the address is already in use" in done.stderr
+    assert "serving" not in done.stdout + done.stderr
+
+
 def test_the_run_decides_only_the_launch_values(tmp_path):
     config = load_config()
     argv = ENGINE_SERVICE.command(_launch(config, tmp_path / "config.yaml", "/models/m", port=4000,

@@ -117,6 +117,17 @@ def test_update_from_flattened_shm(engine, trained):
     assert greedy(engine)["meta_info"]["weight_version"] == "step-3"
 
 
+def test_a_join_where_nobody_listens_fails_within_seconds_naming_the_address(engine):
+    """The group timeout is 300 s (the default); a join to a port where no trainer hosts the store
+    fails long before that (the client's own timeout is 120 s) and says where it looked."""
+    port = free_port()
+    answer = engine.post("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": port,
+                                                        "rank_offset": 1, "world_size": 2, "backend": "gloo"})
+    assert answer.status_code == 400, answer.text
+    assert f"nothing accepts connections at 127.0.0.1:{port}" in answer.json()["message"]
+    assert engine.get("/health").status_code == 200
+
+
 @pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
 def test_update_from_distributed_over_gloo(engine, trained, load_format):
     """The trainer is rank 0 in this test process; the engine joins as rank 1 over HTTP. Per tensor

@@ -117,6 +117,45 @@ def test_real_engines_answer_through_the_router(cluster: Cluster) -> None:
     assert fanout["success"] is True and len(fanout["workers"]) == 2
 
 
+def test_requests_on_a_frozen_engine_fail_over_within_the_request_timeout(cluster: Cluster) -> None:
+    """SIGSTOP: the engine keeps its connections open and answers nothing, not even its health
+    probes. It is quarantined after two probes time out, and the requests waiting on it go to the
+    other engine, well within ``request_timeout`` (they used to wait all of it, then end as aborts).
+    A router of its own in this process, with a 60 s request timeout."""
+    import os
+    import signal
+
+    from router_support import in_background, router_for
+
+    victim, survivor = cluster.ports
+    frozen = cluster.engines[victim].process.pid  # the leader of its own process group
+    settings = {"health_interval": 0.2, "health_timeout": 1.0, "failure_threshold": 2, "request_timeout": 60.0}
+    with router_for([cluster.engine_url(p) for p in cluster.ports], **settings) as router, \
+            httpx.Client(base_url=router.server.url, timeout=180, headers=auth_headers()) as client:
+        wait_until(lambda: client.get("/health").json()["healthy_workers"] == 2, timeout=60)
+        futures = in_background([lambda i=i: client.post("/generate", json=_prompt(i, max_new_tokens=200))
+                                 for i in range(16)])
+        wait_until(lambda: worker_of(client, victim)["in_flight"] > 0, timeout=60)
+        os.killpg(frozen, signal.SIGSTOP)
+        try:
+            on_victim = worker_of(client, victim)["in_flight"]
+            responses = [f.result(timeout=170) for f in futures]
+            assert worker_of(client, victim)["state"] == "quarantined"
+        finally:
+            os.killpg(frozen, signal.SIGCONT)
+    assert on_victim > 0
+    reasons = [GenerateResponse.model_validate(r.json()).meta_info.finish_reason for r in responses]
+    assert [r.type for r in reasons] == ["length"] * 16, [r.message for r in reasons if r.type != "length"]
+    moved = [r for r in responses if r.headers["x-miles-attempts"] == "2"]
+    assert len(moved) >= on_victim and all(r.headers["x-miles-worker"] == cluster.engine_url(survivor) for r in moved)
+    wait_until(lambda: cluster.worker(victim)["state"] == "healthy", timeout=60)  # thawed, for the next tests
+
+
+def worker_of(client: httpx.Client, port: int) -> dict[str, Any]:
+    url = f"http://127.0.0.1:{port}"
+    return next(w for w in client.get("/list_workers").json()["workers"] if w["url"] == url)
+
+
 async def _generate_all(cluster: Cluster, victim: int, n: int = 64) -> tuple[list[httpx.Response], int]:
     """Send ``n`` requests at once; SIGKILL ``victim`` once the router has dispatched them all."""
     limits = httpx.Limits(max_connections=n + 8)

@@ -47,6 +47,7 @@ from typing import Any
 
 from miles_contracts.wire.engine import GenerateResponse, ModelInfo
 
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # engines are never behind HTTP_PROXY
 
 class EngineCheckSkipped(Exception):
     """The check needs something this :class:`EngineUnderTest` does not give (model path, token)."""
@@ -84,7 +85,7 @@ class EngineUnderTest:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.base_url.rstrip("/") + path, data=data, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+            with _DIRECT.open(request, timeout=self.timeout) as response:
                 return response.status, response.read()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read()

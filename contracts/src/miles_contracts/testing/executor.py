@@ -5,7 +5,8 @@ machine: each is a small HTTP server written here with the standard library (:da
 answers ``GET /health`` with its pid, port and environment, prints a line to stdout and one to stderr
 when it starts, and can be told to hold its health at 503 until a gate file appears, to start a helper
 process of its own (a grandchild of the executor, in its process group), or to exit at once with
-status 3. No GPU is used (``gpus=()``). What is checked, one function each in :data:`EXECUTOR_CHECKS`:
+status 3; one whose port is taken exits with status 98 (``EXIT_ADDRESS_IN_USE``), as Miles'
+servers do. No GPU is used (``gpus=()``). What is checked, one function each in :data:`EXECUTOR_CHECKS`:
 
 - ``nodes``: ``nodes()`` lists :class:`Node` s with unique names; ``reserve(0)`` is the driver's node
   alone, without GPUs, one of ``nodes()``, at ``driver_address()``.
@@ -17,6 +18,9 @@ status 3. No GPU is used (``gpus=()``). What is checked, one function each in :d
 - ``no_health_path``: without a health path ``wait_healthy`` returns (a no-op).
 - ``start_failure``: a process that exits before it is healthy makes ``wait_healthy`` raise, with
   the tail of its log in the message; then ``alive`` is False and ``returncode`` its exit status.
+- ``port_taken``: a process whose port another process took before it listened (it exits with
+  ``EXIT_ADDRESS_IN_USE``, 98) is started again on another port; ``wait_healthy`` returns, and
+  ``endpoint(name)`` and the command's last call give the new port.
 - ``kill``: after SIGKILL, ``alive`` turns False and ``returncode`` is ``-SIGKILL``.
 - ``restart``: a dead process comes back healthy (same or new endpoint, the one ``endpoint(name)``
   then gives), ``command`` called again with it, a new pid, its ``env``, both starts in its log.
@@ -51,6 +55,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -74,7 +79,7 @@ MANIFEST_KEYS = ("name", "node", "pid", "gpus", "restarts", "log")
 # process group); ``fail`` (prints why and exits 3 before serving). ``gate``: a file that must exist
 # before /health answers 200 (``-``: none). ``token`` only marks the process as the suite's.
 SERVER = r"""
-import json, os, subprocess, sys
+import errno, json, os, subprocess, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 token, name, host, port, mode, gate = sys.argv[1:7]
@@ -109,7 +114,14 @@ class Health(BaseHTTPRequestHandler):
         pass
 
 
-ThreadingHTTPServer((host, int(port)), Health).serve_forever()
+try:
+    server = ThreadingHTTPServer((host, int(port)), Health)
+except OSError as exc:
+    if exc.errno != errno.EADDRINUSE:
+        raise
+    print(f"executor-check {name}: port {port} is taken (status 98)", flush=True)
+    sys.exit(98)
+server.serve_forever()
 """
 
 # health checks must reach 127.0.0.1 directly, whatever proxy the environment names
@@ -385,6 +397,34 @@ def check_start_failure(t: ExecutorUnderTest) -> None:
     _expect(not t.executor.alive(name) and t.executor.returncode(name) == 3,
             f"after {name!r} exited with status 3, alive() is {t.executor.alive(name)} and returncode() "
             f"{t.executor.returncode(name)!r}")
+
+
+@_check
+def check_port_taken(t: ExecutorUnderTest) -> None:
+    name = "port-taken-0"
+    command = t.command(name)
+    squatter = socket.socket()  # the process that takes the port between the executor's choice and the bind
+
+    def taken_first(endpoint: Endpoint) -> list[str]:
+        if not t.calls.get(name):
+            squatter.bind((endpoint.host, endpoint.port))
+            squatter.listen()
+        return command(endpoint)
+
+    t.launched.append(name)
+    t.ended.add(name)  # its first process ends (status 98): a watcher may report it
+    t.may_report[name] += 1
+    try:
+        first = t.executor.launch(name, taken_first, node=t.node, gpus=(), health_path=HEALTH, env=t.env(name))
+        t.executor.wait_healthy(name)
+        moved = t.executor.endpoint(name)
+        _expect(moved.port != first.port,
+                f"{name!r}: its port {first.port} was taken, yet endpoint() still names it after wait_healthy")
+        _expect(len(t.calls[name]) >= 2 and t.calls[name][-1] == moved,
+                f"{name!r}: command must be called again with the new endpoint {moved!r}; calls: {t.calls[name]!r}")
+        t.healthy(name)
+    finally:
+        squatter.close()
 
 
 @_check

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from miles_contracts.protocols import WeightTransport
 
 NOISE_SEED = 20240611
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # engines are never behind HTTP_PROXY
 
 
 def _checksum(tensor: torch.Tensor) -> str:
@@ -50,7 +51,7 @@ def _call(url: str, path: str, body: dict[str, Any] | None = None, *, timeout: f
     request = urllib.request.Request(url + path, data=data, method="GET" if body is None else "POST",
                                      headers={"Content-Type": "application/json", **auth_headers()})
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with _DIRECT.open(request, timeout=timeout) as response:
             raw = response.read()
     except urllib.error.HTTPError as exc:
         raise AssertionError(f"engine {url}{path} answered HTTP {exc.code}: {exc.read()[:500]!r}") from exc

@@ -32,6 +32,15 @@ if TYPE_CHECKING:
 BACKENDS = ("gloo", "nccl")
 FLATTENED_BUCKET_FORMAT = "flattened_bucket"
 _DEFAULT_TIMEOUT = timedelta(minutes=10)
+STORE_CONNECT_TIMEOUT = timedelta(seconds=10)
+"""How long a joining rank waits for rank 0's store to accept a connection. Rank 0 opens it as it
+joins, at the same moment the engines are asked to (milliseconds apart); a port where nothing
+listens after this long is a wrong address or a trainer that is gone, not a slow one. (torch's
+store client keeps retrying for the whole group timeout: 300 s on an engine.)"""
+
+
+class StoreUnreachable(ConnectionError):
+    """Nothing accepted a connection at the group's store address; the message names it."""
 
 
 def create_weight_group(
@@ -42,9 +51,13 @@ def create_weight_group(
     world_size: int,
     group_name: str,
     timeout: timedelta = _DEFAULT_TIMEOUT,
+    connect_timeout: timedelta = STORE_CONNECT_TIMEOUT,
 ) -> dist.ProcessGroup:
     """Join (rank 0: host) a process group of ``world_size`` ranks. A gloo group is connected when
     this returns (it blocks until every rank joined); an NCCL group connects at its first collective.
+    Another rank first waits at most ``connect_timeout`` (and at most ``timeout``) for rank 0's
+    store to accept a connection and raises :class:`StoreUnreachable` naming the address if it
+    does not; after that the whole join has ``timeout``.
 
     :param backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors; call
         ``torch.cuda.set_device`` first).
@@ -63,6 +76,8 @@ def create_weight_group(
         raise ValueError(f"rank {rank} is outside the group of world_size {world_size}")
     if not 1 <= master_port <= 65535:  # TCPStore would raise an opaque TypeError (its port is a uint16)
         raise ValueError(f"master_port must be a TCP port in [1, 65535], got {master_port}")
+    if rank != 0:
+        wait_for_store(master_address, master_port, min(connect_timeout, timeout).total_seconds())
     store = dist.TCPStore(
         master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False,
     )
@@ -88,6 +103,27 @@ def create_weight_group(
     # No collective here: an SGLang engine runs none after joining, so the first one is the first
     # weight broadcast (NCCL connects then; gloo connected while constructing).
     return group
+
+
+def wait_for_store(address: str, port: int, within: float) -> None:
+    """Return once something accepts a TCP connection at ``address:port`` (rank 0's store); try
+    again until ``within`` seconds have passed, then raise :class:`StoreUnreachable`."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + within
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((address, port), timeout=max(0.1, min(left, 2.0))):
+                return
+        except OSError as exc:
+            if time.monotonic() + 0.1 >= deadline:
+                raise StoreUnreachable(
+                    f"nothing accepts connections at {address}:{port}, where rank 0 (the trainer) hosts the weight "
+                    f"group's store, after {within:g} s ({exc.strerror or exc}); check the master address and "
+                    "port, and that the trainer is running") from None
+        time.sleep(0.1)
 
 
 def _backend(name: str, store: Any, rank: int, world_size: int, timeout: timedelta, address: str) -> Any:

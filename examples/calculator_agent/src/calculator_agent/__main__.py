@@ -18,7 +18,7 @@ from calculator_agent.agent import run_agent
 async def main(server: str, question: str, max_tokens: int, temperature: float) -> None:
     # The run's token opens and collects the session (MILES_AUTH_TOKEN, as the server was given);
     # the agent itself gets only the session's own key.
-    async with httpx.AsyncClient(base_url=server, timeout=600, headers=auth_headers()) as http:
+    async with httpx.AsyncClient(base_url=server, timeout=600, headers=auth_headers(), trust_env=False) as http:
         session = (await http.post("/sessions")).json()
         result = await run_agent(session["base_url"], question, {"max_tokens": max_tokens, "temperature": temperature},
                                  {"api_key": session["api_key"]})

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
 
 from miles_contracts import CommandSpec, RunContext
@@ -31,9 +33,15 @@ def _train(args: argparse.Namespace, ctx: RunContext) -> int:
     from miles_contracts.wire.auth import ensure_run_token
 
     from miles.loop.interrupts import exit_code_of
+    from miles.loopback import keep_loopback_off_proxies
 
     # One secret per run, in this process's environment: every service the run starts inherits it.
     ensure_run_token()
+    # and no HTTP proxy between the run's processes, for clients Miles does not write (agents')
+    added = keep_loopback_off_proxies(os.environ)
+    if added:
+        print(f"miles: an HTTP proxy is set; added {','.join(added)} to NO_PROXY so loopback calls bypass it",
+              file=sys.stderr)
     return exit_code_of(lambda: _train_run(args))
 
 

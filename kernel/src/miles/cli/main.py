@@ -106,7 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    return int(code or 0)
+    from miles.server_process import end_if_stopped
+
+    return end_if_stopped(int(code or 0))  # a server told to stop (`miles serve ...`) ends here
 
 
 if __name__ == "__main__":

@@ -2,20 +2,20 @@
 
 One node, ``local`` at 127.0.0.1, with the GPUs this machine shows (``CUDA_VISIBLE_DEVICES`` if
 set, else ``nvidia-smi``), or as many as the config says. A process given GPUs sees only those.
-Every child gets its own process group and a parent-death signal (Linux ``PR_SET_PDEATHSIG``), so
-neither Ctrl-C nor a crash of the driver (even SIGKILL) leaves orphans; ``shutdown()`` terminates
-each group, then kills what is still alive. Output goes to ``<run_dir>/logs/<name>.log`` (mode
-0600, the run's secrets redacted: :mod:`miles.executor.output`); a service that dies during start-up
-is reported with the tail of its log.
+Every child gets its own process group and a parent-death signal (:mod:`miles.executor.children`),
+so neither Ctrl-C nor a crash of the driver (even SIGKILL) leaves orphans; ``shutdown()``
+terminates every group at once, then kills what is still alive. Output goes to
+``<run_dir>/logs/<name>.log`` (mode 0600, the run's secrets redacted: :mod:`miles.executor.output`);
+a service that dies during start-up is reported with the tail of its log, except one whose port
+was taken before it could listen (exit status ``EXIT_ADDRESS_IN_USE``): that one is started again
+on another port.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -26,27 +26,22 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from miles_contracts.cluster import Endpoint, Node
+from miles_contracts.cluster import EXIT_ADDRESS_IN_USE, Endpoint, Node
 
 from miles.errors import MilesError
+from miles.executor.children import free_port, spawn, terminate_all, terminate_group
 from miles.executor.output import OutputPump, open_log
 from miles.private_files import private_dir
 from miles.redaction import Redactor
 
-_PR_SET_PDEATHSIG = 1
 HOST = "127.0.0.1"
 NODE = "local"
+PORT_ATTEMPTS = 5
+"""Starts of one service on newly picked ports after its port was taken, before start-up fails."""
 
 
 class ServiceError(MilesError):
     """A supervised process failed to start or died."""
-
-
-def die_with_parent() -> None:
-    """Runs in the child between fork and exec. Note: the signal fires when the *thread* that
-    spawned the child exits, so services are only (re)started from long-lived threads."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -58,6 +53,7 @@ class Service:
     env: dict[str, str]
     log_path: Path
     gpus: tuple[str, ...] = ()
+    health_path: str | None = None  # set when the executor picked the port (health_url follows it)
     argv: list[str] = field(default_factory=list)  # of the current process
     process: subprocess.Popen[bytes] | None = None
     output: OutputPump | None = None  # copies the current process's output into log_path
@@ -121,7 +117,8 @@ class LocalExecutor:
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         health_url = f"{endpoint.url}{health_path}" if health_path is not None else None
-        service = Service(name, command, endpoint, health_url, env, self.log_dir / f"{name}.log", tuple(gpus))
+        service = Service(name, command, endpoint, health_url, env, self.log_dir / f"{name}.log", tuple(gpus),
+                          health_path=health_path)
         self._services[name] = service
         self._spawn(service)
         return endpoint
@@ -153,9 +150,12 @@ class LocalExecutor:
         return process.poll() if process is not None else None
 
     def restart(self, name: str, *, wait: bool = True) -> Endpoint:
-        """Stop ``name`` if it runs, start it again on the same port (and wait until it is healthy)."""
+        """Stop ``name`` if it runs, start it again on the same port (and wait until it is healthy);
+        on a new port if it ended because its port was taken."""
         service = self._services[name]
         self._terminate(service)
+        if service.process is not None and service.process.returncode == EXIT_ADDRESS_IN_USE:
+            self._move_to_free_port(service)
         service.restarts += 1
         self._spawn(service)
         if wait:
@@ -164,8 +164,11 @@ class LocalExecutor:
 
     def shutdown(self) -> None:
         self._stop.set()
-        for service in reversed(list(self._services.values())):
-            self._terminate(service)
+        services = list(self._services.values())
+        terminate_all([s.process for s in services if s.process is not None])
+        for service in services:  # the last lines each process printed reach its log
+            if service.output is not None:
+                service.output.settle()
 
     def manifest(self) -> list[dict[str, Any]]:
         return [{"name": s.name, "node": NODE, "pid": s.process.pid if s.process else None, "gpus": list(s.gpus),
@@ -205,11 +208,7 @@ class LocalExecutor:
         redactor = Redactor.for_environment(os.environ, service.env)
         log = open_log(service.log_path, redactor, service.argv)
         try:
-            service.process = subprocess.Popen(
-                service.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, **service.env}, start_new_session=True,
-                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
-            )
+            service.process = spawn(service.argv, log=subprocess.PIPE, env={**os.environ, **service.env})
         except BaseException:
             log.close()
             raise
@@ -217,21 +216,38 @@ class LocalExecutor:
         service.output = OutputPump(service.process.stdout, log, redactor, name=service.name)
         service.started_at = time.monotonic()
 
+    def _move_to_free_port(self, service: Service) -> None:
+        """Give ``service`` a newly picked port (its old one was taken by another process)."""
+        taken = service.endpoint.port
+        service.endpoint = Endpoint(HOST, free_port(HOST))
+        if service.health_path is not None:
+            service.health_url = f"{service.endpoint.url}{service.health_path}"
+        with service.log_path.open("ab") as log:
+            log.write(f"==== port {taken} was taken by another process; starting on {service.endpoint.port}\n".encode())
+
     def _wait_healthy(self, service: Service) -> None:
         if service.health_url is None:
             return
         deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if not service.alive():
-                code = service.process.returncode if service.process else None
-                raise ServiceError(
-                    f"service {service.name!r} exited with code {code} during start-up; "
-                    f"log {service.log_path}:\n{service.log_tail()}"
-                )
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(service.health_url, timeout=2.0).status_code == 200:
-                    return
-            time.sleep(0.25)
+        moves = 0
+        # a proxy named by HTTP_PROXY must never see a loopback health check (nor could it answer one)
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
+            while time.monotonic() < deadline:
+                if not service.alive():
+                    code = service.process.returncode if service.process else None
+                    if code == EXIT_ADDRESS_IN_USE and service.health_path is not None and moves < PORT_ATTEMPTS:
+                        moves += 1
+                        self._move_to_free_port(service)
+                        self._spawn(service)
+                        continue
+                    raise ServiceError(
+                        f"service {service.name!r} exited with code {code} during start-up; "
+                        f"log {service.log_path}:\n{service.log_tail()}"
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(service.health_url).status_code == 200:
+                        return
+                time.sleep(0.25)
         self._terminate(service)
         raise ServiceError(
             f"service {service.name!r} was not healthy at {service.health_url} after {self.startup_timeout:.0f} s; "
@@ -243,45 +259,6 @@ class LocalExecutor:
             terminate_group(service.process, grace)
         if service.output is not None:
             service.output.settle()
-
-
-def terminate_group(process: subprocess.Popen[bytes], grace: float = 5.0) -> None:
-    """SIGTERM the process group of ``process`` (started with ``start_new_session``), SIGKILL it
-    after ``grace`` seconds, and reap the process. What the process started stays in its group and
-    is stopped too, also when the process itself already ended (a crashed server's workers)."""
-    if process.poll() is None:
-        _signal_group(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            _signal_group(process.pid, signal.SIGKILL)
-            process.wait(timeout=grace)
-    _stop_orphans(process.pid, grace)
-
-
-def _signal_group(pgid: int, sig: int) -> bool:
-    """Send ``sig`` to process group ``pgid``; False if it has no process left that we may signal."""
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
-
-
-def _stop_orphans(pgid: int, grace: float) -> None:
-    """Stop what is left of group ``pgid`` once its leader ended and was reaped. While a group has
-    members Linux gives its id to no new process, so a live process of that pid means the group is
-    empty and the id someone else's: then nothing is signalled."""
-    if not sys.platform.startswith("linux") or os.path.exists(f"/proc/{pgid}"):
-        return
-    if not _signal_group(pgid, signal.SIGTERM):
-        return
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-        if not _signal_group(pgid, 0):
-            return
-    _signal_group(pgid, signal.SIGKILL)
 
 
 def local_gpus() -> tuple[str, ...]:
@@ -300,9 +277,5 @@ def local_gpus() -> tuple[str, ...]:
     return tuple(line.strip() for line in out.splitlines() if line.strip())
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+__all__ = ["HOST", "NODE", "PORT_ATTEMPTS", "LocalExecutor", "Service", "ServiceError", "free_port", "local_gpus",
+           "terminate_group"]

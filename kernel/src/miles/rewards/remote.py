@@ -54,9 +54,13 @@ class RemoteReward:
             )
         import httpx
 
+        from miles.loopback import is_loopback_url
+
         body = json.dumps({"samples": [_payload(s) for s in samples]}, default=str)
         try:
-            async with httpx.AsyncClient(timeout=self.timeout, verify=_tls_context()) as client:
+            # a remote server may need the environment's proxy; a loopback one never does
+            async with httpx.AsyncClient(timeout=self.timeout, verify=_tls_context(),
+                                         trust_env=not is_loopback_url(self.url)) as client:
                 response = await client.post(self.url, content=body, headers={"content-type": "application/json"})
         except httpx.TimeoutException:
             raise RemoteRewardError(f"reward endpoint {self.url} did not answer within {self.timeout} s (reward.timeout)") from None

@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import threading
 from collections.abc import Sequence
 
 from miles.server_process import add_run_arguments, add_server_security_arguments, server_main, stop_within
 
 SHUTDOWN_GRACE_S = 5  # whole seconds: uvicorn takes timeout_graceful_shutdown as an int
-"""After SIGTERM/SIGINT the process exits within this many seconds, whatever it was blocked in."""
+"""After SIGTERM/SIGINT the process exits within this many seconds, whatever it was blocked in;
+requests in flight get one second less, so the engine's own shutdown fits in."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
-    from miles.server_process import allowed_hosts, context_from_args
+    from miles.server_process import allowed_hosts, bind_socket, context_from_args, listen_on, serve_on_thread
     from miles_contracts.wire.auth import server_token
     from miles_models import resolve_model
 
@@ -52,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
     from miles_engine.server import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # Bind before loading the model: a taken port ends the process in seconds (exit status 98, the
+    # executor picks another port), not after a load of minutes; and from here the port is ours.
+    sock = bind_socket(args.host, args.port)
     ctx = context_from_args(args, "engine")
     token = server_token(args.auth_token, name="engine")
     path = resolve_model(args.model or ctx.config.model.name, auto_pull=True)
@@ -60,9 +63,7 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(engine, auth_token=token, max_body_bytes=int(args.max_body_mb * 2**20),
                      allowed_hosts=allowed_hosts(args))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_keep_alive=60, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
-    # HTTP on a helper thread, the scheduler on the main thread (see Scheduler.run for why).
-    http = threading.Thread(target=server.run, name="miles-engine-http", daemon=True)
+                                           timeout_keep_alive=60, timeout_graceful_shutdown=SHUTDOWN_GRACE_S - 1))
 
     def stop() -> None:  # from the watchdog thread: both loops end on their own flags
         server.should_exit = True
@@ -71,9 +72,15 @@ def run(args: argparse.Namespace) -> int:
     # The main thread may be inside a long C call (a forward, a collective) when the signal comes;
     # the watchdog sees it at once, asks both loops to stop, and exits the process after the grace.
     stop_within(SHUTDOWN_GRACE_S, stop)
-    http.start()
+    try:
+        listen_on(sock)
+        # HTTP on a helper thread, the scheduler on the main thread (see Scheduler.run for why).
+        http = serve_on_thread(server, sock, name="miles-engine-http")
+    except BaseException:
+        engine.shutdown()
+        raise
     print(f"miles engine: {path} on {engine.loaded.device} ({engine.loaded.dtype}), "
-          f"serving http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+          f"serving http://{args.host}:{sock.getsockname()[1]}", file=sys.stderr, flush=True)
     try:
         engine.scheduler.run()
     finally:

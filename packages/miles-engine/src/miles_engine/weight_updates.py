@@ -10,7 +10,8 @@ before any tensor is touched.
 What an update may name is bounded: a disk update reads only inside the allowed folders (the
 model's own and ``EngineConfig.weight_dir``); a tensor update is JSON (``flattened_shm``) or CUDA
 IPC handles read by a restricted unpickler (``cuda_ipc``, CUDA engines only); a broadcast group is
-joined as a non-zero rank (the trainer hosts the group) within ``weight_group_timeout``.
+joined as a non-zero rank (the trainer hosts the group) within ``weight_group_timeout``, and a join
+whose store address nobody listens on fails within seconds, naming it.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ class WeightUpdates:
                                abort_all=request.abort_all_requests)
 
     async def init_group(self, request: InitWeightsUpdateGroupRequest) -> None:
-        from miles_contracts.wire.distributed import create_weight_group
+        from miles_contracts.wire.distributed import StoreUnreachable, create_weight_group
 
         if request.backend == "nccl" and self.loaded.device.type != "cuda":
             raise WeightUpdateError("backend 'nccl' needs an engine on CUDA; this engine runs on CPU, use 'gloo'")
@@ -143,6 +144,8 @@ class WeightUpdates:
                 create_weight_group, request.backend, request.master_address, request.master_port,
                 request.rank_offset, request.world_size, request.group_name, timedelta(seconds=timeout),
             )
+        except StoreUnreachable as exc:  # within seconds, not the whole weight_group_timeout
+            raise WeightUpdateError(f"could not join weight group {request.group_name!r}: {exc}") from exc
         except (RuntimeError, OSError, ValueError) as exc:  # torch reports store and connect timeouts as these
             raise WeightUpdateError(
                 f"could not join weight group {request.group_name!r} at {request.master_address}:{request.master_port} "

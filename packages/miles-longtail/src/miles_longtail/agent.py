@@ -35,7 +35,7 @@ class LongTailAgent:
         body.update(body.pop("extra_body", None) or {})  # what an OpenAI client would merge in
         # the session's own key (what an OpenAI client sends as its api_key), not the run's token
         headers = {"Authorization": f"Bearer {metadata['api_key']}"} if metadata.get("api_key") else {}
-        async with httpx.AsyncClient(base_url=base_url, timeout=None, headers=headers) as http:
+        async with httpx.AsyncClient(base_url=base_url, timeout=None, headers=headers, trust_env=False) as http:
             for turn, budget in enumerate(plan.tokens):
                 if turn:
                     await asyncio.sleep(plan.latencies[turn - 1])

@@ -37,8 +37,9 @@ from typing import Any
 
 import httpx
 from miles.errors import MilesError
+from miles.executor.local import PORT_ATTEMPTS
 from miles.private_files import open_private, private_dir
-from miles_contracts.cluster import Endpoint, Node
+from miles_contracts.cluster import EXIT_ADDRESS_IN_USE, Endpoint, Node
 
 from miles_ray.addresses import process_address
 from miles_ray.config import RaySection
@@ -202,15 +203,24 @@ class RayExecutor:
             return
         url = f"{process.endpoint.url}{process.health_path}"
         deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if not self.alive(name):
-                self._copy_logs(process)
-                raise RayExecutorError(f"{name!r} exited with status {process.ended} during start-up on "
-                                       f"{process.node}; log {self.log_dir / (name + '.log')}:\n{self._tail(name)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url, timeout=2.0).status_code == 200:
-                    return
-            time.sleep(0.25)
+        moves = 0
+        # no proxy from HTTP_PROXY between the run's own processes (it would see nothing it may reach)
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
+            while time.monotonic() < deadline:
+                if not self.alive(name):
+                    self._copy_logs(process)
+                    if process.ended == EXIT_ADDRESS_IN_USE and moves < PORT_ATTEMPTS:
+                        moves += 1  # its port was taken before it listened: again, on a port picked anew
+                        process.starting, process.ended = True, None
+                        self._spawn(process)
+                        url = f"{process.endpoint.url}{process.health_path}"
+                        continue
+                    raise RayExecutorError(f"{name!r} exited with status {process.ended} during start-up on "
+                                           f"{process.node}; log {self.log_dir / (name + '.log')}:\n{self._tail(name)}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(url).status_code == 200:
+                        return
+                time.sleep(0.25)
         raise RayExecutorError(f"{name!r} was not healthy at {url} after {self.startup_timeout:.0f} s; "
                                f"log {self.log_dir / (name + '.log')}:\n{self._tail(name)}")
 

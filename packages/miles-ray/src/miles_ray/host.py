@@ -1,10 +1,11 @@
 """`ProcessHost`: the Ray actor that runs a run's processes on its node.
 
 One host lives in each GPU bundle of the run's placement group (and one, pinned, on a node that
-runs processes without GPUs: the router beside the driver). It starts processes with ``Popen``
-exactly as the local executor does -- own process group, parent-death signal, output to a log file
-on its node (0600 in a 0700 folder, the run's secrets redacted: ``miles.executor.output``) -- and answers the driver's questions about them (alive? exit code? log bytes since
-offset N?). The driver copies the logs into ``<run>/logs`` (nodes need not share a filesystem).
+runs processes without GPUs: the router beside the driver). It starts processes exactly as the local
+executor does (:func:`miles.executor.children.spawn`: own process group, parent-death signal),
+output to a log file on its node (0600 in a 0700 folder, the run's secrets redacted:
+``miles.executor.output``), and answers the driver's questions about them (alive? exit code? log
+bytes since offset N?). The driver copies the logs into ``<run>/logs`` (nodes need not share a filesystem).
 
 A host in a bundle is restarted by Ray (``max_restarts=-1``) when its node leaves and the bundle
 is placed elsewhere; it then knows no process, and the executor starts them again on it.
@@ -15,13 +16,12 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from miles.executor.local import die_with_parent, free_port, terminate_group
+from miles.executor.children import free_port, spawn, terminate_all, terminate_group
 from miles.executor.output import OutputPump, open_log
 from miles.private_files import private_dir
 from miles.redaction import Redactor
@@ -55,12 +55,7 @@ class ProcessHost:
         redactor = Redactor.for_environment(os.environ, env)
         log = open_log(path, redactor, argv, where=f" on {socket.gethostname()}")
         try:
-            process = subprocess.Popen(
-                list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, **env}, start_new_session=True,
-                # the actor's methods run on one long-lived thread, which the death signal is tied to
-                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
-            )
+            process = spawn(argv, log=subprocess.PIPE, env={**os.environ, **env})  # dies with this actor's process
         except BaseException:
             log.close()
             raise
@@ -96,5 +91,8 @@ class ProcessHost:
             self._outputs.pop(name).settle()
 
     def stop_all(self) -> None:
-        for name in reversed(list(self._processes)):
-            self.terminate(name)
+        processes = list(self._processes.values())
+        self._processes.clear()
+        terminate_all(processes)
+        for name in list(self._outputs):
+            self._outputs.pop(name).settle()

@@ -126,7 +126,7 @@ def _client(lean: bool, url: str, connections: int):
     # The driver's settings before the lean client (max_connections 512, keep-alive for all).
     client = httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0, connect=10.0),
                                limits=httpx.Limits(max_connections=512, max_keepalive_connections=512),
-                               headers=auth_headers())
+                               headers=auth_headers(), trust_env=False)
 
     async def send_httpx(body: dict[str, Any]) -> None:
         response = await client.post("/generate", json=body)

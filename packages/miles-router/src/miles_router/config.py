@@ -25,8 +25,8 @@ class RouterSection(Section):
         default=True, description="hold back a worker whose weight_version is behind the fleet's"
     )
     forward_client: Literal["lean", "httpx"] = Field(
-        default="lean", description="HTTP client for non-streamed requests: miles.http11 (fast) or httpx (honours "
-                                    "HTTP_PROXY; the baseline of `miles bench rollout-path`)"
+        default="lean", description="HTTP client for non-streamed requests: miles.http11 (fast) or httpx (the "
+                                    "baseline of `miles bench rollout-path`); neither uses HTTP_PROXY"
     )
 
     @model_validator(mode="after")

@@ -21,7 +21,7 @@ Weight-version policy (see docs/design/router.md):
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from miles_router.versions import all_numeric, consensus, is_behind, is_newer, majority, went_backwards
@@ -43,6 +43,8 @@ class Fleet:
         # a worker that joins is brought to the same state before it gets requests.
         self.pause_request: dict[str, Any] | None = None
         self.pause_known = False
+        self.on_quarantine: Callable[[Worker], None] | None = None
+        """Called with a worker as it is quarantined (the forwarder moves its requests elsewhere)."""
         self._workers: dict[str, Worker] = {}
 
     # ------------------------------------------------------------------ membership
@@ -107,7 +109,10 @@ class Fleet:
         if worker.state is WorkerState.PENDING:
             worker.reason = f"not answering yet: {error}"
         elif worker.state is WorkerState.QUARANTINED or failures >= self.failure_threshold:
+            newly = worker.state is not WorkerState.QUARANTINED
             worker.move_to(WorkerState.QUARANTINED, f"{failures} consecutive failures; last: {error}")
+            if newly and self.on_quarantine is not None:
+                self.on_quarantine(worker)
 
     def record_success(self, worker: Worker) -> None:
         """A request on ``worker`` got an answer."""

@@ -1,12 +1,15 @@
 """Sends one request to one engine, failing over to another when the engine did not answer.
 
 Failover happens only when the engine cannot have produced an answer the caller would miss: the
-connection was refused, reset or closed before the full response arrived, or the engine said 503.
-The request is then tried on the next worker (never one already tried) up to ``max_attempts``
-engines; after that, or when no worker serves, the router answers with an abort that says why
-(:mod:`miles_router.aborts`). A request that outlives ``request_timeout`` is not retried (the
-engine may still be working on it): it ends as an abort too. Engine answers of any other status
-are passed through unchanged -- a 400 would be a 400 on every engine.
+connection was refused, reset or closed before the full response arrived, the engine said 503, or
+the engine was quarantined while the request waited on it (it stopped answering its health probes:
+frozen, hung, its host gone; the connection is closed, so an engine that wakes up again aborts the
+request). The request is then tried on the next worker (never one already tried) up to
+``max_attempts`` engines; after that, or when no worker serves, the router answers with an abort
+that says why (:mod:`miles_router.aborts`). ``request_timeout`` bounds the whole request, every
+attempt included: a request that outlives it is not retried (the engine may still be working on
+it) and ends as an abort too. Engine answers of any other status are passed through unchanged --
+a 400 would be a 400 on every engine.
 
 Two HTTP clients: requests that ask to stream (``"stream": true`` in the body) go through httpx,
 which relays the engine's events as they come; every other request goes through Miles' lean
@@ -19,9 +22,11 @@ router's samples); the lean client hands out idle connections from a stack.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, NoReturn
 from urllib.parse import quote, urlencode
 
@@ -57,6 +62,10 @@ class _Retry(Exception):
     """This attempt failed before the engine answered; try another worker."""
 
 
+class _Abandoned(Exception):
+    """Raised in a request waiting on a worker that was just quarantined."""
+
+
 class Forwarder:
     def __init__(self, fleet: Fleet, policy: LeastInFlight, client: httpx.AsyncClient, *,
                  max_attempts: int, request_timeout: float, connect_timeout: float, lean: bool = True,
@@ -69,8 +78,10 @@ class Forwarder:
         self.lean = lean
         self.request_timeout = request_timeout
         self.connect_timeout = connect_timeout
-        self.timeout = httpx.Timeout(request_timeout, connect=connect_timeout, pool=None)
         self._lean: dict[str, HttpClient] = {}  # engine URL -> its keep-alive pool
+        self._waiting: dict[Worker, set[asyncio.Task[Any]]] = {}  # worker -> requests waiting on its answer
+        self._abandoned: set[asyncio.Task[Any]] = set()  # cancelled by abandon(), not by anyone else
+        fleet.on_quarantine = self.abandon
 
     async def aclose(self) -> None:
         for client in self._lean.values():
@@ -86,18 +97,57 @@ class Forwarder:
             self._lean[url] = client
         return client
 
+    def abandon(self, worker: Worker) -> None:
+        """``worker`` was quarantined: every request waiting on its answer tries another worker
+        (the fleet calls this; the attempts raise in their own tasks)."""
+        current = asyncio.current_task()
+        for task in self._waiting.get(worker, ()):
+            if task is not current and not task.done():  # the current task is failing over already
+                self._abandoned.add(task)
+                task.cancel(f"engine {worker.url} was quarantined")
+
+    @contextlib.contextmanager
+    def _waiting_on(self, worker: Worker) -> Iterator[None]:
+        """The block waits for ``worker``'s answer; :meth:`abandon` ends the wait with :class:`_Abandoned`."""
+        task = asyncio.current_task()
+        if task is None:  # not in a task: nothing to cancel
+            yield
+            return
+        waiting = self._waiting.setdefault(worker, set())
+        waiting.add(task)
+        try:
+            yield
+        except asyncio.CancelledError:
+            if task not in self._abandoned:
+                raise
+            self._abandoned.discard(task)
+            if task.uncancel() > 0:  # cancelled by someone else as well (the client went away)
+                raise
+            raise _Abandoned() from None
+        finally:
+            waiting.discard(task)
+            if not waiting:
+                self._waiting.pop(worker, None)
+
     async def forward(self, request: RouterRequest) -> RouterResponse:
         tried: list[str] = []
         failures: list[str] = []
         request.state[STATE_TRIED] = tried
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.request_timeout
         while len(tried) < self.max_attempts:
             worker = self.policy.choose(self.fleet.routable(), request.routing_key, exclude=tried)
             if worker is None:
                 break
+            left = deadline - loop.time()
+            if left <= 0:
+                request.state[STATE_ATTEMPTS] = len(tried)
+                return router_abort(request, "timeout", f"no engine answered within the request timeout of "
+                                    f"{self.request_timeout:g}s: " + "; ".join(failures))
             tried.append(worker.url)
             request.state[STATE_ATTEMPTS] = len(tried)
             try:
-                response = await self._attempt(worker, request)
+                response = await self._attempt(worker, request, left)
             except _Retry as exc:
                 failures.append(f"{worker.url}: {exc}")
                 log.warning("%s %s failed on %s (%s); failing over", request.method, request.path, worker.url, exc)
@@ -116,21 +166,26 @@ class Forwarder:
         states = ", ".join(f"{w.url} {w.state.value}" + (f" ({w.reason})" if w.reason else "") for w in self.fleet)
         return f"no healthy engine to serve the request: {states}"
 
-    async def _attempt(self, worker: Worker, request: RouterRequest) -> RouterResponse:
+    async def _attempt(self, worker: Worker, request: RouterRequest, timeout: float) -> RouterResponse:
+        """One try of ``request`` on ``worker`` within ``timeout`` seconds (what is left of the
+        request's ``request_timeout``); raises :class:`_Retry` when another worker should try."""
         if not self.lean or (isinstance(request.body, dict) and request.body.get("stream")):
-            return await self._attempt_httpx(worker, request)
+            return await self._attempt_httpx(worker, request, timeout)
         worker.in_flight += 1
         worker.dispatched += 1
         try:
             try:
-                answer = await self._lean_client(worker.url).request(
-                    request.method, _path_and_query(request), body=_payload(request.body) or b"",
-                    headers=_forwarded_headers(request), timeout=self.request_timeout,
-                )
+                with self._waiting_on(worker):
+                    answer = await self._lean_client(worker.url).request(
+                        request.method, _path_and_query(request), body=_payload(request.body) or b"",
+                        headers=_forwarded_headers(request), timeout=timeout,
+                    )
             except _LEAN_FAILOVER_ERRORS as exc:
                 self._connection_failed(worker, exc)
             except ResponseTimeout as exc:
                 return self._timed_out(worker, request, exc)
+            except _Abandoned:
+                raise _Retry(_quarantined(worker)) from None
         finally:
             worker.in_flight -= 1
         if answer.status == 503:
@@ -148,21 +203,25 @@ class Forwarder:
         return RouterResponse(status_code=status, body=body, worker_url=worker.url,
                               headers={"content-type": content_type, WORKER_HEADER: worker.url})
 
-    async def _attempt_httpx(self, worker: Worker, request: RouterRequest) -> RouterResponse:
+    async def _attempt_httpx(self, worker: Worker, request: RouterRequest, timeout: float) -> RouterResponse:
         worker.in_flight += 1
         worker.dispatched += 1
         handed_to_stream = False
         try:
             outgoing = self.client.build_request(
                 request.method, worker.url + wire_path(request.path), params=request.state.get(STATE_QUERY) or None,
-                headers=_forwarded_headers(request), content=_payload(request.body), timeout=self.timeout,
+                headers=_forwarded_headers(request), content=_payload(request.body),
+                timeout=httpx.Timeout(timeout, connect=min(self.connect_timeout, timeout), pool=None),
             )
             try:
-                upstream = await self.client.send(outgoing, stream=True)
+                with self._waiting_on(worker):
+                    upstream = await self.client.send(outgoing, stream=True)
             except _FAILOVER_ERRORS as exc:
                 self._connection_failed(worker, exc)
             except httpx.TimeoutException as exc:
                 return self._timed_out(worker, request, exc)
+            except _Abandoned:
+                raise _Retry(_quarantined(worker)) from None
             if upstream.status_code == 503:
                 await upstream.aclose()
                 raise _Retry("engine answered HTTP 503 (unavailable)")
@@ -170,11 +229,14 @@ class Forwarder:
                 handed_to_stream = True
                 return self._stream(worker, upstream)
             try:
-                content = await upstream.aread()
+                with self._waiting_on(worker):
+                    content = await upstream.aread()
             except _FAILOVER_ERRORS as exc:
                 self._connection_failed(worker, exc)
             except httpx.TimeoutException as exc:
                 return self._timed_out(worker, request, exc)
+            except _Abandoned:
+                raise _Retry(_quarantined(worker)) from None
             finally:
                 await upstream.aclose()
         finally:
@@ -221,6 +283,10 @@ class Forwarder:
         meta = first.get("meta_info") if isinstance(first, dict) else None
         if isinstance(meta, dict) and "weight_version" in meta and worker in self.fleet:
             self.fleet.observe_version(worker, as_version(meta["weight_version"]))
+
+
+def _quarantined(worker: Worker) -> str:
+    return f"the engine was quarantined while the request waited on it ({worker.reason})"
 
 
 def _forwarded_headers(request: RouterRequest) -> dict[str, str]:

@@ -52,9 +52,11 @@ class Router:
 
     async def start(self) -> None:
         # Keep-alive shorter than uvicorn's 5 s so an engine never closes a connection we reuse.
+        # trust_env=False: the run's engines are never reached through HTTP_PROXY (a proxy would see
+        # the run's token, and one for the outside world cannot reach loopback at all).
         self._client = httpx.AsyncClient(limits=httpx.Limits(max_connections=4096, max_keepalive_connections=1024,
                                                              keepalive_expiry=2.0),
-                                         headers=auth_headers(self.auth_token))
+                                         headers=auth_headers(self.auth_token), trust_env=False)
         timeouts = {"connect_timeout": min(CONNECT_TIMEOUT, self.section.request_timeout)}
         self.monitor = HealthMonitor(self.fleet, self._client, interval=self.section.health_interval,
                                      timeout=self.section.health_timeout)

@@ -39,24 +39,35 @@ def router_command(workers: Sequence[str], *, port: int, host: str = "127.0.0.1"
 
 
 SHUTDOWN_GRACE_S = 5  # whole seconds: uvicorn takes timeout_graceful_shutdown as an int
-"""On SIGTERM, requests still in flight get this long before the router exits anyway."""
+"""After SIGTERM/SIGINT the router exits within this many seconds; requests still in flight get one
+second less, so closing its clients fits in."""
 
 
 def serve(workers: Sequence[str], *, port: int, host: str = "127.0.0.1", section: RouterSection | None = None,
           middlewares: Sequence[NamedMiddleware] | None = None, ctx: RunContext | None = None,
           log_level: str = "info", auth_token: str | None = None, max_body_bytes: int | None = None,
           allowed_hosts: Sequence[str] = ()) -> None:
-    """Serve the router until interrupted (what ``miles serve router`` runs); ``middlewares`` is
-    the chain (default: built from ``section`` by ``ctx``'s kernel, see :func:`~miles_router.app.create_app`)."""
+    """Serve the router until SIGTERM or SIGINT (what ``miles serve router`` runs, on the main
+    thread); ``middlewares`` is the chain (default: built from ``section`` by ``ctx``'s kernel, see
+    :func:`~miles_router.app.create_app`). A port that is taken raises
+    :class:`~miles.server_process.AddressInUse` before anything else is built."""
     import uvicorn
+    from miles.server_process import listen_socket, stop_within
     from miles_contracts.wire.guard import DEFAULT_MAX_BODY_BYTES
 
     from miles_router.app import create_app
 
+    sock = listen_socket(host, port)
     app = create_app(section, workers, middlewares, ctx=ctx, auth_token=auth_token,
                      max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES, allowed_hosts=allowed_hosts)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5,
-                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5,
+                                           timeout_graceful_shutdown=SHUTDOWN_GRACE_S - 1))
+
+    def stop() -> None:
+        server.should_exit = True
+
+    stop_within(SHUTDOWN_GRACE_S, stop)
+    server.run(sockets=[sock])
 
 
 class RouterServer:

@@ -280,7 +280,7 @@ class BroadcastTransport(BucketedTransport):
         for url in group.urls:
             with suppress(httpx.HTTPError):
                 httpx.post(f"{url}/destroy_weights_update_group", json={"group_name": group.name}, timeout=5.0,
-                           headers=auth_headers())
+                           headers=auth_headers(), trust_env=False)
         destroy_weight_group(group.handle)
 
     def _alongside_engines(self, work: Callable[[], Any], futures: Mapping[str, Future[dict[str, Any]]], step: str) -> Any:

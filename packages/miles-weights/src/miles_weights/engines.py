@@ -59,9 +59,10 @@ class EngineCalls:
 
     def __init__(self, *, timeout: float, connect_timeout: float = 10.0, auth_token: str | None = None) -> None:
         self.timeout = timeout
-        # every call carries the run's token (engines refuse control routes without it)
+        # every call carries the run's token (engines refuse control routes without it), never
+        # through a proxy named by HTTP_PROXY (it would see the token; see miles.loopback)
         self._client = httpx.Client(timeout=httpx.Timeout(timeout, connect=connect_timeout),
-                                    headers=auth_headers(auth_token))
+                                    headers=auth_headers(auth_token), trust_env=False)
         self._pool_size = 16
         self._pool = ThreadPoolExecutor(max_workers=self._pool_size, thread_name_prefix="miles-weights-http")
 

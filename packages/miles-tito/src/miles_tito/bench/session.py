@@ -99,7 +99,7 @@ def start_process(stack: ExitStack, argv: list[str], timeout: float) -> tuple[st
             assert process.stderr is not None  # stderr=PIPE
             raise RuntimeError(f"`{' '.join(argv)}` exited with {process.returncode}: {process.stderr.read()[-2000:]}")
         try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=1.0, trust_env=False).status_code == 200:
                 return url, process.pid
         except httpx.HTTPError:
             pass

@@ -52,8 +52,9 @@ class AgenticGenerator:
         settings = settings_from(ctx, need_agent=True)
         server_url = settings.tito.session_server_url or ctx.session_server_url or self._embedded_server(ctx, settings)
         sampling = request_kwargs(ctx.sampling_params)
+        # the run's token goes to the session server only, never through an HTTP_PROXY (miles.loopback)
         async with httpx.AsyncClient(base_url=server_url, timeout=settings.tito.collect_timeout,
-                                     headers=auth_headers()) as http:
+                                     headers=auth_headers(), trust_env=False) as http:
             try:
                 created = await http.post("/sessions", json={
                     "metadata": sample.metadata, "sampling": session_sampling(ctx.sampling_params),

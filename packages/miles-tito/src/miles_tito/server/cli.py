@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from miles_contracts import RunContext
 
 SHUTDOWN_GRACE_S = 5  # whole seconds: uvicorn takes timeout_graceful_shutdown as an int
-"""On SIGTERM, requests still in flight get this long before the server exits anyway."""
+"""After SIGTERM/SIGINT the server exits within this many seconds; requests still in flight get one
+second less, so its own shutdown fits in."""
 
 TITO_KEYS = ("family", "render_check", "max_rollback_turns", "session_idle_timeout")
 """Keys of the ``tito`` section the session server reads (the rest are the generators')."""
@@ -70,12 +71,13 @@ def session_options(ctx: RunContext, partial_rollout: bool | None = None) -> dic
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
-    from miles.server_process import allowed_hosts, context_from_args
+    from miles.server_process import allowed_hosts, bind_socket, context_from_args, listen_on, stop_within
     from miles_contracts.wire.auth import server_token
 
     from miles_tito.config import TitoSection
     from miles_tito.server.factory import app_factory, load_tito
 
+    sock = bind_socket(args.host, args.port)  # first: a taken port ends the start at once (exit status 98)
     ctx = context_from_args(args, "session")
     tito_section = ctx.config.section("tito", TitoSection)
     token = server_token(args.auth_token, name="session server")
@@ -89,9 +91,17 @@ def run(args: argparse.Namespace) -> int:
     # process. Frozen, the collector stops re-scanning it: a full collection took ~180 ms, a pause
     # every request in flight would wait out.
     gc.freeze()
-    print(f"session server: {model} (chat family {tito.family.name}) on http://{args.host}:{args.port}, engines at {args.router}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S - 1))
+
+    def stop() -> None:
+        server.should_exit = True
+
+    stop_within(SHUTDOWN_GRACE_S, stop)
+    listen_on(sock)
+    print(f"session server: {model} (chat family {tito.family.name}) listening on "
+          f"http://{args.host}:{sock.getsockname()[1]}, engines at {args.router}", flush=True)
+    server.run(sockets=[sock])
     return 0
 
 
