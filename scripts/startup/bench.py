@@ -73,7 +73,7 @@ def main() -> int:
                                  "load_average_at_start": os.getloadavg()[0], "commands": {}}
     for name, command in commands.items():
         samples: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
-        for side, env in sides.items():
+        for env in sides.values():
             measure(command, env)  # warm-up: the page cache, the tiny model's files
         for _ in range(args.repeats):
             for side, env in sides.items():
