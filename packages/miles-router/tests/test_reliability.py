@@ -132,7 +132,8 @@ def test_requests_on_a_frozen_engine_fail_over_within_the_request_timeout(cluste
     settings = {"health_interval": 0.2, "health_timeout": 1.0, "failure_threshold": 2, "request_timeout": 60.0}
     with router_for([cluster.engine_url(p) for p in cluster.ports], **settings) as router, \
             httpx.Client(base_url=router.server.url, timeout=180, headers=auth_headers()) as client:
-        wait_until(lambda: client.get("/health").json()["healthy_workers"] == 2, timeout=60)
+        wait_until(lambda: [w["state"] for w in client.get("/list_workers").json()["workers"]] == ["healthy"] * 2,
+                   timeout=60)
         futures = in_background([lambda i=i: client.post("/generate", json=_prompt(i, max_new_tokens=200))
                                  for i in range(16)])
         wait_until(lambda: worker_of(client, victim)["in_flight"] > 0, timeout=60)
