@@ -74,7 +74,9 @@ class RewardGate:
                     held = gate.requests == gate.hold or (gate.and_after and gate.requests > gate.hold > 0)
                 if held:
                     gate.reached.set()
-                    gate.released.wait(120)
+                    # held until the test (or close()) lets go: a timer here would release it early on a
+                    # loaded machine, before the test acted; the bound only ends a request nobody released
+                    gate.released.wait(600)
                 rewards = [sum(c in "aeiou" for c in s["response"]) / max(len(s["response"]), 1) for s in samples]
                 body = json.dumps({"rewards": rewards}).encode()
                 self.send_response(200)
@@ -90,10 +92,6 @@ class RewardGate:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/score"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def wait_held(self, timeout: float) -> None:
-        if not self.reached.wait(timeout):
-            raise TimeoutError(f"no scoring request #{self.hold} within {timeout:.0f} s ({self.requests} came)")
 
     def close(self) -> None:
         self.released.set()

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from miles_contracts.testing.processes import LoggedProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG = 200  # tokens of the generation that spans the update
@@ -89,10 +90,10 @@ def test_a_trajectory_spanning_a_weight_update_keeps_its_first_tokens_records_tw
     backend = kernel.train_backends().get("fsdp").create(rank)
     transport = kernel.weight_transports().get("shared_memory").create(rank)
     learner = Learner(config, kernel, backend, tokenizer.pad_token_id)
-    executor = LocalExecutor(tmp_path, startup_timeout=120)
+    executor = LocalExecutor(tmp_path, startup_timeout=config.executor.startup_timeout)
     try:
         services = start_services(config, kernel, tiny_model, executor, place(config, executor, kernel), tmp_path)
-        services.wait_ready(120)
+        services.wait_ready(config.executor.startup_timeout)
         engine = RecordingEngine(HttpEngineClient(services.router_url))
         engine_url = next(iter(services.engine_urls.values()))
 
@@ -204,35 +205,34 @@ def test_an_engine_that_dies_while_the_trainer_waits_for_a_batch_gets_weights_an
     (behind the fleet's version 1). The held groups, released, are too stale (max_staleness 0) and
     go back to be generated again: only the restarted engine could, and no update would ever
     reach it without a batch. The trainer, idle while it waits, gives it the current weights."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     run = tmp_path / "lost"
     args = [
         f"model.name={tiny_model}", f"run.output_dir={tmp_path}", "run.name=lost", "run.mode=fully_async",
         "run.steps=2", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_staleness=0",
         "rollout.max_new_tokens=8", "algorithm.correction=tis", "reward.name=remote",
-        f"reward.remote_url={reward_gate.url}", "data.options={digits: 1}", "executor.startup_timeout=120",
+        f"reward.remote_url={reward_gate.url}", "data.options={digits: 1}",
     ]
     reward_gate.hold, reward_gate.and_after = 3, True  # step 1's batch is the first two groups scored
-    proc = subprocess.Popen([sys.executable, "-m", "miles.cli.main", "train", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = LoggedProcess([sys.executable, "-m", "miles.cli.main", "train", *args], tmp_path / "lost.out", cwd=ROOT,
+                         env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}).start()
     metrics_file, manifest = run / "metrics.jsonl", run / "services.json"
+
+    def restarts() -> int:
+        return next(r for r in json.loads(manifest.read_text()) if r["name"] == "engine-0")["restarts"]
+
     try:
-        reward_gate.wait_held(300)
-        deadline = time.monotonic() + 300
-        while not (metrics_file.exists() and metrics_file.read_text().strip()):  # version 1 is out
-            assert proc.poll() is None and time.monotonic() < deadline, "step 1 was not logged"
-            time.sleep(0.2)
+        proc.wait_ready(reward_gate.reached.is_set, f"scoring request #{reward_gate.hold} held at the reward server")
+        proc.wait_ready(lambda: metrics_file.exists() and bool(metrics_file.read_text().strip()),
+                        "step 1 logged")  # version 1 is out
         engine = next(r for r in json.loads(manifest.read_text()) if r["name"] == "engine-0")
         os.kill(engine["pid"], signal.SIGKILL)
-        while next(r for r in json.loads(manifest.read_text()) if r["name"] == "engine-0")["restarts"] < 1:
-            assert proc.poll() is None and time.monotonic() < deadline, "the engine was not restarted"
-            time.sleep(0.2)
+        proc.wait_ready(lambda: restarts() >= 1, "the engine restarted")
         reward_gate.released.set()
-        output, _ = proc.communicate(timeout=300)  # before the fix it waited forever
+        proc.wait_exit("the run to finish")  # before the fix it waited forever
     finally:
         reward_gate.released.set()
-        if proc.poll() is None:
-            proc.kill()
+        proc.stop()
+    output = proc.output()
     assert proc.returncode == 0, output[-5000:]
     assert "gave 1 restarted engine(s) the weights of version 1" in output
     metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()]

@@ -33,6 +33,7 @@ from miles.kernel import Kernel
 from miles.sections import Section
 from miles_contracts import Endpoint, ServiceLaunch
 from miles_contracts.cluster import ENGINE, ROUTER, SESSION
+from miles_contracts.testing.processes import wait_ready
 from miles_contracts.wire.auth import auth_headers
 from pydantic import Field
 
@@ -174,7 +175,8 @@ def test_every_service_reads_the_runs_config_and_loads_its_plugin_selection(star
         def router_serves() -> bool:
             return http.get(f"{run.url(ROUTER)}/health").status_code == 200
 
-        _wait(router_serves)
+        router = run.executor.services()[ROUTER]
+        wait_ready(router_serves, "the router serving the engine", process=router.process, log=router.log_path)
         answer = http.post(f"{run.url(ROUTER)}/generate",
                            json={"text": "hi", "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
         assert answer.status_code == 200
@@ -241,13 +243,3 @@ def test_flags_derived_from_a_section_come_back_as_the_values_given() -> None:
         parser.parse_args(["--mode", "medium"])
     with pytest.raises(SystemExit):
         parser.parse_args(["--options", "{not json"])
-
-
-def _wait(predicate, timeout: float = 60.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("the router never served")
-        time.sleep(0.2)

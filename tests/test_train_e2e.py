@@ -12,10 +12,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from miles_contracts.testing.processes import LoggedProcess, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,72 +152,61 @@ def _pids_alive(pids: list[int]) -> list[int]:
     return alive
 
 
-def _wait_for(path: Path, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear")
-        time.sleep(0.5)
+def _start_train(log: Path, *args: str, **options) -> LoggedProcess:
+    """`miles train` in the background, its output in ``log``."""
+    return LoggedProcess([sys.executable, "-m", "miles.cli.main", "train", *args], log, cwd=ROOT,
+                         env={"OMP_NUM_THREADS": "1"}, **options).start()
 
 
-def _wait_for_first_step(run: Path, timeout: float = 300) -> None:
+def _first_step_logged(run: Path) -> bool:
     path = run / "metrics.jsonl"
-    deadline = time.monotonic() + timeout
-    while not (path.exists() and path.read_text().strip()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no step was logged to {path}")
-        time.sleep(0.5)
+    return path.exists() and bool(path.read_text().strip())
 
 
 @pytest.mark.slow
 def test_ctrl_c_leaves_no_processes(tiny_model: Path, tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "miles.cli.main", "train",
-                             *_args(tiny_model, tmp_path, "interrupted", "run.steps=50")],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            # a suite started in the background (`cmd &` without job control) passes
-                            # SIGINT on ignored, and an ignored Ctrl-C is what such a user asked for
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # a suite started in the background (`cmd &` without job control) passes SIGINT on ignored, and
+    # an ignored Ctrl-C is what such a user asked for
+    proc = _start_train(tmp_path / "interrupted.out", *_args(tiny_model, tmp_path, "interrupted", "run.steps=50"),
+                        default_signals=[signal.SIGINT])
     manifest = tmp_path / "interrupted" / "services.json"
-    _wait_for(manifest)
-    pids = [row["pid"] for row in json.loads(manifest.read_text())]
-    assert len(pids) == 3  # the trainer rank, the engine and the router
-    _wait_for_first_step(tmp_path / "interrupted")  # mid-run
-    proc.send_signal(signal.SIGINT)
-    output, _ = proc.communicate(timeout=120)
+    try:
+        proc.wait_ready(manifest.exists, f"the run's services listed in {manifest}")
+        pids = [row["pid"] for row in json.loads(manifest.read_text())]
+        assert len(pids) == 3  # the trainer rank, the engine and the router
+        proc.wait_ready(lambda: _first_step_logged(tmp_path / "interrupted"), "the run's first step")  # mid-run
+        proc.send_signal(signal.SIGINT)
+        proc.wait_exit("the run to stop after Ctrl-C")
+    finally:
+        proc.stop()
+    output = proc.output()
     assert proc.returncode != 0
     assert "run interrupted" in output
-    deadline = time.monotonic() + 30
-    while _pids_alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not _pids_alive(pids), f"orphans left: {_pids_alive(pids)}"
+    wait_ready(lambda: not _pids_alive(pids), f"the run's processes {pids} to end (no orphans)", deadline_s=120)
 
 
-def _kill_the_engine_while_held(proc: subprocess.Popen[str], run: Path, gate) -> tuple[dict, str]:
+def _kill_the_engine_while_held(proc: LoggedProcess, run: Path, gate) -> tuple[dict, str]:
     """SIGKILL the run's engine while ``gate`` holds a scoring request, let the run go on; the
     engine's manifest row from before and the run's output."""
     try:
-        gate.wait_held(300)
+        proc.wait_ready(gate.reached.is_set, f"scoring request #{gate.hold} held at the reward server")
         engine = next(r for r in json.loads((run / "services.json").read_text()) if r["name"] == "engine-0")
         os.kill(engine["pid"], signal.SIGKILL)
         gate.released.set()
-        output, _ = proc.communicate(timeout=600)
+        proc.wait_exit("the run to finish after the engine was killed")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    return engine, output
+        proc.stop()
+    return engine, proc.output()
 
 
 @pytest.mark.slow
 def test_engine_killed_mid_run_is_restarted_and_the_run_finishes(tiny_model: Path, tmp_path: Path, reward_gate) -> None:
     """The engine is killed while step 2's scoring is held (after its generation, before its
     weight sync): the sync finds it gone, waits for the supervisor's restart and pushes again."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = tmp_path / "crash"
-    proc = subprocess.Popen([sys.executable, "-m", "miles.cli.main", "train",
-                             *_args(tiny_model, tmp_path, "crash", "run.steps=4", "rollout.max_new_tokens=48",
-                                    "reward.name=remote", f"reward.remote_url={reward_gate.url}")],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = _start_train(tmp_path / "crash.out", *_args(tiny_model, tmp_path, "crash", "run.steps=4",
+                                                       "rollout.max_new_tokens=48", "reward.name=remote",
+                                                       f"reward.remote_url={reward_gate.url}"))
     engine, output = _kill_the_engine_while_held(proc, run, reward_gate)
     assert proc.returncode == 0, output
     restarted = next(r for r in json.loads((run / "services.json").read_text()) if r["name"] == "engine-0")
@@ -240,13 +229,10 @@ def test_an_engine_lost_between_steps_gets_the_weights_before_it_serves_again(ti
     comes back with the base model, which the router holds back (behind the fleet's version):
     step 2 pushes it the trainer's weights before generating, so every sample step 2 trains on was
     generated by version 1, and the run does not wait for a router that has nothing to serve."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = tmp_path / "idle"
-    proc = subprocess.Popen([sys.executable, "-m", "miles.cli.main", "train",
-                             *_args(tiny_model, tmp_path, "idle", "run.steps=2", "eval.every=1", "eval.num_prompts=2",
-                                    "executor.startup_timeout=120", "reward.name=remote",
-                                    f"reward.remote_url={reward_gate.url}")],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = _start_train(tmp_path / "idle.out", *_args(tiny_model, tmp_path, "idle", "run.steps=2", "eval.every=1",
+                                                      "eval.num_prompts=2", "reward.name=remote",
+                                                      f"reward.remote_url={reward_gate.url}"))
     _, output = _kill_the_engine_while_held(proc, run, reward_gate)  # held: step 1's evaluation, after its sync
     assert proc.returncode == 0, output
     step1, step2 = _metrics(run)
@@ -260,24 +246,17 @@ def test_one_step_off_on_two_ranks_and_a_killed_rank_stops_the_run(tiny_model: P
     """Two FSDP rank processes train in one_step_off mode; killing one mid-run fails the run at
     once, naming the rank and the checkpoint to resume from, and leaves no process behind."""
     run = tmp_path / "ranks"
-    proc = subprocess.Popen([sys.executable, "-m", "miles.cli.main", "train",
-                             *_args(tiny_model, tmp_path, "ranks", "run.steps=50", "run.save_every=1",
-                                    "run.mode=one_step_off", "resources.trainer_ranks=2")],
-                            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = _start_train(tmp_path / "ranks.out", *_args(tiny_model, tmp_path, "ranks", "run.steps=50", "run.save_every=1",
+                                                       "run.mode=one_step_off", "resources.trainer_ranks=2"))
     try:
-        deadline = time.monotonic() + 300
-        while not ((run / "metrics.jsonl").exists() and len(_metrics(run)) >= 2):
-            assert proc.poll() is None, proc.communicate()[0]
-            assert time.monotonic() < deadline, "two steps were not logged"
-            time.sleep(0.5)
+        proc.wait_ready(lambda: (run / "metrics.jsonl").exists() and len(_metrics(run)) >= 2, "two steps logged")
         rows = {row["name"]: row for row in json.loads((run / "services.json").read_text())}
         assert {"trainer-0", "trainer-1", "engine-0", "router"} <= set(rows)
         os.kill(rows["trainer-1"]["pid"], signal.SIGKILL)
-        output, _ = proc.communicate(timeout=120)
+        proc.wait_exit("the run to stop after the loss of a rank")
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        proc.stop()
+    output = proc.output()
     first, second = _metrics(run)[:2]
     assert first["train/optimizer_steps"] == 1 and second["train/optimizer_steps"] == 2  # trained on the ranks
     # one_step_off: step 1's weights go out once step 2's rollout (made with version 0) is done
@@ -286,10 +265,7 @@ def test_one_step_off_on_two_ranks_and_a_killed_rank_stops_the_run(tiny_model: P
     assert "trainer rank 1 (trainer-1) died" in output and "SIGKILL" in output, output[-3000:]
     assert "the last checkpoint is" in output and f"miles train --resume {run}" in output
     pids = [row["pid"] for row in rows.values()]
-    deadline = time.monotonic() + 30
-    while _pids_alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not _pids_alive(pids), f"processes left: {_pids_alive(pids)}"
+    wait_ready(lambda: not _pids_alive(pids), f"the run's processes {pids} to end", deadline_s=120)
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from miles_contracts.testing.executor import check_executor
 
 def _local(run_dir: Path) -> Executor:
     kernel = Kernel.load(PluginSelection(enable=("core", "executors")))
-    ctx = context_for(MilesConfig(executor=ExecutorSection(startup_timeout=60)), run_dir=run_dir, kernel=kernel)
+    ctx = context_for(MilesConfig(executor=ExecutorSection()), run_dir=run_dir, kernel=kernel)
     return kernel.executors().get("local").create(ctx)
 
 

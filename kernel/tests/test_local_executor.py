@@ -36,7 +36,7 @@ def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
 
 
 def test_start_waits_for_health_and_shutdown_stops(tmp_path: Path) -> None:
-    executor = LocalExecutor(tmp_path, startup_timeout=30)
+    executor = LocalExecutor(tmp_path)
     port = free_port()
     url = f"http://127.0.0.1:{port}/"
     executor.start("web", [*SERVER, str(port)], health_url=url)
@@ -48,7 +48,7 @@ def test_start_waits_for_health_and_shutdown_stops(tmp_path: Path) -> None:
 
 
 def test_service_that_dies_at_start_up_reports_its_log(tmp_path: Path) -> None:
-    executor = LocalExecutor(tmp_path, startup_timeout=30)
+    executor = LocalExecutor(tmp_path)
     argv = [sys.executable, "-c", "import sys; print('config is broken: no model'); sys.exit(3)"]
     with pytest.raises(ServiceError, match="exited with code 3 during start-up(.|\n)*config is broken: no model"):
         executor.start("bad", argv, health_url=f"http://127.0.0.1:{free_port()}/")
@@ -56,7 +56,7 @@ def test_service_that_dies_at_start_up_reports_its_log(tmp_path: Path) -> None:
 
 
 def test_death_is_detected_and_restart_brings_it_back(tmp_path: Path) -> None:
-    executor = LocalExecutor(tmp_path, startup_timeout=60)
+    executor = LocalExecutor(tmp_path)
     port = free_port()
     url = f"http://127.0.0.1:{port}/"
     executor.start("web", [*SERVER, str(port)], health_url=url)
@@ -85,7 +85,7 @@ def test_children_die_when_the_driver_is_killed(tmp_path: Path) -> None:
         import sys, time
         from pathlib import Path
         from miles.executor.local import LocalExecutor
-        ex = LocalExecutor(Path({str(tmp_path)!r}), startup_timeout=30)
+        ex = LocalExecutor(Path({str(tmp_path)!r}))
         ex.start("web", {SERVER + [str(port)]!r}, health_url="http://127.0.0.1:{port}/")
         print(ex.services()["web"].process.pid, flush=True)
         time.sleep(120)
@@ -98,7 +98,7 @@ def test_children_die_when_the_driver_is_killed(tmp_path: Path) -> None:
 
 
 def test_launch_picks_the_port_sets_the_devices_and_restart_keeps_the_endpoint(tmp_path: Path) -> None:
-    executor = LocalExecutor(tmp_path, startup_timeout=60, gpus=["0", "3"])
+    executor = LocalExecutor(tmp_path, gpus=["0", "3"])
     assert executor.nodes()[0].gpus == ("0", "3") and executor.reserve(1)[0].gpus == ("0",)
 
     def command(endpoint) -> list[str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+from miles_contracts.testing.processes import wait_ready
 from miles_contracts.wire.auth import auth_headers
 
 MAX_BODY = 1 << 20
@@ -42,11 +42,8 @@ class ThreadServer:
 
     def __enter__(self) -> str:
         self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("test server did not start")
-            time.sleep(0.01)
+        wait_ready(lambda: bool(self.server.started), f"the test server on port {self.port} to start",
+                   alive=self.thread.is_alive, interval_s=0.01)
         return f"http://127.0.0.1:{self.port}"
 
     def __exit__(self, *exc: object) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from miles.errors import MilesError
+from miles_contracts.testing.processes import LoggedProcess
 from miles_contracts.wire.auth import auth_headers
 from security_support import free_port
 from torch.distributed import TCPStore
@@ -28,38 +29,24 @@ from torch.distributed import TCPStore
 STOP_WITHIN_S = 10.0
 
 
-def _start(argv: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+def _start(argv: list[str], log: Path) -> tuple[LoggedProcess, str]:
     port = free_port()
-    process = subprocess.Popen([*argv, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    return process, f"http://127.0.0.1:{port}"
-
-
-def _wait_healthy(process: subprocess.Popen[bytes], url: str, timeout: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"exited {process.returncode}: {process.stderr.read()[-2000:]!r}")  # type: ignore[union-attr]
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"{url} not healthy within {timeout} s")
+    return LoggedProcess([*argv, "--port", str(port)], log, env={"HF_HUB_OFFLINE": "1"}).start(), \
+        f"http://127.0.0.1:{port}"
 
 
 @pytest.mark.slow
-def test_sigterm_stops_each_server_within_seconds(tiny_dense: Path) -> None:
+def test_sigterm_stops_each_server_within_seconds(tiny_dense: Path, tmp_path: Path) -> None:
     engine, engine_url = _start([sys.executable, "-m", "miles_engine", "--model", str(tiny_dense), "--device", "cpu",
-                                 "--context-length", "64", "--weight-group-timeout", "600"])
-    router, router_url = _start([sys.executable, "-m", "miles_router", "--worker", engine_url, "--request-timeout", "600"])
+                                 "--context-length", "64", "--weight-group-timeout", "600"], tmp_path / "engine.log")
+    router, router_url = _start([sys.executable, "-m", "miles_router", "--worker", engine_url, "--request-timeout", "600"],
+                                tmp_path / "router.log")
     session, session_url = _start([sys.executable, "-m", "miles_tito.server", "--router", router_url,
-                                   "--model", str(tiny_dense), "--family", "chatml"])
+                                   "--model", str(tiny_dense), "--family", "chatml"], tmp_path / "session.log")
     processes = [engine, router, session]
     try:
         for process, url in zip(processes, (engine_url, router_url, session_url), strict=True):
-            _wait_healthy(process, url)
+            process.wait_healthy(url)
         # The engine blocks inside torch's C++ rendezvous of a weight group whose store this test
         # hosts but whose rank 0 never joins (600 s allowed); a request waits on it through the
         # router; a session request waits in the session server.
@@ -75,13 +62,11 @@ def test_sigterm_stops_each_server_within_seconds(tiny_dense: Path) -> None:
             process.send_signal(signal.SIGTERM)
         started = time.monotonic()
         for process in processes:
-            process.wait(timeout=STOP_WITHIN_S + 5)
+            process.wait_exit(deadline_s=STOP_WITHIN_S + 5)
         assert time.monotonic() - started < STOP_WITHIN_S
     finally:
         for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+            process.stop()
 
 
 @pytest.mark.slow

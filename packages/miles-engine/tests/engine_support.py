@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+from miles_contracts.testing.processes import http_ok, wait_ready
 from miles_contracts.wire.auth import auth_headers
 from miles_engine import Engine, create_app
 
@@ -58,25 +59,13 @@ def serve_engine(model_path: Path | str, **options: Any) -> Iterator[RunningEngi
     url = f"http://127.0.0.1:{port}"
     client = httpx.Client(base_url=url, timeout=120, headers=auth_headers())
     try:
-        _wait_healthy(client)
+        wait_ready(http_ok(url + "/health"), f"the engine's server at {url} answering /health", alive=thread.is_alive)
         yield RunningEngine(engine, url, client)
     finally:
         client.close()
         server.should_exit = True
         thread.join(30)
         engine.shutdown()
-
-
-def _wait_healthy(client: httpx.Client, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if client.get("/health").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError("engine server did not become healthy")
 
 
 def wait_until(predicate, timeout: float = 60.0, interval: float = 0.02) -> None:

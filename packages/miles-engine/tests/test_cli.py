@@ -6,18 +6,18 @@ read the run's ``config.yaml``), ``miles serve engine``, and the one table of en
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 import pytest
-from engine_support import free_port, wait_until
+from engine_support import free_port
 from miles.cli.main import main as miles_main
 from miles.cli.section_args import section_overrides
 from miles.config import ConfigError, build_config, load_config
 from miles.kernel import Kernel
 from miles_contracts import Endpoint, ServiceLaunch
+from miles_contracts.testing.processes import LoggedProcess
 from miles_contracts.wire.auth import auth_headers
 from miles_engine.config import EngineConfig, engine_config, engine_config_of
 from miles_engine.launcher import ENGINE_SERVICE
@@ -44,25 +44,13 @@ def test_embedded_engine_is_registered_and_starts_a_server_from_the_config(kerne
     argv = ENGINE_SERVICE.command(_launch(config, config_path, str(dense_path), port=port, run_dir=str(tmp_path)))
     assert argv[:3] == [sys.executable, "-m", "miles_engine"]
     assert "--max-running-requests" not in argv  # the settings travel in the file
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
+    with LoggedProcess(argv, tmp_path / "engine.log") as process:
+        process.wait_healthy(f"http://127.0.0.1:{port}")
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60, headers=auth_headers()) as client:
-            def healthy() -> bool:
-                if process.poll() is not None:
-                    raise AssertionError(f"engine exited: {process.stderr.read()[-2000:]}")
-                try:
-                    return client.get("/health").status_code == 200
-                except httpx.TransportError:
-                    return False
-
-            wait_until(healthy, timeout=180, interval=0.2)
             out = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
             assert out.status_code == 200 and len(out.json()["output_ids"]) == 3
             info = client.get("/get_server_info").json()
             assert info["max_running_requests"] == 4 and info["context_length"] == 512
-    finally:
-        process.terminate()
-        process.wait(30)
 
 
 def test_an_engine_whose_port_is_taken_exits_98_and_never_says_it_serves(dense_path):

@@ -24,6 +24,7 @@ def ray_cluster() -> Iterator[LocalRayCluster]:
         cluster.add("head", 2, head=True)
         cluster.add("a", 1)
         cluster.add("b", 1)
+        cluster.wait_members({"head": 2, "a": 1, "b": 1})
         yield cluster
     finally:
         cluster.close()

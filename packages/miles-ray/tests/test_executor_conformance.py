@@ -36,7 +36,7 @@ def make_ray(ray_cluster, monkeypatch):
 
     def make(run_dir: Path) -> Executor:
         kernel = Kernel.load(PluginSelection(enable=("core", "executors", "ray")))
-        config = MilesConfig(executor=ExecutorSection(name="ray", startup_timeout=120), extra={"ray": section})
+        config = MilesConfig(executor=ExecutorSection(name="ray"), extra={"ray": section})
         return kernel.executors().get("ray").create(context_for(config, run_dir=run_dir, kernel=kernel))
 
     return make

@@ -10,26 +10,22 @@ follows it, and the run finishes. Afterwards no process of the run is left on an
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from miles_contracts.testing.processes import LoggedProcess, wait_ready
 from ray_support import GPU, RAY_ENV
 
 pytestmark = pytest.mark.slow
 
 
-def _train(cluster, model: Path, out: Path, name: str, *extra: str) -> subprocess.Popen[str]:
+def _train(cluster, model: Path, out: Path, name: str, *extra: str) -> LoggedProcess:
     args = [f"model.name={model}", f"run.output_dir={out}", f"run.name={name}", "rollout.prompts_per_step=2",
             "rollout.samples_per_prompt=4", "rollout.max_new_tokens=12", "reward.name=f1", "data.options={digits: 1}",
-            "executor.name=ray", f"ray.address={cluster.address}", f"ray.gpu_resource={GPU}",
-            "executor.startup_timeout=300", *extra]
-    env = {**os.environ, **RAY_ENV, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen([sys.executable, "-m", "miles.cli.main", "train", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            "executor.name=ray", f"ray.address={cluster.address}", f"ray.gpu_resource={GPU}", *extra]
+    env = {**RAY_ENV, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return LoggedProcess([sys.executable, "-m", "miles.cli.main", "train", *args], out / f"{name}.out", env=env).start()
 
 
 def _metrics(run: Path) -> list[dict]:
@@ -56,10 +52,7 @@ def test_trainer_on_one_node_engine_on_another_and_a_lost_node_comes_back(ray_cl
                   f"reward.remote_url={reward_gate.url}")
     try:
         # step 2's scoring is held: its generation is done, its training and weight sync are not
-        deadline = time.monotonic() + 400
-        while not reward_gate.reached.wait(0.5):
-            assert proc.poll() is None, proc.communicate()[0][-5000:]
-            assert time.monotonic() < deadline, f"step 2 was not scored ({reward_gate.requests} scoring requests)"
+        proc.wait_ready(reward_gate.reached.is_set, "step 2's scoring request at the reward server")
         assert [m["step"] for m in _metrics(run)] == [1]
         before = {row["name"]: row for row in json.loads((run / "services.json").read_text())}
         # bundles in (node, GPU) order, the head first: both ranks on the head, the engine elsewhere
@@ -74,10 +67,10 @@ def test_trainer_on_one_node_engine_on_another_and_a_lost_node_comes_back(ray_cl
         # Step 2's weight sync finds the engine gone and pushes again once it is back elsewhere.
         ray_cluster.kill(lost, also=[before["engine-0"]["pid"], before["engine-0"]["host_pid"]])
         reward_gate.released.set()
-        output, _ = proc.communicate(timeout=600)
+        proc.wait_exit("the run to finish after the loss of a node")
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        proc.stop()
+    output = proc.output()
     assert proc.returncode == 0, output[-5000:]
     metrics = _metrics(run)
     assert [m["step"] for m in metrics] == [1, 2, 3]
@@ -88,7 +81,4 @@ def test_trainer_on_one_node_engine_on_another_and_a_lost_node_comes_back(ray_cl
     assert "run completed" in output
 
     pids = [row[key] for row in after.values() for key in ("pid", "host_pid") if row.get(key)]
-    deadline = time.monotonic() + 30
-    while _alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not _alive(pids), f"left behind: {_alive(pids)}"
+    wait_ready(lambda: not _alive(pids), f"the run's processes {pids} to end", deadline_s=120)

@@ -11,13 +11,8 @@ against real engines -- generation, SIGKILL failover, re-admission -- is tested 
 from __future__ import annotations
 
 import asyncio
-import atexit
-import contextlib
 import json
-import os
-import signal
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +22,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from miles_contracts.testing.processes import wait_ready
 
 
 def free_port() -> int:
@@ -50,11 +46,8 @@ class ThreadedServer:
 
     def start(self) -> ThreadedServer:
         self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError(f"test server on port {self.port} did not start")
-            time.sleep(0.01)
+        wait_ready(lambda: bool(self.server.started), f"the test server on port {self.port} to start",
+                   alive=self.thread.is_alive, interval_s=0.01)
         return self
 
     def stop(self) -> None:
@@ -186,7 +179,8 @@ class DroppingServer:
 
     def start(self) -> DroppingServer:
         self.thread.start()
-        self._ready.wait(10)
+        wait_ready(self._ready.is_set, f"the dropping server on port {self.port} to listen", alive=self.thread.is_alive,
+                   interval_s=0.01)
         return self
 
     def stop(self) -> None:
@@ -249,84 +243,3 @@ def in_background(calls: list[Any]) -> list[Any]:
     futures = [pool.submit(call) for call in calls]
     pool.shutdown(wait=False)
     return futures
-
-
-_LIVE: set[ManagedProcess] = set()
-
-
-def _kill_leftovers() -> None:
-    for process in list(_LIVE):
-        process.kill()
-
-
-atexit.register(_kill_leftovers)  # last resort if a finalizer never ran (e.g. an interrupted session)
-
-
-class ManagedProcess:
-    """A server process started from argv, stopped for sure (SIGKILL after a grace period) by
-    :meth:`stop` -- call it in a ``finally`` or use it as a context manager."""
-
-    def __init__(self, argv: list[str], log_path: Any, env: dict[str, str] | None = None) -> None:
-        self.argv = argv
-        self.log_path = log_path
-        self.env = env
-        self.process: Any = None
-
-    def start(self) -> ManagedProcess:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(self.env or {})}
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 -- closed in stop()
-        self.process = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True)
-        _LIVE.add(self)
-        return self
-
-    def wait_healthy(self, url: str, timeout: float = 120.0) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.argv[:6]} exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"{url} not healthy within {timeout}s:\n{self.log_tail()}")
-
-    def kill(self) -> None:
-        """SIGKILL to its whole process group: it dies with whatever it was doing."""
-        self._signal_group(signal.SIGKILL)
-        if self.process is not None:
-            self.process.wait(timeout=30)
-        _LIVE.discard(self)
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL after a grace period; the group is killed either way, so nothing
-        the server started outlives it."""
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self._signal_group(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=15)
-        self.kill()
-        self._log.close()
-
-    def _signal_group(self, sig: int) -> None:
-        if self.process is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, sig)
-
-    def log_tail(self, chars: int = 3000) -> str:
-        from pathlib import Path
-
-        return Path(self.log_path).read_text(errors="replace")[-chars:]
-
-    def __enter__(self) -> ManagedProcess:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

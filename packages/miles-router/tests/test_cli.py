@@ -10,9 +10,10 @@ from pathlib import Path
 import httpx
 import pytest
 from miles.cli.main import main
+from miles_contracts.testing.processes import LoggedProcess
 from miles_contracts.wire.auth import auth_headers
 from miles_router import router_command
-from router_support import ManagedProcess, StandinEngine, free_port
+from router_support import StandinEngine, free_port
 
 
 def test_serve_router_process_routes_and_reports_metrics(engines: list[StandinEngine], tmp_path: Path) -> None:
@@ -21,9 +22,9 @@ def test_serve_router_process_routes_and_reports_metrics(engines: list[StandinEn
     config.write_text("router:\n  middlewares: [metrics]\n  health_interval: 0.2\n")
     argv = router_command([engines[0].url], port=port, config_path=config)
     assert argv[argv.index("--config") + 1] == str(config) and "--health-interval" not in argv
-    with ManagedProcess(argv, tmp_path / "router.log") as router:
+    with LoggedProcess(argv, tmp_path / "router.log") as router:
         url = f"http://127.0.0.1:{port}"
-        router.wait_healthy(url, timeout=60)
+        router.wait_healthy(url)
         auth = auth_headers()
         assert httpx.post(url + "/add_worker", params={"url": engines[1].url}, headers=auth).json()["added"] is True
         answers = [httpx.post(url + "/generate", json={"input_ids": [1, 2]}, headers=auth) for _ in range(4)]

@@ -19,10 +19,11 @@ import pytest
 from miles.config import build_config
 from miles.kernel import Kernel
 from miles_contracts import Endpoint, ServiceLaunch
+from miles_contracts.testing.processes import LoggedProcess
 from miles_contracts.wire.auth import auth_headers
 from miles_contracts.wire.engine import ROUTING_KEY_HEADER, GenerateResponse
 from miles_router import router_command
-from router_support import ManagedProcess, free_port, wait_until
+from router_support import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -36,16 +37,16 @@ class Cluster:
         self.model = model
         self.logs = logs
         self.ports = [free_port(), free_port()]
-        self.engines: dict[int, ManagedProcess] = {}
-        self.processes: list[ManagedProcess] = []  # every one ever started, stopped at the end
-        self.router: ManagedProcess | None = None
+        self.engines: dict[int, LoggedProcess] = {}
+        self.processes: list[LoggedProcess] = []  # every one ever started, stopped at the end
+        self.router: LoggedProcess | None = None
         self.url = f"http://127.0.0.1:{free_port()}"
         self.client = httpx.Client(base_url=self.url, timeout=120, headers=auth_headers())
 
     def engine_url(self, port: int) -> str:
         return f"http://127.0.0.1:{port}"
 
-    def start_engine(self, port: int) -> ManagedProcess:
+    def start_engine(self, port: int) -> LoggedProcess:
         # The argv the run's executor uses: the registered engine's command (``miles serve engine``
         # without the CLI's plugin loading in front).
         config = build_config({"model": {"device": "cpu", "dtype": "float32"}})
@@ -54,7 +55,7 @@ class Cluster:
         launch = ServiceLaunch(config, str(config_path), str(self.model), Endpoint("127.0.0.1", port))
         argv = Kernel.load().services().get("embedded").command(launch)
         run = len([p for p in self.logs.iterdir() if p.name.startswith(f"engine-{port}")])
-        self.engines[port] = ManagedProcess(argv, self.logs / f"engine-{port}-{run}.log", env=ENGINE_ENV)
+        self.engines[port] = LoggedProcess(argv, self.logs / f"engine-{port}-{run}.log", env=ENGINE_ENV)
         self.processes.append(self.engines[port])
         return self.engines[port].start()
 
@@ -68,11 +69,12 @@ class Cluster:
                                "health_timeout: 5}\n")
         argv = router_command([self.engine_url(p) for p in self.ports], port=int(self.url.rsplit(":", 1)[1]),
                               config_path=config_path)
-        self.router = ManagedProcess(argv, self.logs / "router.log")
+        self.router = LoggedProcess(argv, self.logs / "router.log")
         self.processes.append(self.router)
         self.router.start()
-        self.router.wait_healthy(self.url, timeout=60)
-        wait_until(lambda: self.client.get("/list_workers").json()["counts"]["healthy"] == 2, timeout=30)
+        self.router.wait_healthy(self.url)
+        self.router.wait_ready(lambda: self.client.get("/list_workers").json()["counts"]["healthy"] == 2,
+                               "the router to see both engines healthy")
 
     def worker(self, port: int) -> dict[str, Any]:
         url = self.engine_url(port)
@@ -207,7 +209,8 @@ def test_sigkill_with_64_requests_in_flight_loses_none_and_the_engine_comes_back
 
     # Restarted on the same port it answers again, but with its initial weights: held back.
     cluster.start_engine(victim).wait_healthy(cluster.engine_url(victim))
-    wait_until(lambda: cluster.worker(victim)["state"] == "stale_weights", timeout=30)
+    cluster.router.wait_ready(lambda: cluster.worker(victim)["state"] == "stale_weights",
+                              "the router to hold the restarted engine back")
     assert f"weight_version {initial} is behind the fleet's {fleet_version}" in cluster.worker(victim)["reason"]
     for i in range(4):
         response = cluster.client.post("/generate", json=_prompt(i))

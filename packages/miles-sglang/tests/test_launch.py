@@ -275,7 +275,7 @@ def test_the_executor_starts_and_restarts_an_sglang_engine(tmp_path, monkeypatch
     section = SGLangSection(python=sys.executable, env={"PYTHONPATH": str(site), "CUDA_VISIBLE_DEVICES": "3"})
     spec = EngineSpec(model_path="/m", port=free_port(), options=section.options())
     argv = SGLangEngine().command(spec)
-    executor = LocalExecutor(tmp_path / "run", startup_timeout=60)
+    executor = LocalExecutor(tmp_path / "run")
     try:
         executor.start("engine-0", argv, health_url=f"{spec.url}/health")
         first = json.load(urllib.request.urlopen(f"{spec.url}/server_info", timeout=10))

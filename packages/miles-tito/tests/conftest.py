@@ -37,18 +37,18 @@ def qwen3(tokenizer: Any) -> Any:
 
 
 @pytest.fixture(scope="session")
-def engine_url(tiny_dense: Path) -> Any:
+def engine_url(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A real embedded engine on the tiny random Llama (subprocess, one per test session)."""
     from tito_support import engine_process
 
-    with engine_process(str(tiny_dense)) as url:
+    with engine_process(str(tiny_dense), tmp_path_factory.mktemp("tito-engine") / "engine.log") as url:
         yield url
 
 
 @pytest.fixture(scope="session")
-def router_url(engine_url: str) -> Any:
+def router_url(engine_url: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The real router in front of the engine."""
     from tito_support import router_process
 
-    with router_process(engine_url) as url:
+    with router_process(engine_url, log=tmp_path_factory.mktemp("tito-router") / "router.log") as url:
         yield url

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 from miles_contracts.chat import ChatFamily, ParsedTurn, ToolCall
+from miles_contracts.testing.processes import LoggedProcess
 from miles_contracts.wire.auth import auth_headers
 from miles_model_llama.chat import parse_chatml
 from miles_tito.server.background import BackgroundServer
@@ -48,45 +48,26 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def process(argv: list[str], *, timeout: float = 180.0) -> Iterator[str]:
-    """Run ``argv + ["--port", P]`` until the block ends; yields its URL once /health answers."""
+def process(argv: list[str], log: Path) -> Iterator[str]:
+    """Run ``argv + ["--port", P]`` (output in ``log``) until the block ends; yields its URL once
+    /health answers."""
     port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([*argv, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{argv} exited with {proc.returncode}: {proc.stderr.read()[-3000:] if proc.stderr else ''}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{argv} did not become healthy within {timeout}s")
-            time.sleep(0.25)
+    with LoggedProcess([*argv, "--port", str(port)], log, env={"HF_HUB_OFFLINE": "1"}) as server:
+        url = f"http://127.0.0.1:{port}"
+        server.wait_healthy(url)
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
-def engine_process(model: str) -> contextlib.AbstractContextManager[str]:
-    return process([sys.executable, "-m", "miles_engine", "--model", model])
+def engine_process(model: str, log: Path) -> contextlib.AbstractContextManager[str]:
+    return process([sys.executable, "-m", "miles_engine", "--model", model], log)
 
 
-def router_process(*workers: str) -> contextlib.AbstractContextManager[str]:
+def router_process(*workers: str, log: Path) -> contextlib.AbstractContextManager[str]:
     # A generous health timeout: on the shared 2-core test machine a busy engine answers /health slowly.
     argv = [sys.executable, "-m", "miles_router", "--log-level", "warning", "--health-timeout", "30"]
     for worker in workers:
         argv += ["--worker", worker]
-    return process(argv)
+    return process(argv, log)
 
 
 @contextlib.contextmanager

@@ -17,4 +17,8 @@ lazily. Available suites (one module each):
 - :mod:`miles_contracts.testing.engine` -- ``check_engine(EngineUnderTest(url, ...))`` against a running
   inference engine's HTTP API (SGLang's), or one check at a time from ``ENGINE_CHECKS``; also
   ``python -m miles_contracts.testing.engine URL``
+
+Test support, not a suite: :mod:`miles_contracts.testing.processes` -- ``LoggedProcess(argv, log)`` and
+``wait_ready(check, what)``: start a server for a test and wait until it is ready on its own signals
+(its health answering, a line of its log), not on a fixed timeout.
 """
