@@ -6,6 +6,7 @@ read the run's ``config.yaml``), ``miles serve engine``, and the one table of en
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from pathlib import Path
 

@@ -23,7 +23,7 @@ from miles_contracts.testing.processes import LoggedProcess
 from miles_contracts.wire.auth import auth_headers
 from miles_contracts.wire.engine import ROUTING_KEY_HEADER, GenerateResponse
 from miles_router import router_command
-from router_support import free_port
+from router_support import free_port, wait_until
 
 pytestmark = pytest.mark.slow
 
