@@ -3,7 +3,7 @@
 # this folder says which call carries which). From the repository root of the main checkout:
 #   bash scripts/h200/prepare.sh                   # all parts
 #   bash scripts/h200/prepare.sh tokonly benchcfg  # only these
-# Parts: whl (third-party + workspace wheels, ~37 MB), trl (TRL's wheel), tokonly (a MILES_HOME
+# Parts: whl (third-party + workspace wheels, ~45 MB), trl (TRL's wheel), tokonly (a MILES_HOME
 # with SmolLM2's tokenizer), benchcfg (SmolLM2's config + tokenizer), gguf (the SmolLM2 GGUF in two
 # halves, .gpu_a and .gpu_b), te (Transformer Engine for the megatron backend: the core wheel in
 # parts .te/1 ... .te/N, the torch extension's source and cuDNN frontend's wheel in .te/build; see

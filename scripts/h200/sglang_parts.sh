@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Real SGLang under Miles on the device (issue 16), after setup.sh and SGLang's `stage install`
 # (../shared/device/SGLANG.md): SGLang in /tmp/sg, Miles in /tmp/site, never in one process.
-#   bash scripts/h200/sglang_parts.sh prepare contract            # call 4 (with .peer/3's install)
-#   bash scripts/h200/sglang_parts.sh sync-ipc sync-broadcast     # call 5
-#   bash scripts/h200/sglang_parts.sh train                       # call 6
-#   bash scripts/h200/sglang_parts.sh bench                       # call 7
+# The calls of scripts/h200/README.md, section F (same numbers):
+#   bash scripts/h200/setup.sh && bash scripts/h200/sglang_parts.sh prepare        # call 1
+#   (calls 2-4 stage SGLang: .peer/1, .peer/2, .peer/3 with `stage install`), then
+#   bash scripts/h200/sglang_parts.sh contract sync-ipc                             # call 4, after the install
+#   STEPS=4 bash scripts/h200/sglang_parts.sh train                                 # call 5 (and sync-megatron)
+#   bash scripts/h200/sglang_parts.sh bench                                         # call 6
+#   bash scripts/h200/sglang_parts.sh sync-broadcast                                # nvidia-h200-x2 only
 # Parts (each writes logs and results under $OUT, default /tmp/out, and prints a summary line):
 #   prepare         random bf16 weights of SmolLM2-135M's shape (.benchcfg) saved to /tmp/sgmodel, so
 #                   SGLang and the trainer load the same real checkpoint (~20 s)
