@@ -299,13 +299,10 @@ def test_an_engine_that_restarted_while_released_gets_the_weights_and_no_resume(
     """The engine is killed while step 2's scoring is held, just before its release: the release
     finds it gone or already restarted, the restarted process is not asked to resume what it never
     released, and the sync gives it the trainer's weights (bit-exact in check mode)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = tmp_path / "restarted"
-    proc = subprocess.Popen([sys.executable, "-m", "miles.cli.main", "train",
-                             *_args(tiny_model, tmp_path, "restarted", "run.steps=3", "weights.check=true",
-                                    "resources.release_engine_memory=all", "reward.name=remote",
-                                    f"reward.remote_url={reward_gate.url}")],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = _start_train(tmp_path / "restarted.out", *_args(tiny_model, tmp_path, "restarted", "run.steps=3",
+                                                           "weights.check=true", "resources.release_engine_memory=all",
+                                                           "reward.name=remote", f"reward.remote_url={reward_gate.url}"))
     _, output = _kill_the_engine_while_held(proc, run, reward_gate)
     assert proc.returncode == 0, output
     metrics = _metrics(run)

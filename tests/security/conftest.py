@@ -31,7 +31,10 @@ def router(engine: Served) -> Iterator[Served]:
     from miles_router import RouterServer
     from miles_router.config import RouterSection
 
-    with RouterServer([engine.url], section=RouterSection(health_interval=0.2, health_timeout=5.0)) as server, \
+    # the router's own limit, as small as the engine's: a body over it is the router's 413, whatever
+    # the router thinks of its engine (a test that rolls the engine's version back leaves it stale)
+    with RouterServer([engine.url], section=RouterSection(health_interval=0.2, health_timeout=5.0),
+                      max_body_bytes=MAX_BODY) as server, \
             httpx.Client(base_url=server.url, timeout=60, headers=auth_headers()) as client:
         yield Served(server.url, client, server.router)
 

@@ -111,7 +111,7 @@ def test_a_router_path_that_is_not_ascii_is_encoded_not_a_5xx(router, path: str)
 
 def test_a_mooncake_session_host_that_does_not_resolve_is_a_400(engine) -> None:
     """The name lookup's socket.gaierror (an OSError) was a 500."""
-    body = {"session_id": "no-such-host.invalid:1234", "address": 0, "size": 0, "tensors": []}
+    body = {"session_id": "no-such-host.invalid:1234", "address": 0, "size": 0, "sha256": "0" * 64, "tensors": []}
     answer = engine.client.post("/update_weights_from_mooncake", json=body)
     assert answer.status_code == 400 and "cannot pull the bucket over Mooncake" in _detail(answer), answer.text[:300]
 

@@ -61,6 +61,10 @@ class TransferReport:
     paused_seconds: float = 0.0
     checked_engines: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        # JSON (the trainer wire, a report file) carries a tuple back as a list
+        self.checked_engines = tuple(self.checked_engines)
+
     @property
     def gbps(self) -> float:
         return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")

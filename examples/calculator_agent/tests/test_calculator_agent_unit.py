@@ -23,4 +23,4 @@ def test_the_agent_is_registered_by_its_entry_point() -> None:
 
     entry = context_for().kernel.agents().entry("calculator_agent")
     assert entry.distribution == "miles-example-calculator-agent"
-    assert isinstance(entry.spec, AgentSpec) and callable(entry.spec.run)
+    assert isinstance(entry.obj, AgentSpec) and callable(entry.obj.run)

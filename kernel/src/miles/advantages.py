@@ -18,6 +18,7 @@ torch is imported when the stage runs, not with this module.
 from __future__ import annotations
 
 from dataclasses import replace
+from types import FunctionType
 from typing import TYPE_CHECKING
 
 from miles_contracts import AdvantageResult, AdvantageSpec, AlgorithmParams, TrainBatch
@@ -36,7 +37,8 @@ def estimate_advantages(batch: TrainBatch, params: AlgorithmParams, spec: Advant
         another shape than the loss mask, or distillation is on without teacher log-probs.
     """
     # a function's own name (a stand-in that imports its estimator lazily is named after it), else its class's
-    name = getattr(spec.estimator, "__name__", type(spec.estimator).__name__)
+    estimator = spec.estimator
+    name = estimator.__name__ if isinstance(estimator, FunctionType) else type(estimator).__name__
     if spec.needs_critic and batch.values is None:
         raise ValueError(f"{name} needs critic values: run the critic pass (train.use_critic: true)")
     result = spec.estimator(batch, params)

@@ -14,7 +14,7 @@ from miles.kernel import Kernel
 def test_every_name_is_registered():
     kernel = Kernel.load()
     assert kernel.advantages().names() == ["grpo", "gspo", "ppo", "reinforce_pp", "reinforce_pp_baseline"]
-    assert kernel.policy_losses().names() == ["ppo_clip", "gspo"]
+    assert kernel.policy_losses().names() == ["ppo_clip", "gspo", "cispo"]
     assert kernel.mismatch_corrections().names() == ["none", "tis", "mis"]
     assert kernel.advantages().get("ppo").needs_critic is True
     assert kernel.advantages().get("grpo").needs_critic is False

@@ -70,7 +70,7 @@ ADVANTAGE_SPECS = {
 }
 """Advantage estimators (``algorithm.advantage``), each with what it declares."""
 
-POLICY_LOSS_SPECS = {name: PolicyLossSpec(_policy_loss(name)) for name in ("ppo_clip", "gspo")}
+POLICY_LOSS_SPECS = {name: PolicyLossSpec(_policy_loss(name)) for name in ("ppo_clip", "gspo", "cispo")}
 """Policy losses (``train.policy_loss``)."""
 
 CORRECTION_SPECS = {name: CorrectionSpec(_correction(name)) for name in ("none", "tis", "mis")}

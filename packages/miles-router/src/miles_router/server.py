@@ -82,12 +82,15 @@ class RouterServer:
 
     def __init__(self, workers: Sequence[str] = (), *, port: int = 0, host: str = "127.0.0.1",
                  section: RouterSection | None = None, middlewares: Sequence[NamedMiddleware] | None = None,
-                 ctx: RunContext | None = None, log_level: str = "warning", auth_token: str | None = None) -> None:
+                 ctx: RunContext | None = None, log_level: str = "warning", auth_token: str | None = None,
+                 max_body_bytes: int | None = None) -> None:
         import uvicorn
 
+        from miles_contracts.wire.guard import DEFAULT_MAX_BODY_BYTES
         from miles_router.app import create_app
 
-        self.app = create_app(section, workers, middlewares, ctx=ctx, auth_token=auth_token)
+        self.app = create_app(section, workers, middlewares, ctx=ctx, auth_token=auth_token,
+                              max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES)
         self.router = self.app.state.router
         self._server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
                                                      timeout_keep_alive=5, timeout_graceful_shutdown=5))
