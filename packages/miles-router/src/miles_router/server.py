@@ -85,8 +85,8 @@ class RouterServer:
                  ctx: RunContext | None = None, log_level: str = "warning", auth_token: str | None = None,
                  max_body_bytes: int | None = None) -> None:
         import uvicorn
-
         from miles_contracts.wire.guard import DEFAULT_MAX_BODY_BYTES
+
         from miles_router.app import create_app
 
         self.app = create_app(section, workers, middlewares, ctx=ctx, auth_token=auth_token,
