@@ -90,7 +90,7 @@ def tool_episode(server: str, *, stream: bool) -> tuple[str, list[anthropic.type
         call = reply.content[-1]
         assert reply.stop_reason == "tool_use" and call.type == "tool_use" and call.name == "calculator"
         assert call.input == {"expression": "6 * 7"}
-        messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})
+        messages.append({"role": "assistant", "content": reply.content})  # the SDK's objects, as its docs do
         messages.append({"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": call.id, "content": [{"type": "text", "text": "42"}]}]})
     return created["session_id"], replies

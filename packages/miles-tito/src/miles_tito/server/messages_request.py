@@ -11,7 +11,9 @@ run the same turn machinery and record the same token-exact turns:
   ``input`` object as JSON arguments) and its ``thinking`` blocks its reasoning, which the chat
   template renders where it has a place for reasoning and drops where it has none;
 - ``redacted_thinking`` blocks, ``is_error``, ``cache_control`` and ``metadata`` are accepted and
-  have no effect on the tokens: no chat template of an open model has a field for them.
+  have no effect on the tokens: no chat template of an open model has a field for them. Other keys
+  of a block (``citations``, ``signature``, what newer SDKs add to the blocks they echo) are ignored:
+  agents send back the SDK's own objects, and those grow fields.
 
 Errors name the field the way Anthropic does (``messages.2.content.0.tool_use_id``).
 """
@@ -33,7 +35,6 @@ from miles_tito.server.schema import MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequ
 
 IGNORED_FIELDS = frozenset({"metadata", "service_tier"})
 """Accepted and ignored: they do not change what is generated."""
-_IGNORED_BLOCK_KEYS = frozenset({"type", "cache_control", "citations"})
 
 
 class AnthropicTool(BaseModel):
@@ -235,9 +236,6 @@ def _block_text(block: Mapping[str, Any], at: str) -> str:
     text = block.get("text")
     if not isinstance(text, str):
         raise _invalid(f"{at}.text", "a text block needs a string 'text'")
-    unknown = sorted(set(block) - _IGNORED_BLOCK_KEYS - {"text"})
-    if unknown:
-        raise _invalid(f"{at}.{unknown[0]}", "unknown field of a text block")
     return text
 
 
