@@ -210,6 +210,8 @@ def test_the_session_key_in_x_api_key_reaches_its_own_session_only(chat_server: 
     other, _ = open_session(chat_server)
     hello = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     assert client.messages.create(**hello).role == "assistant"
+    bearer = anthropic.Anthropic(base_url=created["base_url"].removesuffix("/v1"), auth_token=created["api_key"], max_retries=0)
+    assert bearer.messages.create(**hello).role == "assistant"  # Authorization: Bearer <key> works as well
     stranger = anthropic.Anthropic(base_url=created["base_url"].removesuffix("/v1"), api_key="x" * 43, max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as raised:
         stranger.messages.create(**hello)
