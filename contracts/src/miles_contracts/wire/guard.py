@@ -15,7 +15,9 @@ An ASGI middleware (no framework needed), wrapped around the engine, router and 
    clients do not send it.
 2. **Token.** Every path outside ``public_paths`` needs ``Authorization: Bearer <token>``
    (:mod:`miles_contracts.wire.auth`); 401 otherwise. ``also_accept`` lets a server take a
-   narrower credential on some paths (the session server's per-session keys).
+   narrower credential on some paths (the session server's per-session keys), presented as a
+   bearer token or in one of ``key_headers`` (``x-api-key``, where Anthropic's SDKs put their key);
+   only ``also_accept`` ever sees a ``key_headers`` value: the run's token is a bearer token only.
 3. **Bounded body.** A body over ``max_body_bytes`` is refused with 413 naming the limit, before
    it is read (``Content-Length``) or as soon as it is exceeded (chunked).
 4. **JSON only.** A non-empty body must be ``application/json`` (or ``*/*+json``); 415 otherwise.
@@ -85,6 +87,8 @@ class RequestGuard:
     :param public_paths: paths served without a token (health checks).
     :param also_accept: ``(path, presented_token) -> bool``, called when the run's token does not
         match, for credentials narrower than the run's token.
+    :param key_headers: headers (lower-case names) whose value is also offered to ``also_accept``
+        (never compared with the run's token), e.g. ``x-api-key``.
     :param allowed_hosts: host names (not addresses: those always pass) this server answers to
         besides ``localhost`` and those of ``MILES_ALLOWED_HOSTS``, e.g. the name it binds.
     :param error_body: the bytes of an error answer (status, message); JSON ``{"detail": ...}`` by default.
@@ -93,7 +97,8 @@ class RequestGuard:
     def __init__(self, app: Any, *, token: str, public_paths: Iterable[str] = ("/health",),
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  also_accept: Callable[[str, str], bool] | None = None,
-                 error_body: ErrorBody = detail_body, allowed_hosts: Iterable[str] = ()) -> None:
+                 error_body: ErrorBody = detail_body, allowed_hosts: Iterable[str] = (),
+                 key_headers: Iterable[str] = ()) -> None:
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
         self.app = app
@@ -103,6 +108,7 @@ class RequestGuard:
         self.also_accept = also_accept
         self.error_body = error_body
         self.allowed_hosts = host_names(allowed_hosts)
+        self.key_headers = tuple(h.lower() for h in key_headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -138,7 +144,7 @@ class RequestGuard:
             return 403, (f"cross-origin request refused (Origin {origin!r}); Miles servers answer programs, "
                          "not web pages")
         path = scope["path"]
-        if path not in self.public_paths and not self._authorized(path, headers.get("authorization")):
+        if path not in self.public_paths and not self._authorized(path, headers):
             return 401, (f"{path} needs the run's token: send 'Authorization: Bearer <token>' with the value of "
                          f"{TOKEN_ENV} (miles train sets it for every service it starts)")
         if _carries_body(scope, headers):  # GET too: some routes (SGLang's) read a GET body
@@ -151,11 +157,14 @@ class RequestGuard:
                              f"{headers.get('content-type') or 'no Content-Type'}")
         return None
 
-    def _authorized(self, path: str, header: str | None) -> bool:
+    def _authorized(self, path: str, headers: dict[str, str]) -> bool:
+        header = headers.get("authorization")
         if is_authorized(header, self.token):
             return True
-        presented = bearer(header)
-        return presented is not None and self.also_accept is not None and self.also_accept(path, presented)
+        if self.also_accept is None:
+            return False
+        offered = [bearer(header), *(headers.get(name) for name in self.key_headers)]
+        return any(key and self.also_accept(path, key) for key in offered)
 
     def _too_large(self) -> str:
         return (f"request body too large: the limit is {self.max_body_bytes} bytes "

@@ -52,9 +52,13 @@ class TurnRequest:
 
 @dataclass(slots=True)
 class TurnResult:
+    """A generated, recorded turn. ``matched_stop``: the stop string that ended it, if one did
+    (the Messages API reports it as ``stop_sequence``)."""
+
     record: TurnRecord
     message: ChatMessage
     prompt_tokens: int
+    matched_stop: str | None = None
 
 
 async def run_turn(
@@ -115,7 +119,8 @@ async def run_turn(
         latency_s=latency,
         captures=_turn_captures(generation),
     )
-    return TurnResult(record, message, len(prepared.input_ids))
+    matched = finish.matched if finish.type == "stop" and isinstance(finish.matched, str) else None
+    return TurnResult(record, message, len(prepared.input_ids), matched or None)
 
 
 def _check_can_fit(draft: DraftTurn, tito: TitoTokenizer, max_context_len: int) -> None:

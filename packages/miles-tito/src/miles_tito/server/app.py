@@ -2,6 +2,7 @@
 
 ``POST   /sessions``                             create; body :class:`CreateSessionRequest` (optional)
 ``POST   /sessions/{id}/v1/chat/completions``    OpenAI chat completions (tools, streaming accepted)
+``POST   /sessions/{id}/v1/messages``            Anthropic Messages (tools, thinking, streaming accepted)
 ``GET    /sessions/{id}/v1/models``              the served model (some clients ask first)
 ``GET    /sessions/{id}``                        :class:`SessionView`: records with exact token ids
 ``DELETE /sessions/{id}``                        waits for the request in flight, returns the final view
@@ -11,17 +12,22 @@
 
 Every route but ``/health`` needs the run's token (``Authorization: Bearer $MILES_AUTH_TOKEN``;
 :class:`~miles_contracts.wire.guard.RequestGuard` in front of the app, which also bounds bodies,
-requires JSON and refuses cross-origin requests). A session's own OpenAI routes
+requires JSON and refuses cross-origin requests). A session's own model routes
 (``/sessions/{id}/v1/...``) also take that session's ``api_key``, returned by ``POST /sessions``:
 an agent holds a key that reaches its own session and nothing else, and passes it the ordinary way,
-``AsyncOpenAI(base_url=base_url, api_key=api_key)``.
+``AsyncOpenAI(base_url=base_url, api_key=api_key)``, or as Anthropic's SDKs do, in ``x-api-key``:
+``Anthropic(base_url=base_url.removesuffix("/v1"), api_key=api_key)`` (that SDK appends
+``/v1/messages`` itself).
 
 That ``base_url`` (and the ``Location`` of a redirect) names the address the request arrived on,
 the socket's own (uvicorn's ``scope["server"]``), never the ``Host`` header: a client writes that
 header, and an agent that follows a URL built from it sends its session key wherever it pointed.
 
 Errors are OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``) with the status
-codes of :mod:`miles_tito.errors`. Deterministic errors carry ``x-should-retry: false`` so OpenAI
+codes of :mod:`miles_tito.errors`; the Messages route answers Anthropic's shape
+(``{"type": "error", "error": {"type", "message", ...}}``), and the guard's refusals carry both
+(``"type": "error"`` beside an ``error`` object with all four keys), since the guard answers before
+any route is chosen. Deterministic errors carry ``x-should-retry: false`` so the
 SDKs do not retry them; an engine abort carries ``true``. Unknown paths and methods answer as they
 did under FastAPI (``{"detail":"Not Found"}`` 404, ``{"detail":"Method Not Allowed"}`` 405 with
 ``Allow``, a 307 to the path without or with a trailing slash where that one exists); an unexpected
@@ -29,7 +35,7 @@ exception answers a plain-text 500 and is re-raised for uvicorn to log.
 
 Why no web framework: the session server sits on every agent turn, and a profile put about a
 quarter of its CPU per request in FastAPI's and Starlette's routing, middleware stack and
-dependency solving, none of which this API uses (six routes, JSON bodies read by hand, no OpenAPI).
+dependency solving, none of which this API uses (a few routes, JSON bodies read by hand, no OpenAPI).
 Here a request costs one dictionary look-up to route and two ``send`` calls to answer.
 """
 
@@ -45,6 +51,7 @@ from miles_contracts.wire.auth import ensure_run_token
 from miles_contracts.wire.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
 
 from miles_tito.errors import EngineAborted, InvalidRequest, TitoError
+from miles_tito.server import messages_response
 from miles_tito.server.openapi import session_openapi
 from miles_tito.server.responses import completion, error_body, stream_events
 from miles_tito.server.service import SessionService
@@ -133,6 +140,7 @@ class SessionApp:
             ("sessions", "*"): {"GET": self.get_session, "DELETE": self.delete_session},
             ("sessions", "*", "v1", "models"): {"GET": self.models},
             ("sessions", "*", "v1", "chat", "completions"): {"POST": self.chat_completions},
+            ("sessions", "*", "v1", "messages"): {"POST": self.messages},
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -183,6 +191,16 @@ class SessionApp:
             return Reply(content_type=_EVENT_STREAM, chunks=events)
         return json_reply(completion(outcome.result, outcome.request, model=service.model_name, tito=service.tito))
 
+    async def messages(self, call: Call) -> Reply:
+        service = self.service
+        try:
+            outcome = await service.messages(call.session_id, await call.json())
+        except TitoError as error:  # Anthropic's error shape on Anthropic's route
+            return json_reply(messages_response.error_body(error), error.status_code, _retry_header(error))
+        if outcome.request.stream:
+            return Reply(content_type=_EVENT_STREAM, chunks=messages_response.stream_events(outcome.result, model=service.model_name))
+        return json_reply(messages_response.message(outcome.result, model=service.model_name))
+
     # ------------------------------------------------------------------ plumbing
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -214,8 +232,7 @@ class SessionApp:
         try:
             return await handler(Call(scope, receive, session_id))
         except TitoError as error:
-            retry = b"true" if isinstance(error, EngineAborted) else b"false"
-            return json_reply(error_body(error), error.status_code, [(b"x-should-retry", retry)])
+            return json_reply(error_body(error), error.status_code, _retry_header(error))
 
     def _match(self, path: str) -> tuple[dict[str, Handler] | None, str]:
         parts = path.split("/")
@@ -237,14 +254,24 @@ def create_app(service: SessionService, *, auth_token: str | None = None,
     accepts besides addresses and ``localhost``."""
     return RequestGuard(SessionApp(service), token=auth_token or ensure_run_token(), public_paths=["/health"],
                         max_body_bytes=max_body_bytes, also_accept=service.accepts_session_key,
-                        error_body=_guard_error, allowed_hosts=allowed_hosts)
+                        key_headers=["x-api-key"], error_body=_guard_error, allowed_hosts=allowed_hosts)
 
 
 def _guard_error(status: int, message: str) -> bytes:
+    """One body both SDKs read: OpenAI's (``error.message``, ``error.code``) and Anthropic's
+    (``type: error``, ``error.type``), for the guard answers before it knows which API a path is."""
     code = {400: "host_not_allowed", 401: "invalid_api_key", 403: "cross_origin", 413: "request_too_large",
             415: "unsupported_media_type"}
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code.get(status)}}
+    kind = {401: "authentication_error", 403: "permission_error", 413: "request_too_large"}
+    body = {"type": "error", "error": {"message": message, "type": kind.get(status, "invalid_request_error"),
+                                       "param": None, "code": code.get(status)}}
     return json.dumps(body).encode()
+
+
+def _retry_header(error: TitoError) -> list[tuple[bytes, bytes]]:
+    """``x-should-retry``, which OpenAI's and Anthropic's SDKs both obey: only an engine abort is
+    worth retrying as it is."""
+    return [(b"x-should-retry", b"true" if isinstance(error, EngineAborted) else b"false")]
 
 
 def _model_reply(model: Any) -> Reply:

@@ -44,6 +44,7 @@ from miles_tito.assembly import AssemblyError, assemble
 from miles_tito.conversation import Conversation
 from miles_tito.errors import InvalidRequest, SessionClosing, SessionNotFound, TitoError
 from miles_tito.messages import ChatMessage, MessageError
+from miles_tito.server.messages_request import MessagesRequest, chat_messages, parse_messages_request
 from miles_tito.server.schema import ChatCompletionRequest, parse_chat_request
 from miles_tito.tokenizer import TitoTokenizer
 from miles_tito.turn import TurnRequest, TurnResult, run_turn
@@ -77,6 +78,12 @@ class Session:
 @dataclass(slots=True)
 class ChatOutcome:
     request: ChatCompletionRequest
+    result: TurnResult
+
+
+@dataclass(slots=True)
+class MessagesOutcome:
+    request: MessagesRequest
     result: TurnResult
 
 
@@ -221,12 +228,10 @@ class SessionService:
         self._retire(session)
         return self.view(session)
 
-    # ------------------------------------------------------------------ chat
+    # ------------------------------------------------------------------ turns
 
     async def chat(self, session_id: str, body: Any) -> ChatOutcome:
-        session = self.get(session_id)
-        if session.closing:
-            raise SessionClosing(f"session {session_id} is being deleted; create a new session")
+        session = self._open(session_id)
         try:
             request = parse_chat_request(body)
             messages = ChatMessage.list_from_openai(request.messages)
@@ -243,18 +248,45 @@ class SessionService:
             raise self._fail(session, InvalidRequest(str(exc), param="messages")) from None
         except TitoError as exc:
             raise self._fail(session, exc) from None
+        return ChatOutcome(request, await self._run(session, turn))
+
+    async def messages(self, session_id: str, body: Any) -> MessagesOutcome:
+        """An Anthropic Messages request: read into the chat route's turn (see
+        :mod:`~miles_tito.server.messages_request`), run and recorded exactly as a chat turn is."""
+        session = self._open(session_id)
+        try:
+            request = parse_messages_request(body)
+            turn = TurnRequest(
+                messages=chat_messages(request),
+                tools=request.tool_dicts,
+                sampling=request.sampling(session.sampling, self.default_max_tokens),
+                parse_tool_calls=request.parse_tool_calls,
+                captures=session.captures,
+                continue_aborted=self.partial_rollout,
+            )
+        except TitoError as exc:
+            raise self._fail(session, exc) from None
+        return MessagesOutcome(request, await self._run(session, turn))
+
+    def _open(self, session_id: str) -> Session:
+        session = self.get(session_id)
+        if session.closing:
+            raise SessionClosing(f"session {session_id} is being deleted; create a new session")
+        return session
+
+    async def _run(self, session: Session, turn: TurnRequest) -> TurnResult:
+        """One turn under the session's lock (requests on one session run one after the other)."""
         async with session.lock:
             if session.closing:
-                raise SessionClosing(f"session {session_id} was deleted while this request waited; create a new session")
+                raise SessionClosing(f"session {session.id} was deleted while this request waited; create a new session")
             try:
-                result = await run_turn(
+                return await run_turn(
                     session.conversation, self.engine, turn, max_context_len=self.max_context_len, routing_key=session.id
                 )
             except TitoError as exc:
                 raise self._fail(session, exc) from None
             finally:
                 session.last_used = time.monotonic()  # idle time counts from the end of a turn
-        return ChatOutcome(request, result)
 
     def _template_extra(self, request: ChatCompletionRequest) -> dict[str, Any] | None:
         extra = request.chat_template_kwargs
