@@ -28,7 +28,12 @@ PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "http
 
 def is_loopback_url(url: str) -> bool:
     """Whether ``url``'s host is this machine's loopback (``localhost``, 127.0.0.0/8, ``::1``)."""
-    host = (urlsplit(url).hostname or "").lower()
+    return is_loopback_host(urlsplit(url).hostname or "")
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (a name or an address, as a URL or a bind setting gives it) is loopback."""
+    host = host.lower()
     if host == "localhost":
         return True
     try:

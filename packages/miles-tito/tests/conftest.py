@@ -52,3 +52,24 @@ def router_url(engine_url: str, tmp_path_factory: pytest.TempPathFactory) -> Any
 
     with router_process(engine_url, log=tmp_path_factory.mktemp("tito-router") / "router.log") as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def calls_server(router_url: str, chatml: Any) -> Any:
+    """A session server behind the router whose every model turn is read as a calculator call
+    (see tito_support.always_calls). test_generators.py has its own, straight to the engine."""
+    from miles_tito.tokenizer import TitoTokenizer
+    from tito_support import always_calls, family_with_parser, session_server
+
+    tito = TitoTokenizer(chatml.tokenizer, family_with_parser(chatml.family, always_calls, "calls"))
+    with session_server(router_url, tito) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def chat_server(router_url: str, chatml: Any) -> Any:
+    """A session server behind the router, ChatML, the model's own text as the reply."""
+    from tito_support import session_server
+
+    with session_server(router_url, chatml) as url:
+        yield url

@@ -17,7 +17,7 @@ from miles_contracts.wire.auth import auth_headers
 from miles_contracts.wire.session import SessionView, TurnRecord
 from miles_tito.assembly import assemble
 from miles_tito.tokenizer import TitoTokenizer
-from tito_support import always_calls, authed, family_with_parser, session_server
+from tito_support import authed, family_with_parser, session_server
 
 pytestmark = pytest.mark.slow
 
@@ -27,20 +27,6 @@ GREEDY: dict[str, Any] = {"extra_body": {"temperature": 0}}
 STOP_AT_ONCE: dict[str, Any] = {"stop_sequences": ["\n"], **GREEDY}
 CALCULATOR = {"name": "calculator", "description": "arithmetic",
               "input_schema": {"type": "object", "properties": {"expression": {"type": "string"}}}}
-
-
-@pytest.fixture(scope="module")
-def calls_server(router_url: str, chatml: TitoTokenizer) -> Iterator[str]:
-    """Every model turn is read as a calculator call (see tito_support.always_calls)."""
-    tito = TitoTokenizer(chatml.tokenizer, family_with_parser(chatml.family, always_calls, "calls"))
-    with session_server(router_url, tito) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def chat_server(router_url: str, chatml: TitoTokenizer) -> Iterator[str]:
-    with session_server(router_url, chatml) as url:
-        yield url
 
 
 def thinks_then_calls(text: str) -> ParsedTurn:

@@ -4,7 +4,6 @@ loopback), the real router and embedded engine (tiny random Llama, subprocesses)
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -16,7 +15,6 @@ from miles_tito.assembly import assemble
 from miles_tito.tokenizer import TitoTokenizer
 from tito_support import (
     LONG_GENERATION,
-    always_calls,
     always_malformed,
     authed,
     family_with_parser,
@@ -31,20 +29,6 @@ STOP_AT_ONCE = {"temperature": 0, "stop": ["\n"]}
 
 CALCULATOR = {"type": "function", "function": {"name": "calculator", "description": "arithmetic",
               "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}
-
-
-@pytest.fixture(scope="module")
-def calls_server(router_url: str, chatml: TitoTokenizer) -> Iterator[str]:
-    """Every model turn is read as a calculator call (see tito_support.always_calls)."""
-    tito = TitoTokenizer(chatml.tokenizer, family_with_parser(chatml.family, always_calls, "calls"))
-    with session_server(router_url, tito) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def chat_server(router_url: str, chatml: TitoTokenizer) -> Iterator[str]:
-    with session_server(router_url, chatml) as url:
-        yield url
 
 
 def open_session(server: str, **body: Any) -> tuple[str, openai.OpenAI]:

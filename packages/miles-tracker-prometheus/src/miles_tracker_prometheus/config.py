@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import ipaddress
-
+from miles.loopback import is_loopback_host
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
@@ -21,16 +20,7 @@ class PrometheusSection(BaseModel):
 
     @model_validator(mode="after")
     def _token_off_only_on_loopback(self) -> PrometheusSection:
-        if not self.require_token and not _is_loopback(self.host):
+        if not self.require_token and not is_loopback_host(self.host):
             raise ValueError(f"prometheus.require_token: false needs a loopback host, got {self.host!r}: anyone who "
                              "reaches that address could read the run's metrics; keep the token or bind 127.0.0.1")
         return self
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
