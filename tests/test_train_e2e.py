@@ -81,6 +81,16 @@ def test_two_steps_train_sync_and_checkpoint(tiny_model: Path, tmp_path: Path) -
     assert json.loads((checkpoint / "miles-state.json").read_text())["step"] == 2
     assert "step 2/2 | reward" in out.stderr
     assert "run completed" in out.stderr
+    # no config file: the run said what it is before its first step (here: which overrides leave the
+    # measured expectation of the embedded default behind), and how the reward moved after its last
+    lines = out.stderr.splitlines()
+    intro = next(i for i, line in enumerate(lines) if line.startswith("no config file: the embedded default"))
+    assert lines[intro].startswith("no config file: the embedded default with model.name, data.options, "
+                                   "rollout.prompts_per_step, rollout.max_new_tokens, reward.name, run.steps changed")
+    assert intro < next(i for i, line in enumerate(lines) if line.startswith("step 1/2 |"))
+    trend = f"rollout reward (mean): step 1 {metrics[0]['rollout/reward_mean']:.3f} -> step 2 " \
+            f"{metrics[1]['rollout/reward_mean']:.3f}"
+    assert lines.index(trend) > next(i for i, line in enumerate(lines) if line.startswith("step 2/2 |"))
 
 
 def _without_timings(record: dict) -> dict:

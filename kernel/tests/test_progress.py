@@ -77,3 +77,19 @@ def test_the_step_line_says_its_tokens_per_second_are_generated_tokens() -> None
     out = io.StringIO()
     Progress(total_steps=4, stream=out).step(1, {"perf/rollout_tokens_per_s": 123.45, "time/rollout": 2.0})
     assert "| 123.5 generated tok/s |" in out.getvalue()
+
+
+def test_the_end_of_a_run_says_how_the_reward_moved_from_its_first_steps_to_its_last() -> None:
+    """One step's reward is the mean of a few samples and jumps about; the closing line averages a
+    third of the steps (3 at most) at each end, so a run that learned reads as one."""
+    progress = Progress(total_steps=10, stream=io.StringIO())
+    assert progress.reward_trend() is None
+    for step, reward in enumerate([0.25, 0.0625, 0.3125, 0.5, 0.25, 0.75, 0.5, 0.75, 0.875, 0.625], start=1):
+        progress.step(step, {"rollout/reward_mean": reward})
+    assert progress.reward_trend() == "rollout reward (mean): steps 1-3 0.208 -> steps 8-10 0.750"
+
+    short = Progress(total_steps=2, stream=io.StringIO())
+    short.step(1, {"rollout/reward_mean": 0.5})
+    assert short.reward_trend() is None  # one step has no trend
+    short.step(2, {"rollout/reward_mean": float("nan")})  # no reward scored this step
+    assert short.reward_trend() is None

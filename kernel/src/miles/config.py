@@ -371,8 +371,11 @@ def build_config(data: Mapping[str, Any], *, source: str | None = None, kernel: 
 
 def load_config(path: Path | str | None = None, overrides: Sequence[str] = (), *, kernel: Kernel | None = None,
                 check_names: bool = True) -> MilesConfig:
-    """Load ``path`` (or the defaults when None), apply overrides, validate (see :func:`build_config`)."""
-    data = read_yaml(Path(path)) if path is not None else {}
+    """Load ``path`` (or, when None, the embedded default: the section defaults with
+    :data:`miles.embedded_default.SETTINGS` on top), apply overrides, validate (see :func:`build_config`)."""
+    from miles.embedded_default import raw_settings
+
+    data = read_yaml(Path(path)) if path is not None else raw_settings()
     errors = apply_overrides(data, overrides)
     source = str(path) if path is not None else None
     if errors:

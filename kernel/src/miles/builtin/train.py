@@ -16,7 +16,8 @@ from miles.registry import Register
 
 DESCRIPTION = """\
 Run RL training. With no config, runs the embedded default: SmolLM2-135M-Instruct (fetched on
-first use), a synthetic arithmetic task, GRPO, a few steps on CPU.
+first use) learns single-digit addition with GRPO on CPU, 10 steps of 16 samples; the run says at
+the start what its reward measures and what it should do.
 
   miles train                                   # embedded default
   miles train examples/arithmetic/config.yaml   # a config file
@@ -46,6 +47,7 @@ def _train(args: argparse.Namespace, ctx: RunContext) -> int:
 
 
 def _train_run(args: argparse.Namespace) -> str:
+    from miles import embedded_default
     from miles.config import load_config
     from miles.kernel import Kernel
     from miles.loop.folder_config import TRUST_FLAG, refuse_folder_privileges
@@ -68,10 +70,16 @@ def _train_run(args: argparse.Namespace) -> str:
         write_private_text(run_dir / "config.yaml", config.to_yaml())
         return run_training(config, run_dir, resume=True)
     config = load_config(config_path, overrides)
+    if config_path is None:  # a newcomer's first run: say what it does and what its reward should do
+        print(embedded_default.introduction(config), file=sys.stderr, flush=True)
     # a model name no plugin knows fails here, before the run folder exists (it would hold only
     # config.yaml); a known one is pulled now rather than after the folder is made
     Kernel.load(config.plugin_selection).resolve_model(config.model.name)
-    return run_training(config, new_run_dir(config))
+    status = run_training(config, new_run_dir(config))
+    closing = embedded_default.closing(config) if config_path is None and status == "completed" else None
+    if closing is not None:
+        print(closing, file=sys.stderr, flush=True)
+    return status
 
 
 def _args(p: argparse.ArgumentParser) -> None:

@@ -1,7 +1,9 @@
-"""Console output of ``miles train``: a progress bar during rollout and one summary per step."""
+"""Console output of ``miles train``: a progress bar during rollout, one summary per step, and at
+the end how the rollout reward moved over the run."""
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Mapping
@@ -48,6 +50,7 @@ class Progress:
         self.tty = self.stream.isatty()
         self._last = 0.0
         self._round: tuple[int, int] = (0, 0)  # (step, round) last reported
+        self.rewards: dict[int, float] = {}  # step -> rollout/reward_mean, for reward_trend
 
     def message(self, text: str) -> None:
         self._clear()
@@ -90,7 +93,25 @@ class Progress:
         ]
         if "eval/accuracy" in m:
             parts.append(f"eval acc {g('eval/accuracy', '.3f')}")
+        reward = m.get("rollout/reward_mean")
+        if reward is not None and math.isfinite(reward):
+            self.rewards[step] = reward
         self.message(" | ".join(parts))
+
+    def reward_trend(self) -> str | None:
+        """The mean rollout reward of the first and of the last steps this process ran (a third of
+        them, 3 at most), or None before two steps. One step's reward is the mean of a few samples
+        and jumps from step to step; a window of steps shows where the run went."""
+        steps = sorted(self.rewards)
+        if len(steps) < 2:
+            return None
+        n = min(3, max(1, len(steps) // 3))
+
+        def window(chosen: list[int]) -> str:
+            label = f"step {chosen[0]}" if len(chosen) == 1 else f"steps {chosen[0]}-{chosen[-1]}"
+            return f"{label} {sum(self.rewards[s] for s in chosen) / len(chosen):.3f}"
+
+        return f"rollout reward (mean): {window(steps[:n])} -> {window(steps[-n:])}"
 
     def _clear(self) -> None:
         if self.tty:

@@ -79,6 +79,9 @@ class Run:
                 raise asyncio.CancelledError
             self._export()
             status = "completed"
+            trend = self.progress.reward_trend()
+            if trend is not None:
+                self.progress.message(trend)
         except TrainerRankError as exc:
             raise TrainerRankError(f"{exc}\n{self._resume_hint()}", exc.rank) from None
         except (KeyboardInterrupt, asyncio.CancelledError):
