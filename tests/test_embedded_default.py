@@ -7,7 +7,15 @@ import json
 from pathlib import Path
 
 from miles.config import load_config
-from miles.embedded_default import FIRST_STEPS, LAST_STEPS, LEARNING_KEYS, SEEDS, closing, introduction, setting
+from miles.embedded_default import (
+    FIRST_STEPS,
+    LAST_STEPS,
+    LEARNING_KEYS,
+    SEEDS,
+    closing,
+    introduction,
+    setting,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASURED = json.loads((ROOT / "docs" / "benchmarks" / "learning-cpu.json").read_text())["variants"]["default"]

@@ -77,7 +77,7 @@ def introduction(config: MilesConfig) -> str:
                 f"what the reward does with the defaults; with these settings there is no measured expectation.")
     r = config.rollout
     return "\n".join([
-        f"no config file: the embedded default. SmolLM2-135M-Instruct learns single-digit addition with GRPO,",
+        "no config file: the embedded default. SmolLM2-135M-Instruct learns single-digit addition with GRPO,",
         f"  {config.run.steps} steps of {r.prompts_per_step} prompts x {r.samples_per_prompt} samples "
         f"(\"Compute 3 + 5. Reply with only the final number.\").",
         "reward: the share of sampled answers whose final number is the right sum. The model knows most sums",
