@@ -55,6 +55,14 @@ def test_a_reasoning_item_without_content_reads_its_summary_and_a_new_reasoning_
     assert out[1:] == [ChatMessage("assistant", "one", reasoning="first"), ChatMessage("assistant", "two", reasoning="second")]
 
 
+def test_an_empty_reasoning_item_is_no_reasoning() -> None:
+    """OpenAI's own reasoning items carry only encrypted_content: echoed, they must not read as a
+    rewritten turn (reasoning "" against a recorded turn without reasoning)."""
+    out = read([{"role": "user", "content": "go"}, {"type": "reasoning", "summary": [], "encrypted_content": "x"},
+                {"role": "assistant", "content": "ok"}])
+    assert out[1] == ChatMessage("assistant", "ok") and out[1].matches(ChatMessage("assistant", "ok"))
+
+
 def test_a_continuation_appends_to_the_remembered_conversation_with_the_new_instructions() -> None:
     history = (ChatMessage("user", "6 * 7?"),
                ChatMessage("assistant", "", tool_calls=(ToolCall("calculator", "{}", "call_1"),)))

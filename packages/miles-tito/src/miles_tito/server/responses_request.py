@@ -222,8 +222,10 @@ class _Reader:
     def _flush(self) -> None:
         if not self.pending:
             return
-        message = ChatMessage("assistant", "".join(self.texts),
-                              reasoning="".join(self.reasoning) if self.reasoning else None, tool_calls=tuple(self.calls))
+        # an empty reasoning item (OpenAI's carry only encrypted_content) is no reasoning: "" would
+        # not match a recorded turn without any, and the history would read as rewritten
+        message = ChatMessage("assistant", "".join(self.texts), reasoning="".join(self.reasoning) or None,
+                              tool_calls=tuple(self.calls))
         self.out.append(message)
         self.open_calls = {c.id for c in message.tool_calls}
         self.reasoning, self.texts, self.calls, self.pending = [], [], [], False
