@@ -101,6 +101,13 @@ def test_malformed_items_name_the_field(input_: list[Any], field: str) -> None:
     assert raised.value.param == field and raised.value.message.startswith(f"{field}:")
 
 
+def test_the_item_bound_counts_items_not_the_characters_of_a_string_input() -> None:
+    assert read("x" * 5000) == [ChatMessage("user", "x" * 5000)]
+    with pytest.raises(InvalidRequest) as raised:
+        read([{"role": "user", "content": "x"}] * 4097)
+    assert raised.value.param == "input" and "4097 items" in raised.value.message
+
+
 @pytest.mark.parametrize(("fields", "field"), [
     ({"tools": [{"type": "file_search", "vector_store_ids": []}]}, "tools.0.type"),
     ({"tool_choice": "any"}, "tool_choice"),

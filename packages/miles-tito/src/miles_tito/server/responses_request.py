@@ -30,7 +30,7 @@ Errors name the field dotted (``input.3.call_id``), with the parameter in ``para
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from miles_contracts.chat import ToolCall
 from miles_contracts.wire.engine import SamplingParams
@@ -89,7 +89,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    input: str | list[Any] = Field(max_length=MAX_MESSAGES)
+    input: str | Annotated[list[Any], Field(max_length=MAX_MESSAGES)]  # the bound is on items, not on a string's length
     instructions: str | None = None
     tools: list[FunctionTool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
@@ -120,6 +120,7 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     fields = {k: v for k, v in body.items() if k not in IGNORED_FIELDS}
+    _check_input(fields.get("input"))
     _refuse_builtin_tools(fields.get("tools"))
     try:
         request = ResponsesRequest.model_validate(fields)
@@ -129,8 +130,6 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         if error["type"] == "extra_forbidden":
             raise _invalid(where, "unknown parameter (not supported by this server)") from None
         raise _invalid(where, error["msg"]) from None
-    if request.input == [] or request.input == "":
-        raise _invalid("input", "must not be empty")
     text_format = request.text.format if request.text else None
     if text_format is not None and text_format.get("type") != "text":
         raise _invalid("text.format", f"type {text_format.get('type')!r} is not supported; only 'text' "
@@ -275,6 +274,19 @@ def _parts_text(parts: Any, where: str, kinds: frozenset[str]) -> str:
             raise _invalid(f"{where}.{k}.text", "must be a string")
         texts.append(text)
     return "".join(texts)
+
+
+def _check_input(items: Any) -> None:
+    """``input``'s own errors, in words (pydantic would report its union's first branch: "should be
+    a valid string" for a list that is only too long)."""
+    if items is None:
+        raise _invalid("input", "required: a string or a list of items")
+    if not isinstance(items, str | list):
+        raise _invalid("input", f"must be a string or a list of items, got {type(items).__name__}")
+    if not items:
+        raise _invalid("input", "must not be empty")
+    if isinstance(items, list) and len(items) > MAX_MESSAGES:
+        raise _invalid("input", f"{len(items)} items; a request takes at most {MAX_MESSAGES}")
 
 
 def _refuse_builtin_tools(tools: Any) -> None:
