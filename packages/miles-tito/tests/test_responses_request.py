@@ -119,3 +119,14 @@ def test_unsupported_parameters_name_the_parameter(fields: dict[str, Any], field
     with pytest.raises(InvalidRequest) as raised:
         parse_responses_request({"input": "x", **fields})
     assert raised.value.param == field
+
+
+def test_reasoning_renders_where_the_template_has_a_place_for_it(qwen3: Any, chatml: Any) -> None:
+    """The Messages route's rule for thinking blocks: Qwen3's template renders the reasoning of the
+    turn in progress, ChatML's (SmolLM2's) has no place for it and drops it."""
+    items = [{"role": "user", "content": "6 * 7?"},
+             {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "use the tool"}]},
+             CALL, {"type": "function_call_output", "call_id": "call_1", "output": "42"}]
+    messages = read(items)
+    assert "use the tool" in qwen3.render(messages, None, add_generation_prompt=True)
+    assert "use the tool" not in chatml.render(messages, None, add_generation_prompt=True)
