@@ -83,6 +83,12 @@ def greedy_engine_output(router_url: str, record: TurnRecord) -> list[int]:
     return list(answer.json()["output_ids"])
 
 
+def validated(client: openai.OpenAI, request: dict[str, Any]) -> Response:
+    """The answer validated against the SDK's type (its client only constructs: a missing field
+    would pass unnoticed there)."""
+    return Response.model_validate(client.responses.with_raw_response.create(**request).http_response.json())
+
+
 def ask(client: openai.OpenAI, request: dict[str, Any], *, stream: bool) -> Response:
     if not stream:
         return client.responses.create(**request)
@@ -161,7 +167,7 @@ def without_ids(response: Response) -> list[dict[str, Any]]:
 def test_a_streamed_response_assembles_into_the_whole_one(answering_server: str) -> None:
     request = {"model": "tiny", "max_output_tokens": 5, "input": "Hello"}
     _, client = open_session(answering_server, **STOP_AT_ONCE)
-    whole = client.responses.create(**request)
+    whole = validated(client, request)
     created, client = open_session(answering_server, **STOP_AT_ONCE)
     with client.responses.stream(**request) as events:
         seen = [(event.type, event.sequence_number) for event in events]
@@ -184,7 +190,7 @@ def test_function_calls_stream_as_argument_events(calls_server: str) -> None:
     with client.responses.stream(**request) as events:
         kinds = [event.type for event in events]
         streamed = events.get_final_response()
-    whole = open_session(calls_server, **STOP_AT_ONCE)[1].responses.create(**request)
+    whole = validated(open_session(calls_server, **STOP_AT_ONCE)[1], request)
     assert "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
     assert [i["type"] for i in without_ids(streamed)] == [i["type"] for i in without_ids(whole)] == ["function_call"]
     assert streamed.output[0].arguments == whole.output[0].arguments == '{"expression": "6 * 7"}'
@@ -194,7 +200,7 @@ def test_reasoning_comes_back_as_a_reasoning_item_and_maps_onto_the_recorded_rea
     request: dict[str, Any] = {"model": "tiny", "max_output_tokens": 3, "tools": [CALCULATOR],
                                "input": [{"role": "user", "content": "6 * 7?"}]}
     _, client = open_session(thinking_server, **STOP_AT_ONCE)
-    whole = client.responses.create(**request)
+    whole = validated(client, request)
     created, client = open_session(thinking_server, **STOP_AT_ONCE)
     streamed = ask(client, request, stream=True)
     assert [i.type for i in whole.output] == [i.type for i in streamed.output] == ["reasoning", "function_call"]
@@ -209,7 +215,7 @@ def test_reasoning_comes_back_as_a_reasoning_item_and_maps_onto_the_recorded_rea
 
 def test_max_output_tokens_makes_the_response_incomplete(chat_server: str) -> None:
     _, client = open_session(chat_server)
-    cut = client.responses.create(model="tiny", input="Hi", max_output_tokens=1, temperature=0)
+    cut = validated(client, {"model": "tiny", "input": "Hi", "max_output_tokens": 1, "temperature": 0})
     assert cut.status == "incomplete" and cut.incomplete_details is not None
     assert cut.incomplete_details.reason == "max_output_tokens" and cut.usage is not None and cut.usage.output_tokens == 1
     _, client = open_session(chat_server)

@@ -44,7 +44,7 @@ def response(result: TurnResult, request: ResponsesRequest, *, response_id: str,
         "parallel_tool_calls": request.parallel_tool_calls if request.parallel_tool_calls is not None else True,
         "max_output_tokens": request.max_output_tokens, "temperature": request.temperature, "top_p": request.top_p,
         "text": {"format": {"type": "text"}}, "metadata": {},
-        "usage": {"input_tokens": result.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        "usage": {"input_tokens": result.prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                   "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                   "total_tokens": result.prompt_tokens + output_tokens},
     }
