@@ -18,7 +18,8 @@ from miles_contracts.wire.auth import auth_headers
 from miles_contracts.wire.session import SessionView, TurnRecord
 from miles_tito.assembly import assemble
 from miles_tito.tokenizer import TitoTokenizer
-from openai.types.responses import Response
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 from tito_support import always_calls, authed, family_with_parser, session_server
 
 pytestmark = pytest.mark.slow
@@ -87,6 +88,15 @@ def validated(client: openai.OpenAI, request: dict[str, Any]) -> Response:
     """The answer validated against the SDK's type (its client only constructs: a missing field
     would pass unnoticed there)."""
     return Response.model_validate(client.responses.with_raw_response.create(**request).http_response.json())
+
+
+def validated_events(created: dict[str, Any], request: dict[str, Any]) -> list[str]:
+    """The streamed events' types, each event validated against the SDK's event union."""
+    adapter: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
+    headers = {"Authorization": f"Bearer {created['api_key']}"}
+    answer = httpx.post(f"{created['base_url']}/responses", json={**request, "stream": True}, headers=headers, timeout=120)
+    datas = [line.removeprefix("data: ") for line in answer.text.splitlines() if line.startswith("data: ")]
+    return [adapter.validate_json(data).type for data in datas]
 
 
 def ask(client: openai.OpenAI, request: dict[str, Any], *, stream: bool) -> Response:
@@ -182,6 +192,7 @@ def test_a_streamed_response_assembles_into_the_whole_one(answering_server: str)
         "response.output_item.done", "response.completed"]
     record = records(answering_server, created["session_id"])[0]
     assert streamed.output_text == record.message["content"]
+    assert validated_events(open_session(answering_server, **STOP_AT_ONCE)[0], request) == [kind for kind, _ in seen]
 
 
 def test_function_calls_stream_as_argument_events(calls_server: str) -> None:
@@ -192,6 +203,7 @@ def test_function_calls_stream_as_argument_events(calls_server: str) -> None:
         streamed = events.get_final_response()
     whole = validated(open_session(calls_server, **STOP_AT_ONCE)[1], request)
     assert "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
+    assert validated_events(open_session(calls_server, **STOP_AT_ONCE)[0], request) == kinds
     assert [i["type"] for i in without_ids(streamed)] == [i["type"] for i in without_ids(whole)] == ["function_call"]
     assert streamed.output[0].arguments == whole.output[0].arguments == '{"expression": "6 * 7"}'
 
@@ -204,6 +216,7 @@ def test_reasoning_comes_back_as_a_reasoning_item_and_maps_onto_the_recorded_rea
     created, client = open_session(thinking_server, **STOP_AT_ONCE)
     streamed = ask(client, request, stream=True)
     assert [i.type for i in whole.output] == [i.type for i in streamed.output] == ["reasoning", "function_call"]
+    assert "response.reasoning_text.delta" in validated_events(open_session(thinking_server, **STOP_AT_ONCE)[0], request)
     assert streamed.output[0].content[0].text == whole.output[0].content[0].text == "six times seven"
     call = streamed.output[1]
     request["input"] += [*streamed.output, {"type": "function_call_output", "call_id": call.call_id, "output": "42"}]
@@ -223,6 +236,8 @@ def test_max_output_tokens_makes_the_response_incomplete(chat_server: str) -> No
     last = events[-1]  # a cut turn ends in response.incomplete, as OpenAI streams it
     assert last.type == "response.incomplete" and last.response.status == "incomplete"
     assert without_ids(last.response) == without_ids(cut) and last.response.output_text == cut.output_text
+    cut_request = {"model": "tiny", "input": "Hi", "max_output_tokens": 1, "temperature": 0}
+    assert validated_events(open_session(chat_server)[0], cut_request)[-1] == "response.incomplete"
     _, client = open_session(chat_server, **STOP_AT_ONCE)
     done = client.responses.create(model="tiny", input="Hi", max_output_tokens=8)
     assert (done.status, done.incomplete_details) == ("completed", None)
