@@ -83,7 +83,8 @@ def test_the_session_server_needs_the_token_and_a_session_key_reaches_its_own_se
     assert health.status_code == 200 and health.json() == {"status": "ok"}  # liveness: no model path, no counts
     for method, path in [("POST", "/sessions"), ("GET", "/sessions/abc"), ("DELETE", "/sessions/abc"),
                          ("GET", "/sessions/abc/v1/models"), ("POST", "/sessions/abc/v1/chat/completions"),
-                         ("POST", "/sessions/abc/v1/messages"), ("GET", "/openapi.json"), ("GET", "/server_info")]:
+                         ("POST", "/sessions/abc/v1/messages"), ("POST", "/sessions/abc/v1/responses"),
+                         ("GET", "/openapi.json"), ("GET", "/server_info")]:
         answer = httpx.request(method, url + path, headers=WRONG)
         assert answer.status_code == 401, (path, answer.text)
         assert answer.json()["error"]["code"] == "invalid_api_key"

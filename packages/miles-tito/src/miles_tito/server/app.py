@@ -3,6 +3,7 @@
 ``POST   /sessions``                             create; body :class:`CreateSessionRequest` (optional)
 ``POST   /sessions/{id}/v1/chat/completions``    OpenAI chat completions (tools, streaming accepted)
 ``POST   /sessions/{id}/v1/messages``            Anthropic Messages (tools, thinking, streaming accepted)
+``POST   /sessions/{id}/v1/responses``           OpenAI Responses (tools, reasoning, previous_response_id, streaming)
 ``GET    /sessions/{id}/v1/models``              the served model (some clients ask first)
 ``GET    /sessions/{id}``                        :class:`SessionView`: records with exact token ids
 ``DELETE /sessions/{id}``                        waits for the request in flight, returns the final view
@@ -51,7 +52,7 @@ from miles_contracts.wire.auth import ensure_run_token
 from miles_contracts.wire.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
 
 from miles_tito.errors import EngineAborted, InvalidRequest, TitoError
-from miles_tito.server import messages_response
+from miles_tito.server import messages_response, responses_response
 from miles_tito.server.openapi import session_openapi
 from miles_tito.server.responses import completion, error_body, stream_events
 from miles_tito.server.service import SessionService
@@ -141,6 +142,7 @@ class SessionApp:
             ("sessions", "*", "v1", "models"): {"GET": self.models},
             ("sessions", "*", "v1", "chat", "completions"): {"POST": self.chat_completions},
             ("sessions", "*", "v1", "messages"): {"POST": self.messages},
+            ("sessions", "*", "v1", "responses"): {"POST": self.responses},
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -200,6 +202,15 @@ class SessionApp:
         if outcome.request.stream:
             return Reply(content_type=_EVENT_STREAM, chunks=messages_response.stream_events(outcome.result, model=service.model_name))
         return json_reply(messages_response.message(outcome.result, model=service.model_name))
+
+    async def responses(self, call: Call) -> Reply:
+        service = self.service
+        outcome = await service.responses(call.session_id, await call.json())
+        answer = {"response_id": outcome.response_id, "model": service.model_name}
+        if outcome.request.stream:
+            return Reply(content_type=_EVENT_STREAM,
+                         chunks=responses_response.stream_events(outcome.result, outcome.request, **answer))
+        return json_reply(responses_response.response(outcome.result, outcome.request, **answer))
 
     # ------------------------------------------------------------------ plumbing
 

@@ -13,6 +13,7 @@ from typing import Any
 from miles_contracts.wire.session import CreateSessionRequest
 
 from miles_tito.server.messages_request import MessagesRequest
+from miles_tito.server.responses_request import ResponsesRequest
 from miles_tito.server.schema import ChatCompletionRequest
 
 _REF = "#/components/schemas/{model}"
@@ -22,7 +23,7 @@ _SESSION_ID = {"name": "session_id", "in": "path", "required": True, "schema": {
 @cache
 def session_openapi() -> dict[str, Any]:
     schemas: dict[str, Any] = {}
-    for model in (CreateSessionRequest, ChatCompletionRequest, MessagesRequest):
+    for model in (CreateSessionRequest, ChatCompletionRequest, MessagesRequest, ResponsesRequest):
         schema = model.model_json_schema(ref_template=_REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
@@ -66,6 +67,12 @@ def session_openapi() -> dict[str, Any]:
             "parameters": [_SESSION_ID],
             "post": {"summary": "Anthropic Messages in the session (Anthropic error bodies)", "operationId": "messages",
                      "requestBody": body(MessagesRequest, True),
+                     "responses": answers("200", "400", "401", "404", "409", "413", "415", "422", "502", "503")},
+        },
+        "/sessions/{session_id}/v1/responses": {
+            "parameters": [_SESSION_ID],
+            "post": {"summary": "OpenAI Responses in the session", "operationId": "responses",
+                     "requestBody": body(ResponsesRequest, True),
                      "responses": answers("200", "400", "401", "404", "409", "413", "415", "422", "502", "503")},
         },
     }

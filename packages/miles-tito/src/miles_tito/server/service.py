@@ -44,7 +44,10 @@ from miles_tito.assembly import AssemblyError, assemble
 from miles_tito.conversation import Conversation
 from miles_tito.errors import InvalidRequest, SessionClosing, SessionNotFound, TitoError
 from miles_tito.messages import ChatMessage, MessageError
+from miles_tito.server import responses_request
 from miles_tito.server.messages_request import MessagesRequest, chat_messages, parse_messages_request
+from miles_tito.server.responses_request import ResponsesRequest, parse_responses_request
+from miles_tito.server.responses_response import new_response_id
 from miles_tito.server.schema import ChatCompletionRequest, parse_chat_request
 from miles_tito.tokenizer import TitoTokenizer
 from miles_tito.turn import TurnRequest, TurnResult, run_turn
@@ -57,6 +60,10 @@ FAILURES_KEPT = 64
 session's key could otherwise grow its memory without bound (2,000 entries in 11 s were measured)."""
 FAILURE_MESSAGE_CHARS = 1000
 """A remembered failure's message is cut to this length (messages may quote what the client sent)."""
+RESPONSES_KEPT = 64
+"""Responses a session remembers for ``previous_response_id``, the latest. An agent continues from
+its last response (or one a few turns back to branch, which the conversation's rollback bounds
+anyway); each kept response is a tuple of references to the session's immutable messages."""
 
 
 @dataclass(slots=True)
@@ -73,6 +80,8 @@ class Session:
     closing: bool = False
     last_used: float = field(default_factory=time.monotonic)
     api_key: str = field(default_factory=new_session_key)  # reaches this session only
+    # Responses route: response id -> the conversation it ended with (without its instructions)
+    responses: OrderedDict[str, tuple[ChatMessage, ...]] = field(default_factory=OrderedDict)
 
 
 @dataclass(slots=True)
@@ -85,6 +94,13 @@ class ChatOutcome:
 class MessagesOutcome:
     request: MessagesRequest
     result: TurnResult
+
+
+@dataclass(slots=True)
+class ResponsesOutcome:
+    request: ResponsesRequest
+    result: TurnResult
+    response_id: str
 
 
 class SessionService:
@@ -267,6 +283,45 @@ class SessionService:
         except TitoError as exc:
             raise self._fail(session, exc) from None
         return MessagesOutcome(request, await self._run(session, turn))
+
+    async def responses(self, session_id: str, body: Any) -> ResponsesOutcome:
+        """An OpenAI Responses request: read into the chat route's turn (see
+        :mod:`~miles_tito.server.responses_request`), run and recorded exactly as a chat turn is.
+        The response is remembered with its conversation, for a later ``previous_response_id``."""
+        session = self._open(session_id)
+        try:
+            request = parse_responses_request(body)
+            history = self._previous_conversation(session, request.previous_response_id)
+            prompt, conversation = responses_request.chat_messages(request, history)
+            turn = TurnRequest(
+                messages=prompt,
+                tools=request.tool_dicts,
+                sampling=request.sampling(session.sampling, self.default_max_tokens),
+                parse_tool_calls=request.parse_tool_calls,
+                captures=session.captures,
+                continue_aborted=self.partial_rollout,
+            )
+        except TitoError as exc:
+            raise self._fail(session, exc) from None
+        result = await self._run(session, turn)
+        response_id = new_response_id()
+        session.responses[response_id] = (*conversation, result.message)
+        while len(session.responses) > RESPONSES_KEPT:
+            session.responses.popitem(last=False)
+        return ResponsesOutcome(request, result, response_id)
+
+    @staticmethod
+    def _previous_conversation(session: Session, response_id: str | None) -> tuple[ChatMessage, ...]:
+        if response_id is None:
+            return ()
+        conversation = session.responses.get(response_id)
+        if conversation is None:
+            raise InvalidRequest(
+                f"previous_response_id: no response {response_id!r} in this session (a session remembers its last "
+                f"{RESPONSES_KEPT} responses); send the whole conversation as input instead",
+                param="previous_response_id",
+            )
+        return conversation
 
     def _open(self, session_id: str) -> Session:
         session = self.get(session_id)
