@@ -73,3 +73,15 @@ def chat_server(router_url: str, chatml: Any) -> Any:
 
     with session_server(router_url, chatml) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def thinking_server(router_url: str, chatml: Any) -> Any:
+    """A session server behind the router whose every turn reads as a thought and a calculator call
+    (tito_support.thinks_then_calls)."""
+    from miles_tito.tokenizer import TitoTokenizer
+    from tito_support import family_with_parser, session_server, thinks_then_calls
+
+    tito = TitoTokenizer(chatml.tokenizer, family_with_parser(chatml.family, thinks_then_calls, "thinks"))
+    with session_server(router_url, tito) as url:
+        yield url

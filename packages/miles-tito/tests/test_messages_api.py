@@ -6,18 +6,16 @@ its ``/v1``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
 import httpx
 import pytest
-from miles_contracts.chat import ParsedTurn, ToolCall
 from miles_contracts.wire.auth import auth_headers
 from miles_contracts.wire.session import SessionView, TurnRecord
 from miles_tito.assembly import assemble
 from miles_tito.tokenizer import TitoTokenizer
-from tito_support import authed, family_with_parser, session_server
+from tito_support import authed
 
 pytestmark = pytest.mark.slow
 
@@ -27,18 +25,6 @@ GREEDY: dict[str, Any] = {"extra_body": {"temperature": 0}}
 STOP_AT_ONCE: dict[str, Any] = {"stop_sequences": ["\n"], **GREEDY}
 CALCULATOR = {"name": "calculator", "description": "arithmetic",
               "input_schema": {"type": "object", "properties": {"expression": {"type": "string"}}}}
-
-
-def thinks_then_calls(text: str) -> ParsedTurn:
-    """Every turn is a thought and a calculator call (the tiny model writes neither on its own)."""
-    return ParsedTurn(content="", reasoning="six times seven", tool_calls=(ToolCall("calculator", '{"expression": "6 * 7"}'),))
-
-
-@pytest.fixture(scope="module")
-def thinking_server(router_url: str, chatml: TitoTokenizer) -> Iterator[str]:
-    tito = TitoTokenizer(chatml.tokenizer, family_with_parser(chatml.family, thinks_then_calls, "thinks"))
-    with session_server(router_url, tito) as url:
-        yield url
 
 
 def open_session(server: str) -> tuple[dict[str, Any], anthropic.Anthropic]:

@@ -13,34 +13,20 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from miles_contracts.chat import ParsedTurn, ToolCall
+from miles_contracts.chat import ParsedTurn
 from miles_contracts.wire.auth import auth_headers
 from miles_contracts.wire.session import SessionView, TurnRecord
 from miles_tito.assembly import assemble
 from miles_tito.tokenizer import TitoTokenizer
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-from tito_support import always_calls, authed, family_with_parser, session_server
+from tito_support import authed, family_with_parser, session_server
 
 pytestmark = pytest.mark.slow
 
 STOP_AT_ONCE = {"sampling": {"stop": ["\n"], "temperature": 0}}
 CALCULATOR = {"type": "function", "name": "calculator", "description": "arithmetic",
               "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}
-
-
-@pytest.fixture(scope="module")
-def calls_server(router_url: str, chatml: TitoTokenizer) -> Iterator[str]:
-    """Every model turn is read as a calculator call (see tito_support.always_calls)."""
-    tito = TitoTokenizer(chatml.tokenizer, family_with_parser(chatml.family, always_calls, "calls"))
-    with session_server(router_url, tito) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def chat_server(router_url: str, chatml: TitoTokenizer) -> Iterator[str]:
-    with session_server(router_url, chatml) as url:
-        yield url
 
 
 def answers_42(text: str) -> ParsedTurn:
@@ -51,18 +37,6 @@ def answers_42(text: str) -> ParsedTurn:
 @pytest.fixture(scope="module")
 def answering_server(router_url: str, chatml: TitoTokenizer) -> Iterator[str]:
     tito = TitoTokenizer(chatml.tokenizer, family_with_parser(chatml.family, answers_42, "answers"))
-    with session_server(router_url, tito) as url:
-        yield url
-
-
-def thinks_then_calls(text: str) -> ParsedTurn:
-    """Every turn is a thought and a calculator call (the tiny model writes neither on its own)."""
-    return ParsedTurn(content="", reasoning="six times seven", tool_calls=(ToolCall("calculator", '{"expression": "6 * 7"}'),))
-
-
-@pytest.fixture(scope="module")
-def thinking_server(router_url: str, chatml: TitoTokenizer) -> Iterator[str]:
-    tito = TitoTokenizer(chatml.tokenizer, family_with_parser(chatml.family, thinks_then_calls, "thinks"))
     with session_server(router_url, tito) as url:
         yield url
 

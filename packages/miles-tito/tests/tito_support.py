@@ -88,6 +88,12 @@ def always_calls(text: str) -> ParsedTurn:
     return ParsedTurn(content="", tool_calls=(ToolCall("calculator", json.dumps({"expression": "6 * 7"})),))
 
 
+def thinks_then_calls(text: str) -> ParsedTurn:
+    """Every turn is a thought and a calculator call (the tiny model writes neither on its own)."""
+    return ParsedTurn(content="", reasoning="six times seven",
+                      tool_calls=(ToolCall("calculator", json.dumps({"expression": "6 * 7"})),))
+
+
 def always_malformed(text: str) -> ParsedTurn:
     """Every turn reads as an unclosed tool call, through the real ChatML parser."""
     return parse_chatml("<tool_call>" + text)
