@@ -12,10 +12,9 @@ import anthropic
 import httpx
 import pytest
 from miles_contracts.wire.auth import auth_headers
-from miles_contracts.wire.session import SessionView, TurnRecord
 from miles_tito.assembly import assemble
 from miles_tito.tokenizer import TitoTokenizer
-from tito_support import authed
+from tito_support import authed, greedy_engine_output, records
 
 pytestmark = pytest.mark.slow
 
@@ -31,18 +30,6 @@ def open_session(server: str) -> tuple[dict[str, Any], anthropic.Anthropic]:
     created = authed.post(f"{server}/sessions").json()
     base_url = created["base_url"].removesuffix("/v1")
     return created, anthropic.Anthropic(base_url=base_url, api_key=created["api_key"], max_retries=0)
-
-
-def records(server: str, session_id: str) -> list[TurnRecord]:
-    return SessionView.model_validate(authed.get(f"{server}/sessions/{session_id}").json()).records
-
-
-def greedy_engine_output(router_url: str, record: TurnRecord) -> list[int]:
-    """What the engine generates, greedy, from the record's prompt, for as many tokens."""
-    body = {"input_ids": record.input_ids, "sampling_params": {"max_new_tokens": len(record.output_ids), "temperature": 0}}
-    answer = httpx.post(f"{router_url}/generate", json=body, headers=auth_headers(), timeout=120)
-    answer.raise_for_status()
-    return list(answer.json()["output_ids"])
 
 
 def tool_episode(server: str, *, stream: bool) -> tuple[str, list[anthropic.types.Message]]:

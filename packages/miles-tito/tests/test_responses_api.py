@@ -14,13 +14,11 @@ import httpx
 import openai
 import pytest
 from miles_contracts.chat import ParsedTurn
-from miles_contracts.wire.auth import auth_headers
-from miles_contracts.wire.session import SessionView, TurnRecord
 from miles_tito.assembly import assemble
 from miles_tito.tokenizer import TitoTokenizer
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-from tito_support import authed, family_with_parser, session_server
+from tito_support import authed, family_with_parser, greedy_engine_output, records, session_server
 
 pytestmark = pytest.mark.slow
 
@@ -44,18 +42,6 @@ def answering_server(router_url: str, chatml: TitoTokenizer) -> Iterator[str]:
 def open_session(server: str, **options: Any) -> tuple[dict[str, Any], openai.OpenAI]:
     created = authed.post(f"{server}/sessions", json=options).json()
     return created, openai.OpenAI(base_url=created["base_url"], api_key=created["api_key"], max_retries=0)
-
-
-def records(server: str, session_id: str) -> list[TurnRecord]:
-    return SessionView.model_validate(authed.get(f"{server}/sessions/{session_id}").json()).records
-
-
-def greedy_engine_output(router_url: str, record: TurnRecord) -> list[int]:
-    """What the engine generates, greedy, from the record's prompt, for as many tokens."""
-    body = {"input_ids": record.input_ids, "sampling_params": {"max_new_tokens": len(record.output_ids), "temperature": 0}}
-    answer = httpx.post(f"{router_url}/generate", json=body, headers=auth_headers(), timeout=120)
-    answer.raise_for_status()
-    return list(answer.json()["output_ids"])
 
 
 def validated(client: openai.OpenAI, request: dict[str, Any]) -> Response:

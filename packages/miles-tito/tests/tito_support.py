@@ -20,6 +20,7 @@ import httpx
 from miles_contracts.chat import ChatFamily, ParsedTurn, ToolCall
 from miles_contracts.testing.processes import LoggedProcess
 from miles_contracts.wire.auth import auth_headers
+from miles_contracts.wire.session import SessionView, TurnRecord
 from miles_model_llama.chat import parse_chatml
 from miles_tito.server.background import BackgroundServer
 from miles_tito.server.factory import app_factory
@@ -121,3 +122,16 @@ async def wait_until_generating(engine_url: str, timeout: float = 60.0) -> None:
 
 # Long enough (about a second or more on a CPU) that a test can act while it is generating.
 LONG_GENERATION = {"max_tokens": 400, "min_tokens": 400}  # long enough to act while it runs
+
+
+def records(server: str, session_id: str) -> list[TurnRecord]:
+    """The session's turn records, as its server returns them."""
+    return SessionView.model_validate(authed.get(f"{server}/sessions/{session_id}").json()).records
+
+
+def greedy_engine_output(router_url: str, record: TurnRecord) -> list[int]:
+    """What the engine generates, greedy, from the record's prompt, for as many tokens."""
+    body = {"input_ids": record.input_ids, "sampling_params": {"max_new_tokens": len(record.output_ids), "temperature": 0}}
+    answer = httpx.post(f"{router_url}/generate", json=body, headers=auth_headers(), timeout=120)
+    answer.raise_for_status()
+    return list(answer.json()["output_ids"])

@@ -26,10 +26,11 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from miles_contracts import CaptureSpec, EngineClient
 from miles_contracts.wire.auth import new_session_key
+from miles_contracts.wire.engine import SamplingParams
 from miles_contracts.wire.session import (
     CreateSessionRequest,
     RequestFailure,
@@ -64,6 +65,18 @@ RESPONSES_KEPT = 64
 """Responses a session remembers for ``previous_response_id``, the latest. An agent continues from
 its last response (or one a few turns back to branch, which the conversation's rollback bounds
 anyway); each kept response is a tuple of references to the session's immutable messages."""
+
+
+class RouteRequest(Protocol):
+    """What the chat, Messages and Responses routes' requests all give a turn."""
+
+    @property
+    def tool_dicts(self) -> list[dict[str, Any]] | None: ...
+
+    @property
+    def parse_tool_calls(self) -> bool: ...
+
+    def sampling(self, defaults: SessionSampling, default_max_tokens: int) -> SamplingParams: ...
 
 
 @dataclass(slots=True)
@@ -246,20 +259,25 @@ class SessionService:
 
     # ------------------------------------------------------------------ turns
 
+    def _turn(self, session: Session, messages: list[ChatMessage], request: RouteRequest,
+              template_extra: dict[str, Any] | None = None) -> TurnRequest:
+        """The turn every route runs: its messages, and the tools and sampling its request reads."""
+        return TurnRequest(
+            messages=messages,
+            tools=request.tool_dicts,
+            sampling=request.sampling(session.sampling, self.default_max_tokens),
+            parse_tool_calls=request.parse_tool_calls,
+            template_extra=template_extra,
+            captures=session.captures,
+            continue_aborted=self.partial_rollout,
+        )
+
     async def chat(self, session_id: str, body: Any) -> ChatOutcome:
         session = self._open(session_id)
         try:
             request = parse_chat_request(body)
             messages = ChatMessage.list_from_openai(request.messages)
-            turn = TurnRequest(
-                messages=messages,
-                tools=request.tool_dicts,
-                sampling=request.sampling(session.sampling, self.default_max_tokens),
-                parse_tool_calls=request.parse_tool_calls,
-                template_extra=self._template_extra(request),
-                captures=session.captures,
-                continue_aborted=self.partial_rollout,
-            )
+            turn = self._turn(session, messages, request, template_extra=self._template_extra(request))
         except MessageError as exc:
             raise self._fail(session, InvalidRequest(str(exc), param="messages")) from None
         except TitoError as exc:
@@ -272,14 +290,7 @@ class SessionService:
         session = self._open(session_id)
         try:
             request = parse_messages_request(body)
-            turn = TurnRequest(
-                messages=chat_messages(request),
-                tools=request.tool_dicts,
-                sampling=request.sampling(session.sampling, self.default_max_tokens),
-                parse_tool_calls=request.parse_tool_calls,
-                captures=session.captures,
-                continue_aborted=self.partial_rollout,
-            )
+            turn = self._turn(session, chat_messages(request), request)
         except TitoError as exc:
             raise self._fail(session, exc) from None
         return MessagesOutcome(request, await self._run(session, turn))
@@ -293,14 +304,7 @@ class SessionService:
             request = parse_responses_request(body)
             history = self._previous_conversation(session, request.previous_response_id)
             prompt, conversation = responses_request.chat_messages(request, history)
-            turn = TurnRequest(
-                messages=prompt,
-                tools=request.tool_dicts,
-                sampling=request.sampling(session.sampling, self.default_max_tokens),
-                parse_tool_calls=request.parse_tool_calls,
-                captures=session.captures,
-                continue_aborted=self.partial_rollout,
-            )
+            turn = self._turn(session, prompt, request)
         except TitoError as exc:
             raise self._fail(session, exc) from None
         result = await self._run(session, turn)
