@@ -14,7 +14,7 @@ import pytest
 from miles_contracts.wire.auth import auth_headers
 from miles_tito.assembly import assemble
 from miles_tito.tokenizer import TitoTokenizer
-from tito_support import authed, greedy_engine_output, records
+from tito_support import assert_three_tool_turns_chain, authed, greedy_engine_output, records
 
 pytestmark = pytest.mark.slow
 
@@ -61,13 +61,7 @@ def test_a_tool_using_episode_records_the_engines_exact_tokens(
 ) -> None:
     session_id, replies = tool_episode(calls_server, stream=stream)
     turns = records(calls_server, session_id)
-    assert len(turns) == 3 and not any(r.rolled_back for r in turns)  # each echoed turn matched the record
-    for previous, current in zip(turns, turns[1:], strict=False):
-        turn_k = previous.input_ids + previous.output_ids
-        assert current.input_ids[: len(turn_k)] == turn_k  # turn k's tokens unchanged in turn k+1
-        between = chatml.decode(current.input_ids[len(turn_k):])
-        assert between.endswith("<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n")
-    assert chatml.decode(turns[0].input_ids).startswith("<|im_start|>system\nUse tools.")
+    assert_three_tool_turns_chain(turns, chatml)
     for reply, record in zip(replies, turns, strict=True):
         assert reply.content[-1].id == record.message["tool_calls"][0]["id"]
         assert reply.usage.output_tokens == len(record.output_ids)

@@ -18,7 +18,14 @@ from miles_tito.assembly import assemble
 from miles_tito.tokenizer import TitoTokenizer
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-from tito_support import authed, family_with_parser, greedy_engine_output, records, session_server
+from tito_support import (
+    assert_three_tool_turns_chain,
+    authed,
+    family_with_parser,
+    greedy_engine_output,
+    records,
+    session_server,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -95,13 +102,7 @@ def test_a_tool_using_episode_records_the_engines_exact_tokens(
 ) -> None:
     session_id, replies = tool_episode(calls_server, stream=stream, continuation=continuation)
     turns = records(calls_server, session_id)
-    assert len(turns) == 3 and not any(r.rolled_back for r in turns)  # each turn extended the recorded one
-    for previous, current in zip(turns, turns[1:], strict=False):
-        turn_k = previous.input_ids + previous.output_ids
-        assert current.input_ids[: len(turn_k)] == turn_k  # turn k's tokens unchanged in turn k+1
-        between = chatml.decode(current.input_ids[len(turn_k):])
-        assert between.endswith("<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n")
-    assert chatml.decode(turns[0].input_ids).startswith("<|im_start|>system\nUse tools.")
+    assert_three_tool_turns_chain(turns, chatml)
     for reply, record in zip(replies, turns, strict=True):
         assert reply.output[-1].call_id == record.message["tool_calls"][0]["id"]
         assert reply.usage is not None and reply.usage.output_tokens == len(record.output_ids)

@@ -135,3 +135,15 @@ def greedy_engine_output(router_url: str, record: TurnRecord) -> list[int]:
     answer = httpx.post(f"{router_url}/generate", json=body, headers=auth_headers(), timeout=120)
     answer.raise_for_status()
     return list(answer.json()["output_ids"])
+
+
+def assert_three_tool_turns_chain(turns: list[TurnRecord], chatml: Any) -> None:
+    """Three recorded ChatML turns of a tool episode (system "Use tools.", a tool answering 42 after
+    each turn): none rolled back, each turn's prompt starts with the previous turn's exact tokens."""
+    assert len(turns) == 3 and not any(r.rolled_back for r in turns)
+    for previous, current in zip(turns, turns[1:], strict=False):
+        turn_k = previous.input_ids + previous.output_ids
+        assert current.input_ids[: len(turn_k)] == turn_k  # turn k's tokens unchanged in turn k+1
+        between = chatml.decode(current.input_ids[len(turn_k):])
+        assert between.endswith("<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n")
+    assert chatml.decode(turns[0].input_ids).startswith("<|im_start|>system\nUse tools.")
