@@ -32,7 +32,16 @@ from miles_contracts.protocols import (
     TrainBackend,
     WeightTransport,
 )
-from miles_contracts.sample import ExitReason, Sample, SampleError, Stash, StashKey, Status
+from miles_contracts.sample import (
+    FORK_CAUSES,
+    Branch,
+    ExitReason,
+    Sample,
+    SampleError,
+    Stash,
+    StashKey,
+    Status,
+)
 from miles_contracts.specs import (
     AdvantageSpec,
     AgentSpec,
@@ -77,7 +86,9 @@ __all__ = [
     "EngineSpec",
     "Executor",
     "ExecutorSpec",
+    "Branch",
     "ExitReason",
+    "FORK_CAUSES",
     "Filter",
     "FilterSpec",
     "FilterVerdict",

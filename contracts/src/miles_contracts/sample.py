@@ -55,6 +55,7 @@ class ExitReason(str, enum.Enum):
     REWARD_ERROR = "reward_error"
     MAX_TURNS = "max_turns"
     MISSING_CAPTURE = "missing_capture"  # a plugin's engine capture is required but absent or broken
+    EPISODE_LIMIT = "episode_limit"  # the episode went over tito.max_branches / max_sessions / max_tokens per episode
 
 
 ToBatch = Callable[[Sequence[Any], Sequence[int], int], "torch.Tensor"]
@@ -134,6 +135,50 @@ class Stash:
         return new
 
 
+FORK_CAUSES = ("root", "compaction", "rewrite", "retry", "subagent", "spurious")
+"""Why a branch of an episode exists: ``root`` (the first branch of a session that has no parent),
+``compaction`` (history replaced by something shorter), ``rewrite`` (history edited), ``retry`` (a
+turn asked again; the abandoned attempt is the branch), ``subagent`` (the first branch of a session
+opened with a parent) and ``spurious`` (the client changed nothing a model would see differently:
+a bug to find, counted apart). See ``docs/design/trajectories.md``."""
+
+
+@dataclass(slots=True)
+class Branch:
+    """Where a sample sits in its episode's trajectory graph.
+
+    An episode's graph has one node per generated turn; a branch is a chain of turns generated one
+    after the other, starting at a root (a fresh prompt) or at a fork from a turn of another branch.
+    A branch's sample holds the whole token path from the root to its last turn, with ``loss_mask``
+    1 only on the turns the branch itself generated: every model-written token is trained in
+    exactly one sample.
+
+    :ivar episode_id: shared by every branch of one episode (all its sessions).
+    :ivar branch_id: this branch's number in the episode, in creation order.
+    :ivar parent_branch: the branch it forked from; None for a root.
+    :ivar fork_turn: the episode turn (``TurnRecord.turn`` in ``session_id``'s parent chain) whose
+        tokens this branch continues; None for a root.
+    :ivar role: the agent role of the session it belongs to (several agents over one policy).
+    :ivar cause: one of :data:`FORK_CAUSES`.
+    :ivar session_id: the session whose turns these are.
+    :ivar retried: the branch is an abandoned attempt (trained only with ``tito.train_retried``).
+    """
+
+    episode_id: str
+    branch_id: int
+    parent_branch: int | None = None
+    fork_turn: int | None = None
+    role: str = "agent"
+    cause: str = "root"
+    session_id: str = ""
+    retried: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"episode_id": self.episode_id, "branch_id": self.branch_id, "parent_branch": self.parent_branch,
+                "fork_turn": self.fork_turn, "role": self.role, "cause": self.cause, "session_id": self.session_id,
+                "retried": self.retried}
+
+
 class SampleError(ValueError):
     """A sample violates its own invariants (lengths that do not line up)."""
 
@@ -163,6 +208,13 @@ class Sample:
     :ivar metadata: JSON-serialisable data from the data source and generator (e.g. ``reward``
         selects the reward function for this sample).
     :ivar stash: typed plugin data (see :class:`StashKey`).
+    :ivar branch: where this sample sits in its episode's trajectory graph; None for an episode of
+        one linear trajectory.
+    :ivar branches: the episode's other branches, each a sample of its own (the generator fills
+        them; this sample is the episode's primary branch). Rewards, filters and group statistics
+        see the episode (this sample); :meth:`rows` expands it into training rows.
+    :ivar role_rewards: per-role rewards of a several-agent episode (a reward function that returns
+        ``{role: reward}``); a branch of a role listed here gets that reward, the others ``reward``.
     """
 
     prompt: str | list[dict[str, Any]] = ""
@@ -182,6 +234,9 @@ class Sample:
     index: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
     stash: Stash = field(default_factory=Stash)
+    branch: Branch | None = None
+    branches: list[Sample] = field(default_factory=list)
+    role_rewards: dict[str, float] = field(default_factory=dict)
 
     @property
     def prompt_length(self) -> int:
@@ -203,6 +258,23 @@ class Sample:
             and self.response_length > 0
             and self.reward is not None
         )
+
+    def rows(self) -> list[Sample]:
+        """The episode's training rows: this sample, then its other branches, each given its
+        reward (its own when a reward scored the branch itself, else its role's from
+        :attr:`role_rewards`, else the episode's) and this sample's group and index, so the rows of
+        one episode count as one rollout of their group (``docs/design/trajectories.md``)."""
+        if not self.branches:
+            return [self]
+        own = self.branch.role if self.branch is not None else None
+        if own is not None and own in self.role_rewards:
+            self.reward = self.role_rewards[own]
+        for row in self.branches:
+            row.group_index, row.index = self.group_index, self.index
+            role = row.branch.role if row.branch is not None else None
+            if row.reward is None:
+                row.reward = self.role_rewards.get(role, self.reward) if role is not None else self.reward
+        return [self, *self.branches]
 
     def finish(self, status: Status, reason: ExitReason | None, detail: str | None = None) -> Sample:
         """Set the outcome in one place; returns ``self`` for chaining."""
@@ -251,4 +323,7 @@ class Sample:
             "token_versions": list(self.token_versions),
             "metadata": self.metadata,
             "stash": self.stash.to_dict(),
+            **({"branch": self.branch.to_dict()} if self.branch is not None else {}),
+            **({"branches": [b.to_dict() for b in self.branches]} if self.branches else {}),
+            **({"role_rewards": dict(self.role_rewards)} if self.role_rewards else {}),
         }
