@@ -29,7 +29,7 @@ def test_a_single_turn_run_starts_engines_and_the_router() -> None:
 
 def test_the_agentic_generator_asks_for_the_session_server_which_needs_the_router() -> None:
     config, planned = _plan(Kernel.load(), rollout={"generator": "agentic", "agent": "calculator_agent"},
-                            tito={"max_rollback_turns": 2})
+                            tito={"max_branches_per_episode": 2})
     assert [[p.name for p in wave] for wave in _waves(planned)] == [["engine-0"], ["router"], ["session"]]
     session = next(p for p in planned if p.role == "session")
     argv = session.service.command(ServiceLaunch(config, "/runs/r/config.yaml", "/models/m", Endpoint("127.0.0.1", 4000),
@@ -37,7 +37,7 @@ def test_the_agentic_generator_asks_for_the_session_server_which_needs_the_route
     assert argv[:3] == [sys.executable, "-m", "miles_tito.server"]
     assert argv[argv.index("--router") + 1] == "http://127.0.0.1:3000" and argv[argv.index("--port") + 1] == "4000"
     # the tito section reaches the process in the run's config file, not spelled as flags
-    assert argv[argv.index("--config") + 1] == "/runs/r/config.yaml" and "--max-rollback-turns" not in argv
+    assert argv[argv.index("--config") + 1] == "/runs/r/config.yaml" and "--max-branches-per-episode" not in argv
 
 
 def test_the_router_gets_its_engines_and_the_runs_config_file() -> None:

@@ -1,4 +1,5 @@
-"""The three checks of a conversation: append-only messages, prefix renders, token chain; retries."""
+"""The checks of a conversation: repeated messages, prefix renders, token chain; retries. The
+graph's forks and branches: test_trajectory_graph.py."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any
 
 import pytest
 from miles_tito.conversation import Conversation
-from miles_tito.errors import HistoryConflict, InvalidRequest, RoleNotAllowed
+from miles_tito.errors import InvalidRequest, RoleNotAllowed
 from miles_tito.messages import ChatMessage
 from miles_tito.tokenizer import TitoTokenizer
 
@@ -47,11 +48,11 @@ def test_an_echoed_assistant_message_matches_the_stored_one(chatml: TitoTokenize
         {**call, "function": {"name": "calculator", "arguments": '{"expression":"1+1"}'}}]}
     request = [{"role": "user", "content": "1+1?"}, echo, {"role": "tool", "tool_call_id": "call_1", "content": "2"}]
     prepared = conversation.prepare(msgs(request), None)
-    assert prepared.kept_turns == 1
+    assert prepared.base is conversation.head and prepared.fork is None
     assert prepared.messages[1].reasoning == "think"  # the stored spelling is what gets rendered
 
 
-def test_retrying_the_last_turn_rolls_back_one_step(chatml: TitoTokenizer) -> None:
+def test_retrying_the_last_turn_keeps_the_attempt_on_a_retried_branch(chatml: TitoTokenizer) -> None:
     conversation = Conversation(chatml)
     base = [{"role": "user", "content": "q"}]
     generate(conversation, base, {"role": "assistant", "content": "a1"}, [11, IM_END])
@@ -62,20 +63,10 @@ def test_retrying_the_last_turn_rolls_back_one_step(chatml: TitoTokenizer) -> No
     assert [r.rolled_back for r in conversation.records] == [False, True, False]
     assert conversation.token_ids == retried + [33, IM_END]
     assert 22 not in conversation.token_ids
-
-
-def test_rewriting_more_than_one_turn_is_a_conflict_naming_the_message(chatml: TitoTokenizer) -> None:
-    conversation = Conversation(chatml)
-    history: list[dict[str, Any]] = [{"role": "user", "content": "q"}]
-    generate(conversation, history, {"role": "assistant", "content": "a1"}, [11, IM_END])
-    history += [{"role": "assistant", "content": "a1"}, {"role": "user", "content": "more"}]
-    generate(conversation, history, {"role": "assistant", "content": "a2"}, [22, IM_END])
-    edited = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "EDITED"}, {"role": "user", "content": "x"}]
-    with pytest.raises(HistoryConflict) as error:
-        conversation.prepare(msgs(edited), None)
-    assert "messages[1] content is 'EDITED', the session has 'a1'" in error.value.message
-    assert "rewrites 2 generated turns" in error.value.message
-    assert error.value.status_code == 409
+    # the new attempt continues the first branch; the abandoned one is branch 1, marked retried
+    assert [r.branch for r in conversation.records] == [0, 1, 0]
+    assert [(b.cause, b.retried, b.parent_branch, b.fork_turn) for b in conversation.branches] == [
+        ("root", False, None, None), ("retry", True, 0, 0)]
 
 
 def test_roles_the_family_does_not_allow_cannot_be_appended(chatml: TitoTokenizer) -> None:

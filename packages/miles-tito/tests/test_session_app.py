@@ -177,16 +177,17 @@ def test_a_runs_session_server_gets_its_settings_from_the_config(tmp_path) -> No
     from miles.server_process import context_from_args
     from miles_contracts import Endpoint, Process, ServiceLaunch
     from miles_tito.config import TitoSection
+    from miles_tito.conversation import EpisodeLimits
     from miles_tito.server.cli import add_arguments, session_options
     from miles_tito.server.launch import session_command
 
-    config = load_config(None, ["tito.max_rollback_turns=3", "tito.session_idle_timeout=0", "tito.family=chatml",
+    config = load_config(None, ["tito.max_branches_per_episode=3", "tito.session_idle_timeout=0", "tito.family=chatml",
                                 "rollout.max_context_len=4096", "rollout.max_new_tokens=77"])
     path = tmp_path / "config.yaml"
     path.write_text(config.to_yaml())
     argv = session_command(ServiceLaunch(config, str(path), "/models/m", Endpoint("127.0.0.1", 4000),
                                          {"router": ["http://127.0.0.1:3000"]}, run_dir=str(tmp_path)))
-    assert argv[:3] == [sys.executable, "-m", "miles_tito.server"] and "--max-rollback-turns" not in argv
+    assert argv[:3] == [sys.executable, "-m", "miles_tito.server"] and "--max-branches-per-episode" not in argv
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(argv[3:])
@@ -194,13 +195,14 @@ def test_a_runs_session_server_gets_its_settings_from_the_config(tmp_path) -> No
     ctx = context_from_args(args, "session")
     assert ctx.process == Process.service("session") and ctx.run_dir == tmp_path
     assert ctx.config.section("tito", TitoSection).family == "chatml"
-    assert session_options(ctx) == {"max_context_len": 4096, "default_max_tokens": 77, "max_rollback_turns": 3,
-                                    "idle_timeout": None, "partial_rollout": False}
+    assert session_options(ctx) == {"max_context_len": 4096, "default_max_tokens": 77,
+                                    "episode_limits": EpisodeLimits(max_branches=3), "idle_timeout": None,
+                                    "partial_rollout": False}
     by_hand = parser.parse_args([*argv[3:], "--max-tokens", "5", "--session-idle-timeout", "9", "--partial-rollout"])
     options = session_options(context_from_args(by_hand, "session"), by_hand.partial_rollout)
     assert (options["default_max_tokens"], options["idle_timeout"], options["partial_rollout"]) == (5, 9.0, True)
     defaults = session_options(context_for())
-    assert (defaults["max_rollback_turns"], defaults["idle_timeout"], defaults["partial_rollout"]) == (1, 3600.0, False)
+    assert (defaults["episode_limits"], defaults["idle_timeout"], defaults["partial_rollout"]) == (EpisodeLimits(), 3600.0, False)
     fully_async = load_config(None, ["run.mode=fully_async", "algorithm.correction=tis"])
     assert session_options(context_for(fully_async))["partial_rollout"] is True  # the loop mode decides
     no_partial = load_config(None, ["run.mode=fully_async", "algorithm.correction=tis", "rollout.partial_rollout=false"])

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 from miles_contracts.wire.auth import auth_headers, run_token
-from miles_tito.conversation import Conversation
+from miles_tito.conversation import Conversation, EpisodeLimits
 from miles_tito.errors import TokenChainBroken
 from miles_tito.tokenizer import TitoTokenizer
 from tito_support import LONG_GENERATION, authed, free_port, session_server, wait_until_generating
@@ -99,15 +99,28 @@ def test_404_session_not_found_through_the_openai_client(server: str) -> None:
     assert authed.delete(f"{server}/sessions/nope").status_code == 404
 
 
-def test_409_history_conflict(server: str) -> None:
-    session = new_session(server)
+@pytest.fixture(scope="module")
+def two_branch_server(engine_url: str, chatml: TitoTokenizer) -> Iterator[str]:
+    with session_server(engine_url, chatml, max_context_len=256, episode_limits=EpisodeLimits(max_branches=2)) as url:
+        yield url
+
+
+def test_an_edited_history_forks_until_the_episode_limit_then_400(two_branch_server: str) -> None:
+    """A request that rewrites history is a branch (no longer a 409); over the episode's branch
+    limit it is a 400 ``episode_limit`` that no SDK retries, and the session says the episode is over."""
+    session = new_session(two_branch_server)
     first = first_turn(session["base_url"])
     second = chat(session["base_url"], {"messages": [USER, first, USER], "max_tokens": 2}).json()["choices"][0]["message"]
     edited = [{"role": "user", "content": "something else"}, first, USER, second, USER]
-    response = chat(session["base_url"], {"messages": edited})
-    message = error_of(response, 409, "history_conflict")
-    assert "messages[0] content is 'something else', the session has 'hi'" in message
-    assert response.headers["x-should-retry"] == "false"  # OpenAI SDKs would otherwise retry a 409
+    assert chat(session["base_url"], {"messages": edited, "max_tokens": 2}).status_code == 200
+    again = [{"role": "user", "content": "a third history"}]
+    response = chat(session["base_url"], {"messages": again})
+    message = error_of(response, 400, "episode_limit")
+    assert "the episode has 2 branches and this request needs 1 more; the limit is 2" in message
+    assert response.headers["x-should-retry"] == "false"
+    state = authed.get(f"{two_branch_server}/sessions/{session['session_id']}").json()
+    assert state["forks"] == {"rewrite": 1} and state["episode_limit"].startswith("the episode has 2 branches")
+    assert [r["branch"] for r in state["records"]] == [0, 0, 1]
 
 
 def test_409_session_closing(roomy_server: str, engine_url: str) -> None:

@@ -2,8 +2,9 @@
 
 A session records one :class:`TurnRecord` per generated assistant turn. The tokens are exact: each
 record holds the prompt ids the engine was given and the ids it produced, so a trajectory is
-assembled from records without re-tokenizing any text. A turn that a client retried is kept with
-``rolled_back=True`` (never lost) and left out of the trajectory.
+assembled from records without re-tokenizing any text. The records form a graph (each names the
+turn its prompt extends, and its branch): a turn that a client retried is kept with
+``rolled_back=True`` (never lost), on a branch of its own; see ``docs/design/trajectories.md``.
 
 ``POST /sessions``              :class:`CreateSessionRequest` -> :class:`CreateSessionResponse`
 ``GET /sessions/{id}``          -> :class:`SessionView` (records, and the trajectory they assemble to)
@@ -39,13 +40,39 @@ class SessionSampling(_Request):
     stop: list[str] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
 
 
+ROLE_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+class SessionParent(_Request):
+    """The session and turn that spawned a sub-agent's session (``turn`` None: the parent's last)."""
+
+    session_id: str = Field(max_length=128)
+    turn: int | None = Field(default=None, ge=0)
+
+
 class CreateSessionRequest(_Request):
     """:ivar captures: engine captures every turn of the session carries (see
-    :mod:`miles_contracts.capture`); their payloads are kept in the turn records."""
+    :mod:`miles_contracts.capture`); their payloads are kept in the turn records.
+    :ivar role: the agent role whose turns the session records (several agents over one policy).
+    :ivar parent: open the session as a sub-agent inside the parent's episode (its branches join
+        the parent's graph; deleting the parent closes it and returns it with the parent).
+    """
 
     metadata: dict[str, Any] = Field(default_factory=dict)
     sampling: SessionSampling = Field(default_factory=SessionSampling)
     captures: list[CaptureSpec] = Field(default_factory=list, max_length=8)
+    role: str = Field(default="agent", pattern=ROLE_PATTERN)
+    parent: SessionParent | None = None
+
+
+class ChildSessionRequest(_Request):
+    """``POST /sessions/{id}/v1/children`` with the session's own key: a sub-agent (or another
+    role's) session in the same episode, spawned at ``parent_turn`` (None: the last turn).
+    Sampling defaults and engine captures are the parent's."""
+
+    role: str = Field(default="agent", pattern=ROLE_PATTERN)
+    parent_turn: int | None = Field(default=None, ge=0)
+    metadata: dict[str, Any] = Field(default_factory=dict)
 
 
 class CreateSessionResponse(_Response):
@@ -82,7 +109,11 @@ class TurnRecord(_Response):
         when the turn spans a weight update (partial rollout); None: all ``weight_version``.
     :ivar message: the assistant message returned to the client (content, reasoning, tool calls).
     :ivar format_error: set when the output held a malformed tool call (returned as text).
-    :ivar rolled_back: a later request retried this turn; it is not part of the trajectory.
+    :ivar rolled_back: a later request retried this turn (or one before it on its branch): it is
+        on a branch marked ``retried``.
+    :ivar parent_turn: the session turn whose ids this turn's prompt extends; None when the prompt
+        was rendered from scratch (a session's first turn, a compaction).
+    :ivar branch: the episode branch the turn belongs to (``SessionView.branches``).
     :ivar captures: the session's engine captures of this turn, by capture name: one piece per engine
         call, in order (several when a weight update interrupted the turn).
     """
@@ -101,6 +132,8 @@ class TurnRecord(_Response):
     created_at: float
     latency_s: float = 0.0
     captures: dict[str, list[TurnCapture]] = Field(default_factory=dict)
+    parent_turn: int | None = None
+    branch: int = 0
 
 
 class RequestFailure(_Response):
@@ -133,6 +166,19 @@ class TrajectoryView(_Response):
     exit_reason: str | None = None
 
 
+class BranchView(_Response):
+    """A branch of an episode (:class:`miles_contracts.Branch`, which names the fields)."""
+
+    episode_id: str
+    branch_id: int
+    parent_branch: int | None = None
+    fork_turn: int | None = None
+    role: str = "agent"
+    cause: str = "root"
+    session_id: str = ""
+    retried: bool = False
+
+
 class SessionView(_Response):
     """A session's state.
 
@@ -141,8 +187,17 @@ class SessionView(_Response):
     :ivar failures: requests that produced no turn (the latest 64; the server keeps no more).
     :ivar failures_dropped: how many earlier failed requests were not kept.
     :ivar max_trim_tokens: the chat family's limit, needed to assemble the records.
-    :ivar trajectory: the active records assembled (None before the first turn).
+    :ivar trajectory: the head turn's path assembled (None before the first turn).
     :ivar trajectory_error: why the records could not be assembled, if they could not.
+    :ivar episode_id: the episode the session belongs to (its sub-agents' sessions share it).
+    :ivar role: the session's agent role.
+    :ivar parent: the session and turn that spawned it (a sub-agent), else None.
+    :ivar head_turn: the session's last generated turn (the one ``messages`` ends with).
+    :ivar branches: the episode branches holding this session's turns.
+    :ivar forks: the episode's forks so far, by cause.
+    :ivar episode_limit: why the episode went over a limit, if it did (it is then over).
+    :ivar children: on deleting an episode's first session: every other session of the episode,
+        in its final state (they are closed with it).
     """
 
     session_id: str
@@ -158,7 +213,25 @@ class SessionView(_Response):
     closed: bool = False
     trajectory: TrajectoryView | None = None
     trajectory_error: str | None = None
+    episode_id: str = ""
+    role: str = "agent"
+    parent: SessionParent | None = None
+    head_turn: int | None = None
+    branches: list[BranchView] = Field(default_factory=list)
+    forks: dict[str, int] = Field(default_factory=dict)
+    episode_limit: str | None = None
+    children: list[SessionView] = Field(default_factory=list)
 
     @property
     def active_records(self) -> list[TurnRecord]:
-        return [r for r in self.records if not r.rolled_back]
+        """The head turn's path, first turn first."""
+        return self.path(self.head_turn)
+
+    def path(self, turn: int | None) -> list[TurnRecord]:
+        """Turn ``turn`` and the turns whose ids its prompt extends, first turn first."""
+        path = []
+        while turn is not None:
+            record = self.records[turn]
+            path.append(record)
+            turn = record.parent_turn
+        return path[::-1]

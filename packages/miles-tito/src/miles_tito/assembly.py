@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from miles.rollout.capture import store_captures
-from miles_contracts import CapturedPiece, EngineCapture, ExitReason, Sample, Status
+from miles_contracts import Branch, CapturedPiece, EngineCapture, ExitReason, Sample, Status
 from miles_contracts.wire.session import TurnRecord
 
 _FINISH = {
@@ -129,16 +129,44 @@ def merge_turns(turns: Sequence[Sample], *, max_trim_tokens: int, into: Sample |
 
 
 def assemble(records: Sequence[TurnRecord], *, max_trim_tokens: int, into: Sample | None = None) -> Sample:
-    """Records of one session -> its trajectory sample (see :func:`merge_turns`)."""
+    """The records of one path through a session's graph (first turn first; rolled-back records
+    are skipped) -> its trajectory sample (see :func:`merge_turns`)."""
     return merge_turns(turn_samples(records), max_trim_tokens=max_trim_tokens, into=into)
 
 
+def branch_sample(path: Sequence[TurnRecord], branch: Branch, *, max_trim_tokens: int, train_retried: bool = False,
+                  into: Sample | None = None) -> Sample | None:
+    """The sample of one episode branch: ``path`` is the branch's last turn and the turns whose ids
+    its prompt extends (first turn first). All of the path is in ``tokens``; only the turns the
+    branch itself generated are trained (``loss_mask`` 1): a shared prefix is context here and
+    trained in the branch that generated it. A ``retried`` branch's turns are trained only with
+    ``train_retried``. None when no turn of the path is trained here.
+
+    ``weight_versions`` are the trained turns' calls (what this row's staleness is); log-probs 0.0
+    and versions -1 outside them, as between turns.
+    """
+    trained = [r.branch == branch.branch_id and (train_retried or not r.rolled_back) for r in path]
+    if not any(trained):
+        return None
+    sample = merge_turns([turn_sample(r) for r in path], max_trim_tokens=max_trim_tokens, into=into)
+    for (start, end), keep in zip(sample.metadata["tito"]["turn_spans"], trained, strict=True):
+        if not keep:
+            sample.loss_mask[start:end] = [0] * (end - start)
+            sample.rollout_logprobs[start:end] = [0.0] * (end - start)
+            sample.token_versions[start:end] = [-1] * (end - start)
+    sample.weight_versions = [v for r, keep in zip(path, trained, strict=True) if keep
+                              for v in dict.fromkeys(r.output_versions or [r.weight_version])]
+    sample.branch = branch
+    return sample
+
+
 def attach_captures(records: Sequence[TurnRecord], sample: Sample, captures: Sequence[EngineCapture]) -> Sample:
-    """Stitch the data of ``captures`` from the records into ``sample`` (assembled from them, its
-    status final): see :func:`miles.rollout.capture.store_captures`."""
+    """Stitch the data of ``captures`` from the records of ``sample``'s path (rolled-back ones
+    skipped, as :func:`assemble` does) into ``sample`` (its status final): see
+    :func:`miles.rollout.capture.store_captures`."""
     if not captures or "tito" not in sample.metadata:
         return store_captures(sample, captures, {})
-    active = [r for r in records if not r.rolled_back]
+    active = records if sample.branch is not None else [r for r in records if not r.rolled_back]
     return store_captures(sample, captures, capture_pieces(active, sample, [c.spec.name for c in captures]))
 
 

@@ -21,7 +21,14 @@ class TitoSection(Section):
         default="window",
         description="history rendered around appended messages: the last turn (window) or all of it (full)",
     )
-    max_rollback_turns: int = Field(default=1, ge=0, description="generated turns one request may retry")
+    max_branches_per_episode: int = Field(
+        default=64, ge=1, description="branches of one episode's trajectory graph (forks, retries, sub-agents); over it "
+                                      "the episode ends (exit reason episode_limit)")
+    max_sessions_per_episode: int = Field(default=16, ge=1, description="sessions of one episode (its sub-agents and roles)")
+    max_tokens_per_episode: int = Field(
+        default=1 << 20, ge=1, description="tokens one episode's turns add (prompt increments and sampled ids)")
+    train_retried: bool = Field(
+        default=False, description="train the turns of a branch a client abandoned by retrying them (default: keep, do not train)")
     session_idle_timeout: float = Field(
         default=3600.0, ge=0, description="seconds without a request after which a session expires (0: never)",
     )

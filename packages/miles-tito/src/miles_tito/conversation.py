@@ -1,97 +1,209 @@
-"""One conversation's exact token state, and the three checks that keep it exact.
+"""One session's exact token state as a graph of turns, and the checks that keep it exact.
 
-A :class:`Conversation` holds the messages so far, one :class:`Turn` per generated assistant turn
-(its prompt ids plus sampled ids: a *checkpoint*) and one record per engine call. Each request:
+Every generated assistant turn is a :class:`Node`: the conversation it ended (its prompt's messages
+and its reply), its *checkpoint* ids (prompt plus sampled ids), its record and the node whose
+checkpoint its prompt extends (its parent; None for a turn whose prompt was rendered from scratch).
+The session's *head* is the node of its last turn. A request is placed in the graph like this:
 
-1. **messages** -- the request must repeat the stored messages (as :meth:`ChatMessage.matches`
-   reads an echo) and may only append roles the chat family allows. A request that diverges
-   earlier retries a turn: the turns after the divergence roll back, at most
-   ``max_rollback_turns`` of them (default one: "retry the last turn").
-2. **render** -- the TITO tokenizer requires the rendering with the appended messages to extend
-   the rendering without them.
-3. **tokens** -- the new prompt must extend the last checkpoint, except for at most the family's
-   ``max_trim_tokens`` trailing ids.
+1. **base** -- the node with the longest conversation that the request repeats (as
+   :meth:`ChatMessage.matches` reads an echo) and extends with new messages of a role the chat family
+   allows after an assistant turn. The head is tried first: an agent that appends is the common case
+   and costs what a linear conversation costs.
+2. **append** -- a base that is a leaf (no turn continues it yet) is extended: the new turn joins
+   the base's branch (the head's, or another branch the agent went back to).
+3. **fork** -- otherwise the request changed history: a new branch starts, from the base's
+   checkpoint (TITO: only the new messages are rendered and tokenized), or from a fresh rendering
+   of the whole request when it repeats no generated turn (compaction, an edited first message).
+   Its cause is ``retry`` (the request is exactly the prompt of a turn that exists: the abandoned
+   attempt, that turn and the rest of its branch, becomes a branch of its own marked ``retried``,
+   and the new attempt continues the old branch), ``spurious`` (the first differing message differs
+   only in spelling: whitespace, JSON layout -- nothing :meth:`ChatMessage.matches` should not have
+   accepted; a bug to find), ``compaction`` (the history is shorter than the one it replaced) or
+   ``rewrite``.
+4. **render / tokens** -- the TITO tokenizer requires the rendering with the appended messages to
+   extend the rendering without them, and the new prompt must extend the base checkpoint except for
+   at most the family's ``max_trim_tokens`` trailing ids.
+
+Branches are numbered per :class:`Episode`, which all sessions of one agent episode share (a
+sub-agent's session, several roles) together with its limits: branches, sessions and tokens.
 
 :meth:`prepare` checks and computes the prompt without changing anything; :meth:`commit` applies it
-once the engine answered, so a failed engine call leaves the conversation as it was. Callers
-serialise prepare/commit per conversation (the session server holds a lock across both).
-``prepare`` is :meth:`draft` (the checks and rendering) and :meth:`complete` (the token check)
-with the new text tokenized in between; :func:`~miles_tito.turn.run_turn` calls the two itself, to
-refuse a text too long for the context before tokenizing it and to tokenize a long one off the
-event loop.
+once the engine answered, so a failed engine call leaves the graph as it was. Callers serialise
+prepare/commit per conversation (the session server holds a lock across both). ``prepare`` is
+:meth:`draft` (the checks and rendering) and :meth:`complete` (the token check) with the new text
+tokenized in between; :func:`~miles_tito.turn.run_turn` calls the two itself, to refuse a text too
+long for the context before tokenizing it and to tokenize a long one off the event loop.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import uuid
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from miles_contracts import Branch
 from miles_contracts.wire.session import FinishReason, TurnCapture, TurnRecord
 
-from miles_tito.errors import HistoryConflict, InvalidRequest, RoleNotAllowed, TokenChainBroken
+from miles_tito.errors import EpisodeLimitExceeded, InvalidRequest, RoleNotAllowed, TokenChainBroken
 from miles_tito.messages import ChatMessage
 from miles_tito.tokenizer import TitoTokenizer
 
 
-@dataclass(slots=True)
-class Turn:
-    """A generated assistant turn: ``messages[message_index]`` and its checkpoint ids."""
+@dataclass(frozen=True, slots=True)
+class EpisodeLimits:
+    """Bounds on one episode (all its sessions); going over ends it (``ExitReason.EPISODE_LIMIT``)."""
 
-    message_index: int
-    token_ids: list[int]  # [prompt_len + completion_len]
-    record: TurnRecord
+    max_branches: int = 64
+    max_sessions: int = 16
+    max_tokens: int = 1 << 20
 
 
-@dataclass(slots=True)
-class PreparedTurn:
-    """A checked request, ready for the engine.
+class Episode:
+    """What the sessions of one agent episode share: the branch table, counters and limits.
 
-    :ivar messages: the request's messages, stored spellings for the part that matched.
-    :ivar input_ids: ``[prompt_len]`` the prompt for the engine.
-    :ivar kept_turns: how many generated turns remain (the rest roll back on commit).
-    :ivar trimmed: trailing ids of the last kept turn that the splice replaced.
-    :ivar known_positions: leading positions of ``input_ids`` whose per-position engine data
-        (captures) the kept turns already hold: the last kept turn's call reported positions
-        ``[.., n - 1)`` of its ``n`` ids, valid up to where the splice replaced trailing ids.
+    :ivar limit_hit: why the episode went over a limit (the first time it did), else None.
     """
 
-    messages: list[ChatMessage]
-    input_ids: list[int]
-    kept_turns: int
-    trimmed: int
-    known_positions: int = 0
+    def __init__(self, limits: EpisodeLimits | None = None, episode_id: str | None = None) -> None:
+        self.id = episode_id or uuid.uuid4().hex
+        self.limits = limits or EpisodeLimits()
+        self.branches: list[Branch] = []
+        self.sessions = 0
+        self.tokens = 0  # prompt increments and sampled ids of every turn
+        self.limit_hit: str | None = None
+
+    def check_branches(self, more: int) -> None:
+        if len(self.branches) + more > self.limits.max_branches:
+            self._over(f"the episode has {len(self.branches)} branches and this request needs {more} more; the limit "
+                       f"is {self.limits.max_branches} (tito.max_branches_per_episode)")
+
+    def check_sessions(self) -> None:
+        if self.sessions >= self.limits.max_sessions:
+            self._over(f"the episode has {self.sessions} sessions, the limit (tito.max_sessions_per_episode)")
+
+    def check_tokens(self, more: int) -> None:
+        if self.tokens + more > self.limits.max_tokens:
+            self._over(f"the episode holds {self.tokens} tokens and this prompt adds {more}; the limit is "
+                       f"{self.limits.max_tokens} (tito.max_tokens_per_episode)")
+
+    def _over(self, why: str) -> None:
+        self.limit_hit = self.limit_hit or why
+        raise EpisodeLimitExceeded(f"{why}: the episode is over; finish it", param="messages")
+
+    def add_branch(self, **fields: Any) -> Branch:
+        branch = Branch(episode_id=self.id, branch_id=len(self.branches), **fields)
+        self.branches.append(branch)
+        return branch
+
+    def fork_counts(self) -> dict[str, int]:
+        return dict(Counter(b.cause for b in self.branches if b.cause != "root"))
+
+
+@dataclass(slots=True, eq=False)
+class Node:
+    """A generated turn. ``messages[-1]`` is its reply; ``token_ids`` its checkpoint."""
+
+    record: TurnRecord
+    messages: tuple[ChatMessage, ...]
+    token_ids: list[int]
+    parent: Node | None
+    children: list[Node] = field(default_factory=list)
+
+    @property
+    def prompt_messages(self) -> tuple[ChatMessage, ...]:
+        return self.messages[:-1]
+
+
+@dataclass(slots=True)
+class Fork:
+    """A request that starts a branch. ``abandoned``: the turn a retry asks again."""
+
+    cause: str
+    parent_branch: int | None
+    abandoned: Node | None = None
 
 
 @dataclass(slots=True)
 class DraftTurn:
     """A checked request whose new text is rendered but not yet tokenized.
 
-    :ivar head_ids: the kept history's ids, spliced (empty on a first turn); the prompt is these
-        followed by the ids of ``text``.
+    :ivar messages: the prompt's messages, stored spellings for the part the base holds.
+    :ivar base: the node whose checkpoint the prompt extends; None: rendered from scratch.
+    :ivar head_ids: the base's ids, spliced (empty without a base); the prompt is these followed by
+        the ids of ``text``.
     :ivar text: the new messages as the template renders them, with the generation prompt.
+    :ivar fork: set when the request starts a branch.
     """
 
     messages: list[ChatMessage]
+    base: Node | None
     head_ids: list[int]
     text: str
-    kept_turns: int
     trimmed: int
+    fork: Fork | None
+
+
+@dataclass(slots=True)
+class PreparedTurn:
+    """A checked request, ready for the engine.
+
+    :ivar input_ids: ``[prompt_len]`` the prompt for the engine.
+    :ivar known_positions: leading positions of ``input_ids`` whose per-position engine data
+        (captures) the base's turns already hold: the base's call reported positions ``[.., n - 1)``
+        of its ``n`` ids, valid up to where the splice replaced trailing ids.
+    :ivar added_tokens: ids this prompt adds to the episode (what the base did not hold).
+    """
+
+    messages: list[ChatMessage]
+    input_ids: list[int]
+    base: Node | None
+    trimmed: int
+    fork: Fork | None
+    known_positions: int = 0
+    added_tokens: int = 0
 
 
 class Conversation:
-    def __init__(self, tito: TitoTokenizer, *, max_rollback_turns: int = 1) -> None:
+    """A session's graph of turns (see the module docstring).
+
+    :param episode: the episode the session belongs to (a new one of default limits if None).
+    :param session_id: the session's id, recorded on its branches.
+    :param role: the agent role of the session.
+    :param parent: a sub-agent's parent: the (branch id, turn) that spawned it, in its episode.
+    """
+
+    def __init__(self, tito: TitoTokenizer, *, episode: Episode | None = None, session_id: str = "",
+                 role: str = "agent", parent: tuple[int, int] | None = None) -> None:
         self.tito = tito
-        self.max_rollback_turns = max_rollback_turns
-        self.messages: list[ChatMessage] = []
-        self.turns: list[Turn] = []
-        self.records: list[TurnRecord] = []
+        self.episode = episode or Episode()
+        self.session_id = session_id
+        self.role = role
+        self.parent = parent
+        self.nodes: list[Node] = []
+        self.head: Node | None = None
+        self.branches: list[Branch] = []  # this session's, in creation order
+
+    @property
+    def records(self) -> list[TurnRecord]:
+        return [n.record for n in self.nodes]
+
+    @property
+    def messages(self) -> list[ChatMessage]:
+        """The conversation the head turn ended (empty before the first turn)."""
+        return list(self.head.messages) if self.head else []
 
     @property
     def token_ids(self) -> list[int]:
-        """The conversation's ids so far (the last turn's checkpoint)."""
-        return list(self.turns[-1].token_ids) if self.turns else []
+        """The head turn's checkpoint."""
+        return list(self.head.token_ids) if self.head else []
+
+    @property
+    def turns(self) -> list[Node]:
+        """The head's path, root first."""
+        return list(reversed(list(_ancestry(self.head))))
 
     # ------------------------------------------------------------------ checks
 
@@ -114,58 +226,68 @@ class Conversation:
                 f"(continuing an assistant message is not supported)",
                 param="messages",
             )
-        matched = self._matched_prefix(request)
-        kept = sum(1 for t in self.turns if t.message_index < matched)
-        self._check_rollback(request, matched, len(self.turns) - kept)
-        messages = [*self.messages[:matched], *request[matched:]]
-        if kept == 0:
-            return DraftTurn(messages, [], self.tito.first_turn_text(messages, tools, extra), 0, 0)
-        base = self.turns[kept - 1]
-        history, appended = messages[: base.message_index + 1], messages[base.message_index + 1 :]
-        self._check_roles(appended, base.message_index + 1)
+        base = self._base(request)
+        fork = self._fork(request, base)
+        self.episode.check_branches(1 if fork is not None or not self.nodes else 0)
+        if base is None:
+            messages = list(request)
+            return DraftTurn(messages, None, [], self.tito.first_turn_text(messages, tools, extra), 0, fork)
+        history = list(base.messages)
+        appended = list(request[len(history):])
+        self._check_roles(appended, len(history))
         head, trimmed, text = self.tito.appended_text(history, base.token_ids, appended, tools, extra)
-        return DraftTurn(messages, head, text, kept, trimmed)
+        return DraftTurn([*history, *appended], base, head, text, trimmed, fork)
 
     def complete(self, draft: DraftTurn, text_ids: list[int]) -> PreparedTurn:
-        """The prompt of ``draft`` given the ids of its text; checks that it extends the last kept turn."""
+        """The prompt of ``draft`` given the ids of its text; checks that it extends the base. (The
+        episode's token limit is the caller's to check, after the context limit: see ``run_turn``.)"""
         input_ids = draft.head_ids + text_ids
-        if draft.kept_turns == 0:
-            return PreparedTurn(draft.messages, input_ids, 0, 0)
-        base = self.turns[draft.kept_turns - 1]
-        self._check_token_chain(base.token_ids, input_ids, draft.trimmed)
-        previous = len(base.token_ids)
-        return PreparedTurn(draft.messages, input_ids, draft.kept_turns, draft.trimmed,
-                            known_positions=min(previous - 1, previous - draft.trimmed))
+        if draft.base is None:
+            return PreparedTurn(draft.messages, input_ids, None, 0, draft.fork, added_tokens=len(input_ids))
+        previous = draft.base.token_ids
+        self._check_token_chain(previous, input_ids, draft.trimmed)
+        added = len(input_ids) - (len(previous) - draft.trimmed)
+        return PreparedTurn(draft.messages, input_ids, draft.base, draft.trimmed, draft.fork,
+                            known_positions=min(len(previous) - 1, len(previous) - draft.trimmed), added_tokens=added)
 
-    def _matched_prefix(self, request: Sequence[ChatMessage]) -> int:
-        matched = 0
-        for asked, stored in zip(request, self.messages, strict=False):
-            if not asked.matches(stored):
-                break
-            matched += 1
-        return matched
+    def _base(self, request: Sequence[ChatMessage]) -> Node | None:
+        """The node with the longest conversation that ``request`` repeats and extends."""
+        if self.head is not None and _extends(request, self.head.messages):
+            return self.head
+        best: Node | None = None
+        for node in self.nodes:
+            if (best is None or len(node.messages) > len(best.messages)) and _extends(request, node.messages):
+                best = node
+        return best
 
-    def _check_rollback(self, request: Sequence[ChatMessage], matched: int, rollback: int) -> None:
-        if rollback <= self.max_rollback_turns:
-            return
-        if matched < len(request):
-            what = f"messages[{matched}] {request[matched].difference(self.messages[matched])}"
-        else:
-            what = f"the request has {len(request)} messages, the session already has {len(self.messages)}"
-        raise HistoryConflict(
-            f"{what}; that rewrites {rollback} generated turns, but a request may only append messages or retry "
-            f"the last {self.max_rollback_turns} turn(s). Re-send the history exactly as the session returned it, "
-            f"or start a new session for a different conversation",
-            param="messages",
-        )
+    def _fork(self, request: Sequence[ChatMessage], base: Node | None) -> Fork | None:
+        """None when ``request`` continues a leaf (or is the session's first); else why it forks."""
+        if not self.nodes or (base is not None and not base.children):
+            return None
+        siblings = base.children if base is not None else [n for n in self.nodes if n.parent is None]
+        for child in siblings:
+            if len(child.prompt_messages) == len(request) == _matched(request, child.prompt_messages):
+                return Fork("retry", child.record.branch, abandoned=child)
+        reference = self._closest(request)
+        matched = _matched(request, reference.messages)
+        cause = "rewrite"
+        if matched < len(request) and matched < len(reference.messages) and request[matched].looks_like(reference.messages[matched]):
+            cause = "spurious"
+        elif _size(request) < _size(reference.messages):
+            cause = "compaction"
+        return Fork(cause, reference.record.branch)
+
+    def _closest(self, request: Sequence[ChatMessage]) -> Node:
+        """The node whose conversation shares the most leading messages with ``request`` (the head on a tie)."""
+        assert self.head is not None
+        best, best_matched = self.head, _matched(request, self.head.messages)
+        for node in reversed(self.nodes):
+            matched = _matched(request, node.messages)
+            if matched > best_matched:
+                best, best_matched = node, matched
+        return best
 
     def _check_roles(self, appended: Sequence[ChatMessage], first_index: int) -> None:
-        if not appended:
-            raise InvalidRequest(
-                f"messages end with the assistant turn the session generated (messages[{first_index - 1}]); "
-                f"append a user or tool message, or drop that turn to retry it",
-                param="messages",
-            )
         allowed = self.tito.family.allowed_append_roles
         for offset, message in enumerate(appended):
             if message.role not in allowed:
@@ -201,13 +323,12 @@ class Conversation:
         latency_s: float = 0.0,
         captures: dict[str, list[TurnCapture]] | None = None,
     ) -> TurnRecord:
-        """Record the engine's answer to ``prepared``; rolled-back turns stay, marked."""
-        for turn in self.turns[prepared.kept_turns :]:
-            turn.record.rolled_back = True
-        del self.turns[prepared.kept_turns :]
-        self.messages = [*prepared.messages, message]
+        """Record the engine's answer to ``prepared`` as a node; a retried turn and the rest of its
+        branch move to a branch of their own, marked ``retried`` (their records ``rolled_back``)."""
+        base = prepared.base
+        branch = self._branch_of_new_turn(prepared)
         record = TurnRecord(
-            turn=len(self.records),
+            turn=len(self.nodes),
             message_count=len(prepared.messages),
             input_ids=prepared.input_ids,
             output_ids=output_ids,
@@ -220,7 +341,68 @@ class Conversation:
             created_at=time.time(),
             latency_s=latency_s,
             captures=captures or {},
+            parent_turn=base.record.turn if base is not None else None,
+            branch=branch,
         )
-        self.records.append(record)
-        self.turns.append(Turn(len(self.messages) - 1, prepared.input_ids + output_ids, record))
+        node = Node(record, (*prepared.messages, message), prepared.input_ids + output_ids, base)
+        if base is not None:
+            base.children.append(node)
+        self.nodes.append(node)
+        self.head = node
+        self.episode.tokens += prepared.added_tokens + len(output_ids)
         return record
+
+    def _branch_of_new_turn(self, prepared: PreparedTurn) -> int:
+        fork, base = prepared.fork, prepared.base
+        if fork is None:
+            if base is not None:
+                return base.record.branch
+            return self._new_branch("subagent" if self.parent else "root", *(self.parent or (None, None))).branch_id
+        if fork.abandoned is not None:
+            kept = fork.abandoned.record.branch
+            retried = self._new_branch("retry", kept, base.record.turn if base else None, retried=True)
+            for node in _along_branch(fork.abandoned):
+                node.record.branch = retried.branch_id
+                node.record.rolled_back = True
+            return kept
+        return self._new_branch(fork.cause, fork.parent_branch, base.record.turn if base else None).branch_id
+
+    def _new_branch(self, cause: str, parent_branch: int | None, fork_turn: int | None, *, retried: bool = False) -> Branch:
+        branch = self.episode.add_branch(parent_branch=parent_branch, fork_turn=fork_turn, role=self.role, cause=cause,
+                                         session_id=self.session_id, retried=retried)
+        self.branches.append(branch)
+        return branch
+
+
+def _ancestry(node: Node | None) -> Iterator[Node]:
+    while node is not None:
+        yield node
+        node = node.parent
+
+
+def _along_branch(node: Node) -> Iterator[Node]:
+    """``node`` and the turns after it on its branch (a branch is a chain: one child at most shares it)."""
+    branch = node.record.branch
+    current: Node | None = node
+    while current is not None:
+        yield current
+        current = next((c for c in current.children if c.record.branch == branch), None)
+
+
+def _matched(request: Sequence[ChatMessage], stored: Sequence[ChatMessage]) -> int:
+    matched = 0
+    for asked, kept in zip(request, stored, strict=False):
+        if not asked.matches(kept):
+            break
+        matched += 1
+    return matched
+
+
+def _extends(request: Sequence[ChatMessage], stored: Sequence[ChatMessage]) -> bool:
+    """Whether ``request`` repeats all of ``stored`` and appends at least one message."""
+    return len(request) > len(stored) and _matched(request, stored) == len(stored)
+
+
+def _size(messages: Sequence[ChatMessage]) -> int:
+    """Characters a conversation holds (what a compaction shrinks)."""
+    return sum(len(m.content) + len(m.reasoning or "") + sum(len(c.arguments) for c in m.tool_calls) for m in messages)

@@ -47,9 +47,18 @@ class SessionNotFound(TitoError):
     code = "session_not_found"
 
 
-class HistoryConflict(TitoError):
-    status_code = 409
-    code = "history_conflict"
+class TurnNotFound(TitoError):
+    """A sub-agent's parent turn that its session does not have."""
+
+    status_code = 404
+    code = "turn_not_found"
+
+
+class EpisodeLimitExceeded(TitoError):
+    """The episode went over one of its limits (branches, sessions, tokens). A 400, not a 409 or
+    429: the official SDKs retry those, and a retry can only go over again."""
+
+    code = "episode_limit"
 
 
 class SessionClosing(TitoError):

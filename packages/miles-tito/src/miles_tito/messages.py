@@ -78,10 +78,13 @@ class ChatMessage:
     # ------------------------------------------------------------------ comparing
 
     def matches(self, stored: ChatMessage) -> bool:
-        """Whether this (request) message is the ``stored`` one as a client echoes it back."""
-        if self.role != stored.role or self.content != stored.content:
+        """Whether this (request) message is the ``stored`` one as a client echoes it back: its
+        content may differ in whitespace (clients strip and re-flow text), its tool calls'
+        arguments in JSON layout and their ids, and it may drop the reasoning."""
+        if self.role != stored.role or (self.content != stored.content and _words(self.content) != _words(stored.content)):
             return False
-        if self.reasoning is not None and self.reasoning != stored.reasoning:
+        if self.reasoning is not None and self.reasoning != stored.reasoning \
+                and _words(self.reasoning) != _words(stored.reasoning or ""):
             return False
         if self.tool_call_id and stored.tool_call_id and self.tool_call_id != stored.tool_call_id:
             return False
@@ -91,6 +94,19 @@ class ChatMessage:
             a.name == b.name and _same_arguments(a.arguments, b.arguments)
             for a, b in zip(self.tool_calls, stored.tool_calls, strict=True)
         )
+
+    def looks_like(self, stored: ChatMessage) -> bool:
+        """Whether the two differ only where :meth:`matches` is strict but a client plausibly
+        re-spelled the message: whitespace anywhere (inside words too), reasoning, tool-call ids. A
+        request that forks on such a difference is counted as a ``spurious`` fork
+        (:mod:`miles_tito.conversation`): a client habit to learn about."""
+        if self.role != stored.role or "".join(self.content.split()) != "".join(stored.content.split()):
+            return False
+        if len(self.tool_calls) != len(stored.tool_calls):
+            return False
+        return all(a.name == b.name and "".join(a.arguments.split()) == "".join(b.arguments.split())
+                   or _same_arguments(a.arguments, b.arguments)
+                   for a, b in zip(self.tool_calls, stored.tool_calls, strict=True))
 
     def difference(self, stored: ChatMessage) -> str:
         """What differs from ``stored``, in words (for error messages)."""
@@ -182,6 +198,10 @@ def _arguments_view(arguments: str) -> Any:
     except ValueError:  # not JSON, or nested too deeply to hand a template (json.loads overflowed: a 500)
         return arguments
     return parsed if isinstance(parsed, dict) else arguments
+
+
+def _words(text: str) -> list[str]:
+    return text.split()
 
 
 def _same_arguments(a: str, b: str) -> bool:

@@ -81,6 +81,7 @@ async def run_turn(
             f"generate; shorten the conversation or raise the limit (--max-context-len / rollout.max_context_len)",
             param="messages",
         )
+    conversation.episode.check_tokens(prepared.added_tokens)
     stop_ids = sorted(set(request.sampling.stop_token_ids or ()) | set(tito.stop_token_ids))
     max_new = min(request.sampling.max_new_tokens, budget)
     sampling = request.sampling.model_copy(update={

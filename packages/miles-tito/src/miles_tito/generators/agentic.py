@@ -30,14 +30,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import httpx
-from miles_contracts import EngineCapture, ExitReason, GenerateContext, Sample, Status
+from miles_contracts import Branch, EngineCapture, ExitReason, GenerateContext, Sample, Status
 from miles_contracts.wire.auth import auth_headers
 from miles_contracts.wire.engine import SamplingParams
 from miles_contracts.wire.session import SessionView
 
-from miles_tito.assembly import AssemblyError, assemble, attach_captures
+from miles_tito.assembly import AssemblyError, attach_captures, branch_sample
 from miles_tito.generators.settings import GeneratorSettings, prompt_messages, settings_from
 from miles_tito.server.background import BackgroundServer
+from miles_tito.server.cli import episode_limits
 from miles_tito.tokenizer import TitoTokenizer
 
 
@@ -83,7 +84,7 @@ class AgenticGenerator:
                 outcome = (Status.ABORTED, ExitReason.AGENT_EXCEPTION, f"the agent raised {type(exc).__name__}: {exc}")
             finally:
                 view = await _collect(http, session["session_id"])
-        return _finish(sample, view, outcome, ctx.captures)
+        return _finish(sample, view, outcome, ctx.captures, train_retried=settings.tito.train_retried)
 
     def _embedded_server(self, ctx: GenerateContext, settings: GeneratorSettings) -> str:
         """A session server in this process, one per engine URL, tokenizer and family."""
@@ -103,7 +104,7 @@ class AgenticGenerator:
                 make = app_factory(
                     engine_url, tito, model_name=str(getattr(ctx.tokenizer, "name_or_path", "model")),
                     max_context_len=ctx.max_context_len, default_max_tokens=ctx.sampling_params.max_new_tokens,
-                    max_rollback_turns=settings.tito.max_rollback_turns,
+                    episode_limits=episode_limits(settings.tito),
                     idle_timeout=settings.tito.session_idle_timeout or None, partial_rollout=ctx.partial_rollout,
                 )
                 server = self._embedded[key] = BackgroundServer(make)
@@ -151,24 +152,57 @@ async def _collect(http: httpx.AsyncClient, session_id: str) -> SessionView | st
 
 
 def _finish(
-    sample: Sample, view: SessionView | str, outcome: tuple[Status, ExitReason, str] | None, captures: Sequence[EngineCapture]
+    sample: Sample, view: SessionView | str, outcome: tuple[Status, ExitReason, str] | None,
+    captures: Sequence[EngineCapture], *, train_retried: bool = False,
 ) -> Sample:
     if isinstance(view, str):
         return sample.finish(Status.ABORTED, ExitReason.ENGINE_ERROR, view if outcome is None else f"{outcome[2]}; {view}")
-    records = view.active_records
-    if records:
-        try:
-            assemble(records, max_trim_tokens=view.max_trim_tokens, into=sample)
-        except AssemblyError as exc:
-            return sample.finish(Status.FAILED, None, f"the session's turns do not form one trajectory: {exc}")
-        sample.response = str(records[-1].message.get("content") or "")
-        sample.metadata["messages"] = view.messages
+    try:
+        rows = episode_rows(sample, view, captures, train_retried=train_retried)
+    except AssemblyError as exc:
+        return sample.finish(Status.FAILED, None, f"the session's turns do not form one trajectory: {exc}")
     if view.failures:
         sample.metadata["session_failures"] = [f.model_dump() for f in view.failures]
     if view.failures_dropped:
         sample.metadata["session_failures_dropped"] = view.failures_dropped
+    if view.episode_limit is not None and rows:
+        return sample.finish(Status.TRUNCATED, ExitReason.EPISODE_LIMIT, view.episode_limit)
     if outcome is not None:
         return sample.finish(*outcome)
-    if not records:
+    if not rows:
         return sample.finish(Status.ABORTED, ExitReason.ABORT, "the agent finished without a single model call")
-    return attach_captures(records, sample, captures)
+    return sample
+
+
+def episode_rows(sample: Sample, view: SessionView, captures: Sequence[EngineCapture], *,
+                 train_retried: bool = False) -> list[Sample]:
+    """Fill ``sample`` with the episode's primary branch (the one the first session's last turn is
+    on) and ``sample.branches`` with every other branch that has a trained turn, from the sessions'
+    final views (the first session's, its ``children``); returns the rows, primary first.
+    ``sample.metadata["episode"]`` says what the graph held (see docs/design/trajectories.md)."""
+    sessions = [view, *view.children]
+    primary = view.records[view.head_turn].branch if view.head_turn is not None else None
+    ordered = sorted(((s, b) for s in sessions for b in s.branches),
+                     key=lambda item: (item[0] is not view or item[1].branch_id != primary, item[1].branch_id))
+    rows: list[Sample] = []
+    for session, branch_view in ordered:
+        last = max(r.turn for r in session.records if r.branch == branch_view.branch_id)
+        path = session.path(last)
+        into = sample if not rows else Sample(prompt=sample.prompt, label=sample.label,
+                                              metadata={"episode_id": view.episode_id})
+        row = branch_sample(path, Branch(**branch_view.model_dump(include=set(Branch.__slots__))),
+                            max_trim_tokens=view.max_trim_tokens, train_retried=train_retried, into=into)
+        if row is None:
+            continue
+        rows.append(attach_captures(path, row, captures))
+    if rows:
+        head = view.active_records
+        sample.response = str(head[-1].message.get("content") or "") if head else ""
+        sample.metadata["messages"] = view.messages
+        sample.branches = rows[1:]
+    sample.metadata["episode"] = {
+        "episode_id": view.episode_id, "sessions": len(sessions), "branches": sum(len(s.branches) for s in sessions),
+        "rows": len(rows), "forks": dict(view.forks), "roles": sorted({s.role for s in sessions}),
+        **({"limit": view.episode_limit} if view.episode_limit else {}),
+    }
+    return rows

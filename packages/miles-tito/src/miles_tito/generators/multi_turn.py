@@ -48,7 +48,7 @@ class MultiTurnGenerator:
     async def __call__(self, sample: Sample, ctx: GenerateContext) -> Sample:
         settings = settings_from(ctx)
         tito = self.tito(ctx.tokenizer, settings.family, settings.tito.render_check)
-        conversation = Conversation(tito, max_rollback_turns=0)
+        conversation = Conversation(tito)
         try:
             messages = ChatMessage.list_from_openai(prompt_messages(sample.prompt))
         except MessageError as exc:

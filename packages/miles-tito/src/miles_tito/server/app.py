@@ -4,6 +4,7 @@
 ``POST   /sessions/{id}/v1/chat/completions``    OpenAI chat completions (tools, streaming accepted)
 ``POST   /sessions/{id}/v1/messages``            Anthropic Messages (tools, thinking, streaming accepted)
 ``POST   /sessions/{id}/v1/responses``           OpenAI Responses (tools, reasoning, previous_response_id, streaming)
+``POST   /sessions/{id}/v1/children``            a sub-agent's session in the same episode (the session's key suffices)
 ``GET    /sessions/{id}/v1/models``              the served model (some clients ask first)
 ``GET    /sessions/{id}``                        :class:`SessionView`: records with exact token ids
 ``DELETE /sessions/{id}``                        waits for the request in flight, returns the final view
@@ -55,7 +56,7 @@ from miles_tito.errors import EngineAborted, InvalidRequest, TitoError
 from miles_tito.server import messages_response, responses_response
 from miles_tito.server.openapi import session_openapi
 from miles_tito.server.responses import completion, error_body, stream_events
-from miles_tito.server.service import SessionService
+from miles_tito.server.service import Session, SessionService
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -139,6 +140,7 @@ class SessionApp:
             ("openapi.json",): {"GET": self.openapi},
             ("sessions",): {"POST": self.create_session},
             ("sessions", "*"): {"GET": self.get_session, "DELETE": self.delete_session},
+            ("sessions", "*", "v1", "children"): {"POST": self.create_child},
             ("sessions", "*", "v1", "models"): {"GET": self.models},
             ("sessions", "*", "v1", "chat", "completions"): {"POST": self.chat_completions},
             ("sessions", "*", "v1", "messages"): {"POST": self.messages},
@@ -170,9 +172,10 @@ class SessionApp:
         return json_reply(session_openapi())
 
     async def create_session(self, call: Call) -> Reply:
-        session = self.service.create(await call.json(optional=True))
-        return json_reply({"session_id": session.id, "base_url": f"{call.base_url()}/sessions/{session.id}/v1",
-                           "api_key": session.api_key})
+        return _created(self.service.create(await call.json(optional=True)), call)
+
+    async def create_child(self, call: Call) -> Reply:
+        return _created(self.service.create_child(call.session_id, await call.json(optional=True)), call)
 
     async def get_session(self, call: Call) -> Reply:
         service = self.service
@@ -283,6 +286,11 @@ def _retry_header(error: TitoError) -> list[tuple[bytes, bytes]]:
     """``x-should-retry``, which OpenAI's and Anthropic's SDKs both obey: only an engine abort is
     worth retrying as it is."""
     return [(b"x-should-retry", b"true" if isinstance(error, EngineAborted) else b"false")]
+
+
+def _created(session: Session, call: Call) -> Reply:
+    return json_reply({"session_id": session.id, "base_url": f"{call.base_url()}/sessions/{session.id}/v1",
+                       "api_key": session.api_key, "episode_id": session.conversation.episode.id})
 
 
 def _model_reply(model: Any) -> Reply:

@@ -21,11 +21,15 @@ from miles.server_process import add_run_arguments, add_server_security_argument
 if TYPE_CHECKING:
     from miles_contracts import RunContext
 
+    from miles_tito.config import TitoSection
+    from miles_tito.conversation import EpisodeLimits
+
 SHUTDOWN_GRACE_S = 5  # whole seconds: uvicorn takes timeout_graceful_shutdown as an int
 """After SIGTERM/SIGINT the server exits within this many seconds; requests still in flight get one
 second less, so its own shutdown fits in."""
 
-TITO_KEYS = ("family", "render_check", "max_rollback_turns", "session_idle_timeout")
+TITO_KEYS = ("family", "render_check", "max_branches_per_episode", "max_sessions_per_episode", "max_tokens_per_episode",
+             "session_idle_timeout")
 """Keys of the ``tito`` section the session server reads (the rest are the generators')."""
 
 
@@ -65,8 +69,15 @@ def session_options(ctx: RunContext, partial_rollout: bool | None = None) -> dic
     if partial_rollout is None:
         partial_rollout = loop_mode(config).partial_rollout(config)
     return {"max_context_len": config.rollout.max_context_len, "default_max_tokens": config.rollout.max_new_tokens,
-            "max_rollback_turns": tito.max_rollback_turns, "idle_timeout": tito.session_idle_timeout or None,
+            "episode_limits": episode_limits(tito), "idle_timeout": tito.session_idle_timeout or None,
             "partial_rollout": partial_rollout}
+
+
+def episode_limits(tito: TitoSection) -> EpisodeLimits:
+    from miles_tito.conversation import EpisodeLimits
+
+    return EpisodeLimits(max_branches=tito.max_branches_per_episode, max_sessions=tito.max_sessions_per_episode,
+                         max_tokens=tito.max_tokens_per_episode)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-from miles_contracts.wire.session import CreateSessionRequest
+from miles_contracts.wire.session import ChildSessionRequest, CreateSessionRequest
 
 from miles_tito.server.messages_request import MessagesRequest
 from miles_tito.server.responses_request import ResponsesRequest
@@ -23,7 +23,7 @@ _SESSION_ID = {"name": "session_id", "in": "path", "required": True, "schema": {
 @cache
 def session_openapi() -> dict[str, Any]:
     schemas: dict[str, Any] = {}
-    for model in (CreateSessionRequest, ChatCompletionRequest, MessagesRequest, ResponsesRequest):
+    for model in (CreateSessionRequest, ChildSessionRequest, ChatCompletionRequest, MessagesRequest, ResponsesRequest):
         schema = model.model_json_schema(ref_template=_REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
@@ -33,7 +33,7 @@ def session_openapi() -> dict[str, Any]:
 
     def answers(*statuses: str) -> dict[str, Any]:
         described = {"200": "done", "400": "invalid request (OpenAI error body)", "401": "missing or wrong token",
-                     "404": "no such session", "409": "history conflict or session closing",
+                     "404": "no such session (or parent turn)", "409": "session closing",
                      "413": "body over the size limit", "415": "body is not JSON",
                      "422": "the chat template breaks token-in-token-out", "502": "the engine failed",
                      "503": "the engine aborted the generation"}
@@ -46,12 +46,18 @@ def session_openapi() -> dict[str, Any]:
         "/openapi.json": {"get": {"summary": "this document", "operationId": "openapi", "responses": answers("200", "401")}},
         "/sessions": {"post": {"summary": "open a session", "operationId": "create_session",
                                "requestBody": body(CreateSessionRequest, False),
-                               "responses": answers("200", "400", "401", "413", "415")}},
+                               "responses": answers("200", "400", "401", "404", "413", "415")}},
         "/sessions/{session_id}": {
             "parameters": [_SESSION_ID],
             "get": {"summary": "the session's records", "operationId": "get_session", "responses": answers("200", "401", "404")},
             "delete": {"summary": "close the session, returning its final records", "operationId": "delete_session",
                        "responses": answers("200", "401", "404")},
+        },
+        "/sessions/{session_id}/v1/children": {
+            "parameters": [_SESSION_ID],
+            "post": {"summary": "open a sub-agent's session in this session's episode (the session's key suffices)",
+                     "operationId": "create_child", "requestBody": body(ChildSessionRequest, False),
+                     "responses": answers("200", "400", "401", "404", "409", "413", "415")},
         },
         "/sessions/{session_id}/v1/models": {
             "parameters": [_SESSION_ID],

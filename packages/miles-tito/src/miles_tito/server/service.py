@@ -26,14 +26,17 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from miles_contracts import CaptureSpec, EngineClient
 from miles_contracts.wire.auth import new_session_key
 from miles_contracts.wire.engine import SamplingParams
 from miles_contracts.wire.session import (
+    BranchView,
+    ChildSessionRequest,
     CreateSessionRequest,
     RequestFailure,
+    SessionParent,
     SessionSampling,
     SessionView,
     TrajectoryView,
@@ -42,8 +45,8 @@ from miles_contracts.wire.session import (
 from pydantic import ValidationError
 
 from miles_tito.assembly import AssemblyError, assemble
-from miles_tito.conversation import Conversation
-from miles_tito.errors import InvalidRequest, SessionClosing, SessionNotFound, TitoError
+from miles_tito.conversation import Conversation, Episode, EpisodeLimits
+from miles_tito.errors import InvalidRequest, SessionClosing, SessionNotFound, TitoError, TurnNotFound
 from miles_tito.messages import ChatMessage, MessageError
 from miles_tito.server import responses_request
 from miles_tito.server.messages_request import MessagesRequest, chat_messages, parse_messages_request
@@ -54,6 +57,7 @@ from miles_tito.tokenizer import TitoTokenizer
 from miles_tito.turn import TurnRequest, TurnResult, run_turn
 
 log = logging.getLogger(__name__)
+RequestModel = TypeVar("RequestModel", CreateSessionRequest, ChildSessionRequest)
 EXPIRED_MEMORY = 10_000
 """Most expired session ids remembered (for the 404 that says so); the oldest are forgotten first."""
 FAILURES_KEPT = 64
@@ -95,6 +99,11 @@ class Session:
     api_key: str = field(default_factory=new_session_key)  # reaches this session only
     # Responses route: response id -> the conversation it ended with (without its instructions)
     responses: OrderedDict[str, tuple[ChatMessage, ...]] = field(default_factory=OrderedDict)
+    parent: SessionParent | None = None  # a sub-agent's: the session and turn that spawned it
+    root: Session | None = None  # a sub-agent's: its episode's first session
+    # the episode's first session: the other sessions of its episode, open or finished
+    children: list[Session] = field(default_factory=list)
+    final_view: SessionView | None = None  # set once deleted
 
 
 @dataclass(slots=True)
@@ -124,7 +133,7 @@ class SessionService:
     :param model_name: the name responses report.
     :param max_context_len: prompt plus completion limit, in tokens.
     :param default_max_tokens: completion budget when neither request nor session sets one.
-    :param max_rollback_turns: how many generated turns a request may retry (rewrite).
+    :param episode_limits: branches, sessions and tokens one episode (a session and its sub-agents) may have.
     :param idle_timeout: seconds without a request after which a session expires; None: never.
     """
 
@@ -136,7 +145,7 @@ class SessionService:
         model_name: str,
         max_context_len: int = 32768,
         default_max_tokens: int = 1024,
-        max_rollback_turns: int = 1,
+        episode_limits: EpisodeLimits | None = None,
         delete_timeout: float = 600.0,
         idle_timeout: float | None = 3600.0,
         partial_rollout: bool = False,
@@ -148,7 +157,7 @@ class SessionService:
         self.model_name = model_name
         self.max_context_len = max_context_len
         self.default_max_tokens = default_max_tokens
-        self.max_rollback_turns = max_rollback_turns
+        self.episode_limits = episode_limits or EpisodeLimits()
         self.delete_timeout = delete_timeout
         self.idle_timeout = idle_timeout
         self.partial_rollout = partial_rollout  # continue turns a weight update aborted (TurnRequest.continue_aborted)
@@ -161,19 +170,53 @@ class SessionService:
     # ------------------------------------------------------------------ lifecycle
 
     def create(self, body: Any = None) -> Session:
-        try:
-            request = CreateSessionRequest.model_validate(body or {})
-        except ValidationError as exc:
-            error = exc.errors()[0]
-            raise InvalidRequest(f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}") from None
-        session = Session(
-            id=uuid.uuid4().hex,
-            conversation=Conversation(self.tito, max_rollback_turns=self.max_rollback_turns),
-            sampling=request.sampling,
-            metadata=request.metadata,
-            captures=list(request.captures),
-        )
+        """A new session: the first of a new episode, or with ``parent`` a sub-agent's in the parent's."""
+        request = _validated(CreateSessionRequest, body)
         self.expire_idle()
+        if request.parent is None:
+            return self._add(request.role, request.metadata, request.sampling, list(request.captures), None)
+        parent = self.get(request.parent.session_id)
+        return self._spawn(parent, request.parent.turn, request.role, request.metadata, request.sampling,
+                           list(request.captures))
+
+    def create_child(self, session_id: str, body: Any = None) -> Session:
+        """``POST /sessions/{id}/v1/children``: the agent's own way to open a sub-agent's session
+        (with its session key; the child inherits sampling defaults and captures)."""
+        parent = self._open(session_id)
+        try:
+            request = _validated(ChildSessionRequest, body)
+        except TitoError as exc:
+            raise self._fail(parent, exc) from None
+        return self._spawn(parent, request.parent_turn, request.role, request.metadata, parent.sampling,
+                           list(parent.captures))
+
+    def _spawn(self, parent: Session, turn: int | None, role: str, metadata: dict[str, Any],
+               sampling: SessionSampling, captures: list[CaptureSpec]) -> Session:
+        conversation = parent.conversation
+        if turn is None:
+            turn = conversation.head.record.turn if conversation.head is not None else None
+        elif turn >= len(conversation.nodes):
+            raise TurnNotFound(f"parent.turn: session {parent.id} has {len(conversation.nodes)} turns, no turn {turn}",
+                               param="parent.turn")
+        link = (conversation.nodes[turn].record.branch, turn) if turn is not None else None
+        root = parent.root or parent
+        child = self._add(role, metadata, sampling, captures, SessionParent(session_id=parent.id, turn=turn),
+                          episode=conversation.episode, link=link)
+        child.root = root
+        root.children.append(child)
+        return child
+
+    def _add(self, role: str, metadata: dict[str, Any], sampling: SessionSampling, captures: list[CaptureSpec],
+             parent: SessionParent | None, *, episode: Episode | None = None,
+             link: tuple[int, int] | None = None) -> Session:
+        episode = episode or Episode(self.episode_limits)
+        episode.check_sessions()
+        session_id = uuid.uuid4().hex
+        conversation = Conversation(self.tito, episode=episode, session_id=session_id, role=role,
+                                    parent=link if parent is not None else None)
+        session = Session(id=session_id, conversation=conversation, sampling=sampling, metadata=metadata,
+                          captures=captures, parent=parent)
+        episode.sessions += 1
         self.sessions[session.id] = session
         return session
 
@@ -227,8 +270,12 @@ class SessionService:
         return [s.id for s in stale]
 
     def view(self, session: Session) -> SessionView:
+        if session.final_view is not None:
+            return session.final_view
         conversation = session.conversation
-        trajectory, trajectory_error = _trajectory(conversation.records, self.tito.family.max_trim_tokens)
+        episode = conversation.episode
+        path = [n.record for n in conversation.turns]
+        trajectory, trajectory_error = _trajectory(path, self.tito.family.max_trim_tokens)
         return SessionView(
             session_id=session.id,
             family=self.tito.family.name,
@@ -243,10 +290,27 @@ class SessionService:
             closed=session.closing,
             trajectory=trajectory,
             trajectory_error=trajectory_error,
+            episode_id=episode.id,
+            role=conversation.role,
+            parent=session.parent,
+            head_turn=conversation.head.record.turn if conversation.head is not None else None,
+            branches=[BranchView.model_validate(b.to_dict()) for b in conversation.branches],
+            forks=episode.fork_counts(),
+            episode_limit=episode.limit_hit,
+            children=[self.view(c) for c in session.children],
         )
 
     async def delete(self, session_id: str) -> SessionView:
+        """Close the session (and, for an episode's first session, every other session of the
+        episode) once its request in flight committed; its final state, children included."""
         session = self.get(session_id)
+        await asyncio.gather(*(self._close(s) for s in [session, *session.children] if s.final_view is None))
+        for child in session.children:
+            child.final_view = child.final_view or self.view(child)
+        session.final_view = self.view(session)
+        return session.final_view
+
+    async def _close(self, session: Session) -> None:
         session.closing = True
         try:
             await asyncio.wait_for(session.lock.acquire(), timeout=self.delete_timeout)
@@ -255,7 +319,6 @@ class SessionService:
         else:
             session.lock.release()
         self._retire(session)
-        return self.view(session)
 
     # ------------------------------------------------------------------ turns
 
@@ -368,6 +431,14 @@ class SessionService:
         session.failures.append(RequestFailure(at=time.time(), status_code=error.status_code, code=error.code,
                                                message=error.message[:FAILURE_MESSAGE_CHARS]))
         return error
+
+
+def _validated(model: type[RequestModel], body: Any) -> RequestModel:
+    try:
+        return model.model_validate(body or {})
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        raise InvalidRequest(f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}") from None
 
 
 def _trajectory(records: list[TurnRecord], max_trim_tokens: int) -> tuple[TrajectoryView | None, str | None]:
