@@ -153,3 +153,19 @@ def test_fully_async_batches_train_every_branch_and_report_them(fresh_kernels: N
     assert metrics["rollout/episode_rows_mean"] == 4.0 and metrics["rollout/role/critic/rows"] == 4.0
     # every branch's sampled tokens count in the lag: per episode 2 of version 1, 5 of version 0
     assert metrics["async/token_lag_mean"] == pytest.approx(5 / 7) and metrics["async/offpolicy_token_frac"] == pytest.approx(5 / 7)
+
+
+def test_the_step_dump_keeps_every_branch_of_an_episode(fresh_kernels: None, tmp_path) -> None:
+    """A run's samples/ files are the post-mortem: an episode's branches, roles and per-role
+    rewards are in its line, not only its primary branch."""
+    import json
+
+    from miles.loop.run_dir import dump_samples
+
+    rollout = asyncio.run(_manager("two_agents").collect(1))
+    path = dump_samples(tmp_path, 1, rollout.all_samples, tokens=True)
+    first = json.loads(path.read_text().splitlines()[0])
+    assert first["branch"]["role"] == "solver" and first["role_rewards"] == {"solver": 1.0, "critic": 0.0}
+    assert [(b["branch"]["cause"], b["branch"]["role"], b["reward"]) for b in first["branches"]] == [
+        ("compaction", "solver", 1.0), ("retry", "solver", 1.0), ("subagent", "critic", 0.0)]
+    assert first["branches"][0]["tokens"] == [*PROMPT, 20, 21, 40, 41, 42] and first["branches"][0]["loss_mask"] == [0, 1, 1]
