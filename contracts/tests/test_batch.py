@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from miles_contracts import Sample, Status, TrainBatch, bucketize
+from miles_contracts import Branch, Sample, Status, TrainBatch, bucketize
 
 
 def _sample(index: int, prompt: list[int], response: list[int], reward: float) -> Sample:
@@ -64,3 +64,30 @@ def test_token_versions_follow_the_response_and_mark_what_no_engine_sampled() ->
     bad.token_versions = [0]
     with pytest.raises(ValueError, match="token_versions has 1 entries"):
         TrainBatch.from_samples([bad], pad_token_id=0)
+
+
+def _branch_row(index: int, group: int, role: str, branch_id: int, reward: float) -> Sample:
+    row = _sample(index, [1, 2], [3 + branch_id], reward)
+    row.group_index, row.branch = group, Branch(episode_id=f"e{index}", branch_id=branch_id, role=role,
+                                                cause="root" if branch_id == 0 else "compaction")
+    return row
+
+
+def test_rows_of_one_episode_and_role_are_one_rollout_and_groups_are_per_role() -> None:
+    """Two episodes of one prompt group, each with solver and critic branches (two solver
+    branches each): one rollout per (episode, role), one advantage group per (group, role)."""
+    rows = [_branch_row(index, 7, role, branch_id, reward)
+            for index in (40, 41)
+            for branch_id, role, reward in ((0, "solver", 1.0), (1, "critic", 0.0), (2, "solver", 1.0), (3, "critic", 0.0))]
+    batch = TrainBatch.from_samples(rows, pad_token_id=0)
+    assert batch.rollout_ids.tolist() == [0, 1, 0, 1, 2, 3, 2, 3]
+    assert batch.group_ids.tolist() == [0, 1, 0, 1, 0, 1, 0, 1]
+    linear = TrainBatch.from_samples([_sample(40, [1], [2], 1.0), _sample(43, [1], [2], 1.0)], pad_token_id=0)
+    assert linear.rollout_ids.tolist() == [40, 43] and linear.group_ids.tolist() == [20, 21]  # as before branches
+
+
+def test_a_row_without_a_branch_beside_branch_rows_is_a_rollout_of_its_own() -> None:
+    rows = [_branch_row(5, 2, "solver", 0, 1.0), _sample(5, [1], [2], 1.0), _branch_row(5, 2, "solver", 1, 1.0)]
+    rows[1].group_index = 2
+    batch = TrainBatch.from_samples(rows, pad_token_id=0)
+    assert batch.rollout_ids.tolist() == [0, 1, 0] and batch.group_ids.tolist() == [0, 1, 0]

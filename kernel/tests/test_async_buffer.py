@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 from miles.loop.buffer import BufferClosedError, Group, GroupBuffer
-from miles_contracts import ExitReason, Sample, Status
+from miles_contracts import Branch, ExitReason, Sample, Status
 
 
 def group(index: int, versions: Sequence[int] = (0,), status: Status = Status.COMPLETED, size: int = 2) -> Group:
@@ -103,6 +103,21 @@ def test_groups_over_the_staleness_bound_are_recycled_or_dropped_and_counted(pol
         for g in again:  # regenerated from the prompt, as drawn
             assert g.attempt == 2 and all(s.tokens == [] and s.status is Status.PENDING for s in g.samples)
             assert [s.prompt for s in g.samples] == [f"p{g.index}"] * 2
+
+    run(scenario())
+
+
+def test_a_branch_older_than_its_episodes_primary_makes_the_group_stale() -> None:
+    """An episode's rows are trained together: a branch whose turns ran older weights than every
+    turn of the episode's primary branch (an abandoned attempt, a compacted history) ages the group."""
+    async def scenario() -> None:
+        buffer = GroupBuffer(capacity=8, max_staleness=1, unused="drop")
+        aged = group(0, versions=(2,))
+        aged.samples[1].branches = [Sample(weight_versions=[0], branch=Branch(episode_id="e", branch_id=1))]
+        await buffer.put(aged)
+        await buffer.put(group(1, versions=(2,)))
+        assert [g.index for g in await buffer.take(1, version=2)] == [1]
+        assert buffer.take_counts()["stale_dropped"] == 1
 
     run(scenario())
 

@@ -19,7 +19,7 @@ from miles.plugins import PluginSelection, load_plugins
 from miles.rewards import score_samples_blocking
 from miles.rewards.remote import RemoteReward, RemoteRewardError
 from miles.sections import RewardSection
-from miles_contracts import ExitReason, Sample, Status
+from miles_contracts import Branch, ExitReason, Sample, Status
 from miles_contracts.testing.reward import check_reward
 
 RECEIVED: list[dict] = []
@@ -52,7 +52,19 @@ def slow(body: dict) -> Answer:
     return 200, "application/json", json.dumps({"rewards": []})
 
 
-ROUTES: dict[str, Callable[[dict], Answer]] = {f"/{f.__name__}": f for f in (exact, picky, short, garbage, slow)}
+def roles(body: dict) -> Answer:
+    """A reward server of a two-agent game: the solver wins when its response equals the label; a
+    response "forgets" leaves the sample's own role out."""
+    RECEIVED.append(body)
+    rewards = []
+    for s in body["samples"]:
+        won = float(s["response"] == s["label"])
+        scores = {role: won if role == "solver" else 1.0 - won for role in s["roles"]}
+        rewards.append({k: v for k, v in scores.items() if k != s["role"]} if s["response"] == "forgets" else scores)
+    return 200, "application/json", json.dumps({"rewards": rewards})
+
+
+ROUTES: dict[str, Callable[[dict], Answer]] = {f"/{f.__name__}": f for f in (exact, picky, short, garbage, slow, roles)}
 
 
 class RewardHandler(BaseHTTPRequestHandler):
@@ -158,3 +170,22 @@ def test_a_loopback_reward_server_is_reached_past_an_http_proxy(server: str, mon
     assert asyncio.run(RemoteReward(url=f"{server}/exact")([completed("4", "4")])) == [1.0]
     assert is_loopback_url("http://localhost:8000/score") and is_loopback_url("http://127.0.0.2/x")
     assert is_loopback_url("http://[::1]:80/") and not is_loopback_url("https://rewards.example.com/score")
+
+
+def test_a_remote_reward_may_score_each_role_of_an_episode(server: str) -> None:
+    """The endpoint is told each episode's roles and answers {role: reward}; a mapping without the
+    sample's own role fails that sample only."""
+    RECEIVED.clear()
+    samples = [completed("4", "4", 0), completed("5", "4", 1), completed("forgets", "4", 2)]
+    for s in samples:
+        s.branch = Branch(episode_id=f"e{s.index}", branch_id=0, role="solver")
+        s.branches = [Sample(branch=Branch(episode_id=f"e{s.index}", branch_id=1, role="critic", cause="subagent"))]
+    selection = PluginSelection(enable=("rewards",))
+    kernel = Kernel(load_plugins(selection), selection)
+    config = MilesConfig(reward=RewardSection(name="remote", remote_url=f"{server}/roles"))
+    report = score_samples_blocking(samples, context_for(config, kernel=kernel))
+    assert RECEIVED[0]["samples"][0]["role"] == "solver" and RECEIVED[0]["samples"][0]["roles"] == ["critic", "solver"]
+    assert [s.reward for s in samples[:2]] == [1.0, 0.0]
+    assert samples[1].role_rewards == {"solver": 0.0, "critic": 1.0}
+    assert samples[2].status is Status.FAILED and "without the sample's own role 'solver'" in samples[2].exit_detail
+    assert (report.scored, report.failed) == (2, 1)

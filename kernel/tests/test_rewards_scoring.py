@@ -15,7 +15,7 @@ from miles.plugins import PluginSelection, load_plugins
 from miles.registry import Register, UnknownNameError
 from miles.rewards import score_samples, score_samples_blocking
 from miles.sections import RewardSection
-from miles_contracts import ExitReason, RewardSpec, Sample, Status
+from miles_contracts import Branch, ExitReason, RewardSpec, Sample, Status
 
 RELEASE = threading.Event()
 
@@ -45,6 +45,20 @@ class RewardsForTests:
         register("waits_for_the_loop", RewardSpec(waits_for_the_loop))
         register("nothing", RewardSpec(lambda samples: []))
         register("nan_for_empty", RewardSpec(lambda samples: [float("nan") if not s.response else 1.0 for s in samples]))
+        register("per_role", RewardSpec(per_role))
+
+
+def per_role(samples: Sequence[Sample]) -> list[float | dict[str, object]]:
+    """A game of two agents: the response names the winner; some responses make broken mappings."""
+    answers: dict[str, float | dict[str, object]] = {
+        "solver wins": {"solver": 1.0, "critic": 0.0},
+        "critic wins": {"solver": 0.0, "critic": 1.0},
+        "no solver": {"critic": 1.0},
+        "nan critic": {"solver": 1.0, "critic": float("nan")},
+        "text critic": {"solver": 1.0, "critic": "high"},
+        "plain": 0.5,
+    }
+    return [answers[s.response] for s in samples]
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +141,39 @@ def test_sync_rewards_run_off_the_event_loop(kernel: Kernel) -> None:
 
     asyncio.run(main())
     assert samples[0].reward == 1.0  # 0.0 would mean the reward blocked the loop until its wait gave up
+
+
+def episode(response: str, role: str | None, index: int) -> Sample:
+    """An episode's primary branch (``role`` None: a sample without a branch)."""
+    sample = completed(response, reward="per_role", index=index)
+    if role is not None:
+        sample.branch = Branch(episode_id=f"e{index}", branch_id=0, role=role)
+        sample.branches = [Sample(branch=Branch(episode_id=f"e{index}", branch_id=1, parent_branch=0, role="critic",
+                                                cause="subagent"), status=Status.COMPLETED)]
+    return sample
+
+
+def test_a_reward_of_several_agents_scores_each_role(kernel: Kernel) -> None:
+    """{role: reward}: the sample's reward is its own role's, and its branches of other roles get theirs."""
+    samples = [episode("solver wins", "solver", 0), episode("critic wins", "solver", 1), episode("plain", "solver", 2)]
+    report = score_samples_blocking(samples, context_for(MilesConfig(reward=RewardSection(name="per_role")), kernel=kernel))
+    assert report.scored == 3 and report.failed == 0
+    assert [s.reward for s in samples] == [1.0, 0.0, 0.5]
+    assert samples[0].role_rewards == {"solver": 1.0, "critic": 0.0} and samples[2].role_rewards == {}
+    assert [[row.reward for row in s.rows()] for s in samples] == [[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]]
+
+
+@pytest.mark.parametrize(("response", "role", "problem"), [
+    ("no solver", "solver", "without the sample's own role 'solver'"),
+    ("nan critic", "solver", "the value of 'critic' is not a finite number"),
+    ("text critic", "solver", "the value of 'critic' is not a finite number"),
+    ("solver wins", None, "for a sample without a role (sample.branch is None)"),
+])
+def test_a_broken_per_role_reward_fails_only_its_sample(kernel: Kernel, response: str, role: str | None,
+                                                         problem: str) -> None:
+    bad, good = episode(response, role, 0), episode("solver wins", "solver", 1)
+    report = score_samples_blocking([bad, good], context_for(MilesConfig(reward=RewardSection(name="per_role")), kernel=kernel))
+    assert bad.status is Status.FAILED and bad.exit_reason is ExitReason.REWARD_ERROR and bad.reward is None
+    assert problem in bad.exit_detail and "reward 'per_role'" in bad.exit_detail
+    assert bad.role_rewards == {} and not any(row.trainable for row in bad.rows())
+    assert good.reward == 1.0 and (report.scored, report.failed) == (1, 1)

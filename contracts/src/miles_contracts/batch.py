@@ -29,9 +29,11 @@ class TrainBatch:
     :ivar loss_mask: ``[B, T]`` float32, 1 on model-sampled response tokens, else 0.
     :ivar rollout_logprobs: ``[B, T]`` float32, engine log-probs of sampled tokens, 0 off-mask.
     :ivar rewards: ``[B]`` float32, raw scalar reward of each row's rollout.
-    :ivar group_ids: ``[B]`` int64, prompt group of each row (GRPO normalises within a group).
+    :ivar group_ids: ``[B]`` int64, prompt group of each row (GRPO normalises within a group); the
+        rows of one prompt group and one agent role when rows belong to episodes of several branches.
     :ivar rollout_ids: ``[B]`` int64, rows with the same id are pieces of one rollout; reductions
-        count a rollout once however many rows it was split into.
+        count a rollout once however many rows it was split into. The rows of one episode and one
+        agent role are one rollout (:meth:`from_samples`).
     :ivar old_logprobs: ``[B, T]`` trainer log-probs before the update (proximal policy).
     :ivar ref_logprobs: ``[B, T]`` reference-model log-probs (KL).
     :ivar teacher_logprobs: ``[B, T]`` teacher log-probs (on-policy distillation).
@@ -102,7 +104,14 @@ class TrainBatch:
 
     @classmethod
     def from_samples(cls, samples: Sequence[Sample], pad_token_id: int) -> TrainBatch:
-        """Pad trainable samples into a batch. Each sample's ``rollout_ids`` is its ``index``.
+        """Pad trainable samples into a batch.
+
+        Each row's ``rollout_ids`` is its sample's ``index`` and its ``group_ids`` its
+        ``group_index``. When some row is a branch of an episode (``sample.branch``, the rows of
+        :meth:`Sample.rows`), both become dense ids, numbered in row order, of ``(index, role)``
+        and ``(group_index, role)`` instead (``role = branch.role``, None for a row without a
+        branch): the rows of one episode and one role are one rollout, and advantage groups are
+        per role, so an episode counts once per role in every rollout-level statistic.
 
         Stash values whose key has a ``to_batch`` become ``extras`` (one tensor per key that any
         sample carries; the key's ``to_batch`` decides what rows without a value hold).
@@ -130,10 +139,29 @@ class TrainBatch:
         logprobs = logprobs * loss_mask
         versions = _token_versions(samples, width)
         rewards = torch.tensor([float(s.reward or 0.0) for s in samples], dtype=torch.float32)
-        groups = torch.tensor([s.group_index for s in samples], dtype=torch.long)
-        rollouts = torch.tensor([s.index for s in samples], dtype=torch.long)
+        groups, rollouts = _row_ids(samples)
         return cls(tokens, attention, loss_mask, logprobs, rewards, groups, rollouts, token_versions=versions,
                    extras=_stash_extras(samples, width))
+
+
+def _row_ids(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B]`` group ids and ``[B]`` rollout ids (see :meth:`TrainBatch.from_samples`)."""
+    import torch
+
+    if all(s.branch is None for s in samples):
+        return (torch.tensor([s.group_index for s in samples], dtype=torch.long),
+                torch.tensor([s.index for s in samples], dtype=torch.long))
+    roles = [s.branch.role if s.branch is not None else None for s in samples]
+    return (_dense([(s.group_index, role) for s, role in zip(samples, roles, strict=True)]),
+            _dense([(s.index, role) for s, role in zip(samples, roles, strict=True)]))
+
+
+def _dense(keys: Sequence[tuple[int, str | None]]) -> torch.Tensor:
+    """``[B]`` int64: equal keys get equal ids, numbered 0, 1, ... in order of first appearance."""
+    import torch
+
+    ids: dict[tuple[int, str | None], int] = {}
+    return torch.tensor([ids.setdefault(key, len(ids)) for key in keys], dtype=torch.long)
 
 
 def _stash_extras(samples: Sequence[Sample], width: int) -> dict[str, torch.Tensor]:

@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 
 # --------------------------------------------------------------------------- scoring and selection
 
+Score = float | Mapping[str, float]
+"""What a reward returns for one sample: the episode's reward, or its per-role rewards."""
+
+
 
 @runtime_checkable
 class RewardFn(Protocol):
@@ -33,9 +37,13 @@ class RewardFn(Protocol):
 
     A reward that raises for one sample should return ``float('nan')`` for it rather than raise
     for the batch; the kernel marks NaN-scored samples FAILED with exit reason ``reward_error``.
+
+    For an episode of several agents (its branches have several ``Branch.role``) a reward may
+    return ``{role: float}`` for the sample instead: every branch of a listed role gets its role's
+    reward, ``sample.reward`` the one of the sample's own role, which the mapping must hold.
     """
 
-    def __call__(self, samples: Sequence[Sample]) -> list[float] | Awaitable[list[float]]: ...
+    def __call__(self, samples: Sequence[Sample]) -> Sequence[Score] | Awaitable[Sequence[Score]]: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,3 +75,46 @@ def test_each_group_sums_to_zero(rewards, scale):
     for g in range(3):
         members = out[torch.tensor(groups) == g]
         assert abs(float(members.sum())) <= len(members) * 2**-23 * (1 + magnitude)
+
+
+def _episode(index: int, rewards: dict[str, float], branches: list[str]) -> list:
+    """The training rows (``Sample.rows``) of an episode of prompt group 0 whose branches have the
+    roles ``branches`` (the first is the primary), scored ``rewards`` per role."""
+    from miles_contracts import Branch, Sample, Status
+
+    def branch(branch_id: int, role: str) -> Sample:
+        return Sample(tokens=[1, 2, 3], response_length=1, loss_mask=[1], status=Status.COMPLETED,
+                      branch=Branch(episode_id=f"e{index}", branch_id=branch_id, role=role,
+                                    cause="root" if branch_id == 0 else "compaction"))
+
+    primary, *others = (branch(i, role) for i, role in enumerate(branches))
+    primary.index, primary.branches = index, others
+    primary.reward, primary.role_rewards = rewards[branches[0]], dict(rewards)
+    return primary.rows()
+
+
+def _advantages(rows: list) -> list[float]:
+    from miles_contracts import TrainBatch
+
+    batch = TrainBatch.from_samples(rows, pad_token_id=0)
+    return group_normalized_rewards(batch.rewards, batch.group_ids, batch.rollout_ids, scale_by_std=True).tolist()
+
+
+def test_an_episode_of_three_branches_counts_once_in_its_group():
+    """Rewards 1, 0, 0: the episode of three rows gets the advantage it gets as one row."""
+    three = _advantages([*_episode(0, {"agent": 1.0}, ["agent"] * 3), *_episode(1, {"agent": 0.0}, ["agent"]),
+                         *_episode(2, {"agent": 0.0}, ["agent"])])
+    one = _advantages([*_episode(0, {"agent": 1.0}, ["agent"]), *_episode(1, {"agent": 0.0}, ["agent"]),
+                       *_episode(2, {"agent": 0.0}, ["agent"])])
+    assert three[:3] == [one[0]] * 3 and three[3:] == one[1:]
+    assert one[0] == pytest.approx(2 / 3 / (math.sqrt(1 / 3) + 1e-6))
+
+
+def test_each_role_of_an_episode_is_normalised_among_its_own_role():
+    """A zero-sum game of two roles: each role's advantage comes from its own group (solver rewards
+    1, 0; critic 0, 1), never from the other role's rewards."""
+    rows = [*_episode(0, {"solver": 1.0, "critic": 0.0}, ["solver", "critic", "solver"]),
+            *_episode(1, {"solver": 0.0, "critic": 1.0}, ["solver", "critic"])]
+    advantages = _advantages(rows)
+    high = 0.5 / (math.sqrt(0.5) + 1e-6)
+    assert advantages == pytest.approx([high, -high, high, -high, high])

@@ -74,8 +74,10 @@ class Group:
         return any(s.status is Status.ABORTED for s in self.samples)
 
     def oldest_version(self) -> int:
-        """The oldest weight version any engine call of the group ran with."""
-        return min((v for s in self.samples if (v := s.oldest_weight_version) is not None), default=self.launched_version)
+        """The oldest weight version any engine call of the group ran with, in any branch of its
+        episodes (a branch's turns may be older than every turn of its episode's primary one)."""
+        return min((v for s in self.samples for branch in (s, *s.branches)
+                    if (v := branch.oldest_weight_version) is not None), default=self.launched_version)
 
     def staleness(self, version: int) -> int:
         return max(0, version - self.oldest_version())

@@ -26,6 +26,7 @@ from miles_contracts.wire.engine import SamplingParams
 
 from miles.data.source import source_metrics
 from miles.filtering import apply_filters, over_sampler_for
+from miles.loop.episodes import episode_metrics, training_rows
 from miles.loop.progress import RolloutProgress
 from miles.rewards import score_samples
 
@@ -48,7 +49,8 @@ class StepRollout:
 
     @property
     def train_samples(self) -> list[Sample]:
-        return [s for g in self.groups for s in g if s.trainable]
+        """The step's training rows: each kept episode's trainable rows (:func:`training_rows`)."""
+        return training_rows(self.groups)
 
 
 class RolloutManager:
@@ -258,4 +260,5 @@ def rollout_metrics(samples: list[Sample], kept: list[list[Sample]], drops: Coun
         m[f"rollout/exit_{reason}"] = float(count)
     for reason, count in drops.items():
         m[f"filter/drop_{reason}"] = float(count)
+    m.update(episode_metrics(samples))
     return m

@@ -106,14 +106,25 @@ def dump_samples(run_dir: Path, step: int, samples: list[Sample], kind: str = "s
     path = folder / f"step_{step:06d}.jsonl"
     with path.open("w") as f:
         for s in samples:
-            row: dict[str, Any] = {
-                "index": s.index, "group": s.group_index, "prompt": s.prompt, "label": s.label,
-                "response": s.response, "reward": s.reward, "status": s.status.value,
-                "exit_reason": s.exit_reason.value if s.exit_reason else None, "exit_detail": s.exit_detail,
-                "response_tokens": s.response_length, "weight_versions": s.weight_versions,
-            }
-            if tokens:
-                row.update(tokens=s.tokens, loss_mask=s.loss_mask, rollout_logprobs=s.rollout_logprobs,
-                           token_versions=s.token_versions)
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(_dumped(s, tokens=tokens)) + "\n")
     return path
+
+
+def _dumped(s: Sample, *, tokens: bool) -> dict[str, Any]:
+    """One sample's line; an episode's other branches nest under ``branches`` in the same shape."""
+    row: dict[str, Any] = {
+        "index": s.index, "group": s.group_index, "prompt": s.prompt, "label": s.label,
+        "response": s.response, "reward": s.reward, "status": s.status.value,
+        "exit_reason": s.exit_reason.value if s.exit_reason else None, "exit_detail": s.exit_detail,
+        "response_tokens": s.response_length, "weight_versions": s.weight_versions,
+    }
+    if tokens:
+        row.update(tokens=s.tokens, loss_mask=s.loss_mask, rollout_logprobs=s.rollout_logprobs,
+                   token_versions=s.token_versions)
+    if s.branch is not None:
+        row["branch"] = s.branch.to_dict()
+    if s.role_rewards:
+        row["role_rewards"] = s.role_rewards
+    if s.branches:
+        row["branches"] = [_dumped(b, tokens=tokens) for b in s.branches]
+    return row

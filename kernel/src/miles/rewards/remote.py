@@ -5,6 +5,10 @@ One POST per batch::
     request:  {"samples": [{"prompt": ..., "response": ..., "label": ..., "metadata": {...}}, ...]}
     response: {"rewards": [1.0, 0.0, null, ...]}   (or a bare JSON list; null = cannot score)
 
+A sample that is a branch of an episode also sends its ``"role"`` and the episode's ``"roles"``;
+the answer may then score it ``{"<role>": 1.0, ...}`` (per-role rewards, checked per sample by
+:func:`miles.rewards.score_samples`).
+
 Any failure -- connection refused, timeout, an HTTP error status, a malformed answer -- raises
 :class:`RemoteRewardError` with the URL and what went wrong; :func:`miles.rewards.score_samples` then
 marks the affected samples, not the run.
@@ -45,7 +49,7 @@ class RemoteReward:
         config = ctx.config.reward
         return RemoteReward(url=config.remote_url, timeout=config.timeout)
 
-    async def __call__(self, samples: Sequence[Sample]) -> list[float]:
+    async def __call__(self, samples: Sequence[Sample]) -> list[float | dict[str, Any]]:
         if not samples:
             return []
         if not self.url:
@@ -82,10 +86,15 @@ def _tls_context() -> ssl.SSLContext:
 
 
 def _payload(sample: Sample) -> dict[str, Any]:
-    return {"prompt": sample.prompt, "response": sample.response, "label": sample.label, "metadata": sample.metadata}
+    payload: dict[str, Any] = {"prompt": sample.prompt, "response": sample.response, "label": sample.label,
+                               "metadata": sample.metadata}
+    if sample.branch is not None:  # one agent of an episode: the endpoint may score every role
+        roles = {b.branch.role for b in (sample, *sample.branches) if b.branch is not None}
+        payload |= {"role": sample.branch.role, "roles": sorted(roles)}
+    return payload
 
 
-def _parse_rewards(url: str, text: str, expected: int) -> list[float]:
+def _parse_rewards(url: str, text: str, expected: int) -> list[float | dict[str, Any]]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
@@ -95,12 +104,15 @@ def _parse_rewards(url: str, text: str, expected: int) -> list[float]:
         raise RemoteRewardError(f"reward endpoint {url} must answer {{\"rewards\": [...]}} or a JSON list; got {text[:200]!r}")
     if len(rewards) != expected:
         raise RemoteRewardError(f"reward endpoint {url} returned {len(rewards)} rewards for {expected} samples")
-    scores = []
+    scores: list[float | dict[str, Any]] = []
     for i, value in enumerate(rewards):
         if value is None:
             scores.append(math.nan)
         elif isinstance(value, int | float) and not isinstance(value, bool):
             scores.append(float(value))
+        elif isinstance(value, dict):  # per-role rewards: their values are checked with the sample's role
+            scores.append(value)
         else:
-            raise RemoteRewardError(f"reward endpoint {url} returned {value!r} for sample {i}; expected a number or null")
+            raise RemoteRewardError(f"reward endpoint {url} returned {value!r} for sample {i}; expected a number, "
+                                    f"null or {{role: number}}")
     return scores

@@ -6,6 +6,10 @@ thread so they never block the event loop (and with it the rollout). A reward th
 out, or returns NaN / inf costs only the samples concerned: they become FAILED with exit reason
 ``reward_error`` and ``reward`` stays None. When a batch raises, each of its samples is scored
 alone, so one bad sample does not fail its neighbours.
+
+A reward may score an episode of several agents with ``{role: float}``: the sample's
+``role_rewards`` become the mapping and its ``reward`` its own role's value (``sample.branch.role``);
+a mapping without that role, or with a value that is not a finite number, fails the sample.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import asyncio
 import inspect
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -78,11 +82,11 @@ async def score_samples(samples: Sequence[Sample], ctx: RunContext) -> ScoreRepo
     for (name, batch), (seconds, results) in zip(batches.items(), outcomes, strict=True):
         report.seconds[name] = seconds
         for sample, (value, error) in zip(batch, results, strict=True):
-            if error is None:
-                sample.reward = value
+            if value is not None:
+                sample.reward, sample.role_rewards = value
                 report.scored += 1
             else:
-                sample.reward = None
+                sample.reward, sample.role_rewards = None, {}
                 sample.finish(Status.FAILED, ExitReason.REWARD_ERROR, error)
                 report.failed += 1
                 if len(report.errors) < MAX_REPORTED_ERRORS:
@@ -108,7 +112,8 @@ def _resolve(ctx: RunContext, batches: dict[str, list[Sample]]) -> dict[str, Rew
     return resolved
 
 
-Result = tuple[float | None, str | None]  # (score, None) or (None, why it failed)
+Scored = tuple[float, dict[str, float]]  # (sample.reward, sample.role_rewards)
+Result = tuple[Scored | None, str | None]  # (scored, None) or (None, why it failed)
 
 
 async def _timed(name: str, reward: RewardFn, batch: list[Sample], timeout: float) -> tuple[float, list[Result]]:
@@ -128,13 +133,37 @@ async def _score_batch(name: str, reward: RewardFn, batch: list[Sample], timeout
             alone = await asyncio.gather(*(_score_batch(name, reward, [s], timeout) for s in batch))
             return [results[0] for results in alone]
         return [(None, f"reward {name!r} raised {type(exc).__name__}: {exc}")]
-    return [
-        (value, None) if math.isfinite(value) else (None, f"reward {name!r} returned {value} (the sample could not be scored)")
-        for value in values
-    ]
+    return [_checked(name, sample, value) for sample, value in zip(batch, values, strict=True)]
 
 
-async def _call(reward: RewardFn, batch: list[Sample]) -> list[float]:
+def _checked(name: str, sample: Sample, value: float | Mapping[Any, Any]) -> Result:
+    """One sample's score, or why it cannot be its reward."""
+    if isinstance(value, Mapping):
+        return _checked_roles(name, sample, value)
+    if not math.isfinite(value):
+        return None, f"reward {name!r} returned {value} (the sample could not be scored)"
+    return (value, {}), None
+
+
+def _checked_roles(name: str, sample: Sample, value: Mapping[Any, Any]) -> Result:
+    shown = repr(dict(value))[:200]
+    role = sample.branch.role if sample.branch is not None else None
+    if role is None:
+        return None, (f"reward {name!r} returned per-role rewards {shown} for a sample without a role "
+                      f"(sample.branch is None); return one float for an episode of one agent")
+    bad = [key for key, v in value.items() if not isinstance(key, str) or isinstance(v, bool)
+           or not isinstance(v, numbers.Real) or not math.isfinite(v)]
+    if bad:
+        return None, (f"reward {name!r} returned per-role rewards {shown}: the value of {bad[0]!r} is not a finite "
+                      f"number; every role's reward must be one (a float per role)")
+    if role not in value:
+        return None, (f"reward {name!r} returned per-role rewards {shown} without the sample's own role {role!r}; "
+                      f"the mapping must hold a reward for it")
+    rewards = {key: float(v) for key, v in value.items()}
+    return (rewards[role], rewards), None
+
+
+async def _call(reward: RewardFn, batch: list[Sample]) -> list[float | Mapping[Any, Any]]:
     if _is_async(reward):
         result: Any = await reward(batch)  # type: ignore[misc]
     else:
@@ -148,16 +177,20 @@ def _is_async(fn: object) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
-def _as_scores(result: Any, expected: int) -> list[float]:
+def _as_scores(result: Any, expected: int) -> list[float | Mapping[Any, Any]]:
+    """The reward's answer as one score per sample; a mapping is checked per sample (:func:`_checked`)."""
     if not isinstance(result, list | tuple) or len(result) != expected:
         got = f"{len(result)} values" if isinstance(result, list | tuple) else type(result).__name__
         raise TypeError(f"returned {got} for {expected} samples; a reward returns one float per sample")
-    scores = []
+    scores: list[float | Mapping[Any, Any]] = []
     for value in result:
         if value is None:
             scores.append(math.nan)
+        elif isinstance(value, Mapping):
+            scores.append(value)
         elif isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"returned {value!r}; a reward returns floats (NaN for a sample it cannot score)")
+            raise TypeError(f"returned {value!r}; a reward returns floats (NaN for a sample it cannot score), "
+                            f"or {{role: float}} for an episode of several agents")
         else:
             scores.append(float(value))
     return scores

@@ -28,6 +28,7 @@ from miles_contracts import Sample
 from miles.errors import MilesError
 from miles.filtering import apply_filters
 from miles.loop.buffer import Admit, Group, GroupBuffer
+from miles.loop.episodes import training_rows
 from miles.loop.interrupts import stop_requested
 from miles.loop.producer import RolloutWorkers
 from miles.loop.rollout import StepRollout, rollout_metrics
@@ -180,7 +181,7 @@ def batch_metrics(groups: list[Group], buffer: GroupBuffer, version: int, *, wai
     }
     for outcome in ("stale_recycled", "stale_dropped", "aborted_recycled", "aborted_dropped", "attempts_exhausted"):
         metrics[f"async/{outcome}"] = float(counts[outcome])
-    metrics |= token_lag_metrics(samples, version)
+    metrics |= token_lag_metrics(training_rows(g.samples for g in groups), version)  # every branch's tokens
     return metrics
 
 
