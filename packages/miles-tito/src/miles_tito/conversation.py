@@ -18,8 +18,8 @@ The session's *head* is the node of its last turn. A request is placed in the gr
    attempt, that turn and the rest of its branch, becomes a branch of its own marked ``retried``,
    and the new attempt continues the old branch), ``spurious`` (the first differing message differs
    only in spelling: whitespace, JSON layout -- nothing :meth:`ChatMessage.matches` should not have
-   accepted; a bug to find), ``compaction`` (the history is shorter than the one it replaced) or
-   ``rewrite``.
+   accepted; a bug to find), ``compaction`` (the history got shorter than the prompt of the turn it
+   diverged from: fewer messages or fewer characters) or ``rewrite``.
 4. **render / tokens** -- the TITO tokenizer requires the rendering with the appended messages to
    extend the rendering without them, and the new prompt must extend the base checkpoint except for
    at most the family's ``max_trim_tokens`` trailing ids.
@@ -273,7 +273,7 @@ class Conversation:
         cause = "rewrite"
         if matched < len(request) and matched < len(reference.messages) and request[matched].looks_like(reference.messages[matched]):
             cause = "spurious"
-        elif _size(request) < _size(reference.messages):
+        elif len(request) < len(reference.prompt_messages) or _size(request) < _size(reference.prompt_messages):
             cause = "compaction"
         return Fork(cause, reference.record.branch)
 
