@@ -103,6 +103,24 @@ def test_appending_stays_on_one_branch_and_going_back_to_another_leaf_is_no_fork
     assert [(b.cause, b.parent_branch, b.fork_turn) for b in conversation.branches] == [
         ("root", None, None), ("compaction", 0, None)]
     assert conversation.episode.fork_counts() == {"compaction": 1}
+    # the compaction's prompt, rendered from scratch, shares the system prompt's ids with turn 0
+    records = conversation.records
+    shared = records[2].shared_prefix
+    assert 0 < shared < len(records[2].input_ids) and records[2].input_ids[:shared] == records[0].input_ids[:shared]
+    assert records[3].shared_prefix == len(records[1].input_ids) + 2  # its parent's checkpoint, whole
+    assert conversation.episode.tokens == sum(len(r.input_ids) - r.shared_prefix + len(r.output_ids) for r in records)
+
+
+def test_the_episode_token_count_of_a_compacting_delegating_agent(chatml: TitoTokenizer) -> None:
+    """``miles bench episode-tokens``' counting, small: every generated id trained once; the graph
+    holds fewer tokens than the rows, which hold fewer than one sample per request."""
+    from miles_tito.bench.episode_tokens import count_episode
+
+    counts = count_episode(chatml, turns=7, output_tokens=8, tool_tokens=20, system_tokens=40, compact_every=3,
+                           spawn_at=1, subagent_turns=2)
+    assert counts["forks"] == {"compaction": 2, "subagent": 1} and counts["rows"] == 4 and counts["turns"] == 9
+    assert counts["trained_tokens"] == counts["generated_tokens"]
+    assert counts["generated_tokens"] < counts["graph_tokens"] < counts["row_tokens"] < counts["per_request_tokens"]
 
 
 def test_an_edited_tool_result_forks_from_the_turn_before_it(chatml: TitoTokenizer) -> None:

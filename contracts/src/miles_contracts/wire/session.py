@@ -114,6 +114,9 @@ class TurnRecord(_Response):
     :ivar parent_turn: the session turn whose ids this turn's prompt extends; None when the prompt
         was rendered from scratch (a session's first turn, a compaction).
     :ivar branch: the episode branch the turn belongs to (``SessionView.branches``).
+    :ivar shared_prefix: leading ``input_ids`` a turn recorded before already holds: the parent's
+        checkpoint, or for a prompt rendered from scratch after a fork the longest common prefix
+        with the turn it diverged from (what a prefix cache need not compute again).
     :ivar captures: the session's engine captures of this turn, by capture name: one piece per engine
         call, in order (several when a weight update interrupted the turn).
     """
@@ -134,6 +137,7 @@ class TurnRecord(_Response):
     captures: dict[str, list[TurnCapture]] = Field(default_factory=dict)
     parent_turn: int | None = None
     branch: int = 0
+    shared_prefix: int = 0
 
 
 class RequestFailure(_Response):

@@ -124,6 +124,7 @@ class Fork:
     cause: str
     parent_branch: int | None
     abandoned: Node | None = None
+    reference: Node | None = None  # the turn it diverged from (for the shared token prefix)
 
 
 @dataclass(slots=True)
@@ -154,7 +155,10 @@ class PreparedTurn:
     :ivar known_positions: leading positions of ``input_ids`` whose per-position engine data
         (captures) the base's turns already hold: the base's call reported positions ``[.., n - 1)``
         of its ``n`` ids, valid up to where the splice replaced trailing ids.
-    :ivar added_tokens: ids this prompt adds to the episode (what the base did not hold).
+    :ivar added_tokens: ids this prompt adds to the episode's graph (``len(input_ids) - shared_prefix``).
+    :ivar shared_prefix: leading ids of ``input_ids`` a recorded turn already holds: the base's
+        checkpoint (less trimmed ids), or for a fork rendered from scratch the longest common
+        prefix with the turn it diverged from (a system prompt, the history before an edit).
     """
 
     messages: list[ChatMessage]
@@ -164,6 +168,7 @@ class PreparedTurn:
     fork: Fork | None
     known_positions: int = 0
     added_tokens: int = 0
+    shared_prefix: int = 0
 
 
 class Conversation:
@@ -243,12 +248,16 @@ class Conversation:
         episode's token limit is the caller's to check, after the context limit: see ``run_turn``.)"""
         input_ids = draft.head_ids + text_ids
         if draft.base is None:
-            return PreparedTurn(draft.messages, input_ids, None, 0, draft.fork, added_tokens=len(input_ids))
+            reference = draft.fork.reference if draft.fork is not None else None
+            shared = _common_prefix(input_ids, reference.token_ids) if reference is not None else 0
+            return PreparedTurn(draft.messages, input_ids, None, 0, draft.fork, added_tokens=len(input_ids) - shared,
+                                shared_prefix=shared)
         previous = draft.base.token_ids
         self._check_token_chain(previous, input_ids, draft.trimmed)
         added = len(input_ids) - (len(previous) - draft.trimmed)
         return PreparedTurn(draft.messages, input_ids, draft.base, draft.trimmed, draft.fork,
-                            known_positions=min(len(previous) - 1, len(previous) - draft.trimmed), added_tokens=added)
+                            known_positions=min(len(previous) - 1, len(previous) - draft.trimmed), added_tokens=added,
+                            shared_prefix=len(previous) - draft.trimmed)
 
     def _base(self, request: Sequence[ChatMessage]) -> Node | None:
         """The node with the longest conversation that ``request`` repeats and extends."""
@@ -275,7 +284,7 @@ class Conversation:
             cause = "spurious"
         elif len(request) < len(reference.prompt_messages) or _size(request) < _size(reference.prompt_messages):
             cause = "compaction"
-        return Fork(cause, reference.record.branch)
+        return Fork(cause, reference.record.branch, reference=reference)
 
     def _closest(self, request: Sequence[ChatMessage]) -> Node:
         """The node whose conversation shares the most leading messages with ``request`` (the head on a tie)."""
@@ -343,6 +352,7 @@ class Conversation:
             captures=captures or {},
             parent_turn=base.record.turn if base is not None else None,
             branch=branch,
+            shared_prefix=prepared.shared_prefix,
         )
         node = Node(record, (*prepared.messages, message), prepared.input_ids + output_ids, base)
         if base is not None:
@@ -401,6 +411,11 @@ def _matched(request: Sequence[ChatMessage], stored: Sequence[ChatMessage]) -> i
 def _extends(request: Sequence[ChatMessage], stored: Sequence[ChatMessage]) -> bool:
     """Whether ``request`` repeats all of ``stored`` and appends at least one message."""
     return len(request) > len(stored) and _matched(request, stored) == len(stored)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def _size(messages: Sequence[ChatMessage]) -> int:

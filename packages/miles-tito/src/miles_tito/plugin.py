@@ -1,6 +1,6 @@
 """Plugin ``tito`` (distribution miles-tito): generators, the calculator tool, the ``session``
 service, the ``tito`` config section and the ``serve session``, ``verify-template``, ``bench
-session``, ``bench isolation`` and ``bench tito`` commands.
+session``, ``bench isolation``, ``bench episode-tokens`` and ``bench tito`` commands.
 
 Light on purpose: ``miles plugins`` imports this module, so FastAPI, transformers and the
 generators load only when used.
@@ -116,6 +116,11 @@ def miles_register_commands(register: Register[CommandSpec]) -> None:
     register("bench isolation", _command(
         "miles_tito.bench.isolation",
         "latency of other sessions and engine requests while one huge request is in flight, against a baseline",
+    ))
+    register("bench episode-tokens", _command(
+        "miles_tito.bench.episode_tokens",
+        "tokens a trainer sees per generated token on a compacting, delegating agent episode: graph vs rows vs per request",
+        uses_context=True,
     ))
     register("bench tito", _command(
         "miles_tito.bench.tito",

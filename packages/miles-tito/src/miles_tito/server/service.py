@@ -67,8 +67,8 @@ FAILURE_MESSAGE_CHARS = 1000
 """A remembered failure's message is cut to this length (messages may quote what the client sent)."""
 RESPONSES_KEPT = 64
 """Responses a session remembers for ``previous_response_id``, the latest. An agent continues from
-its last response (or one a few turns back to branch, which the conversation's rollback bounds
-anyway); each kept response is a tuple of references to the session's immutable messages."""
+its last response (or one a few turns back, which starts a branch); each kept response is a tuple
+of references to the session's immutable messages."""
 
 
 class RouteRequest(Protocol):
@@ -272,32 +272,10 @@ class SessionService:
     def view(self, session: Session) -> SessionView:
         if session.final_view is not None:
             return session.final_view
-        conversation = session.conversation
-        episode = conversation.episode
-        path = [n.record for n in conversation.turns]
-        trajectory, trajectory_error = _trajectory(path, self.tito.family.max_trim_tokens)
-        return SessionView(
-            session_id=session.id,
-            family=self.tito.family.name,
-            created_at=session.created_at,
-            metadata=session.metadata,
-            messages=[m.to_openai() for m in conversation.messages],
-            token_ids=conversation.token_ids,
-            records=list(conversation.records),
-            failures=list(session.failures),
-            failures_dropped=session.failures_dropped,
-            max_trim_tokens=self.tito.family.max_trim_tokens,
-            closed=session.closing,
-            trajectory=trajectory,
-            trajectory_error=trajectory_error,
-            episode_id=episode.id,
-            role=conversation.role,
-            parent=session.parent,
-            head_turn=conversation.head.record.turn if conversation.head is not None else None,
-            branches=[BranchView.model_validate(b.to_dict()) for b in conversation.branches],
-            forks=episode.fork_counts(),
-            episode_limit=episode.limit_hit,
-            children=[self.view(c) for c in session.children],
+        return conversation_view(
+            session.conversation, created_at=session.created_at, metadata=session.metadata,
+            failures=list(session.failures), failures_dropped=session.failures_dropped, closed=session.closing,
+            parent=session.parent, children=[self.view(c) for c in session.children],
         )
 
     async def delete(self, session_id: str) -> SessionView:
@@ -431,6 +409,32 @@ class SessionService:
         session.failures.append(RequestFailure(at=time.time(), status_code=error.status_code, code=error.code,
                                                message=error.message[:FAILURE_MESSAGE_CHARS]))
         return error
+
+
+def conversation_view(conversation: Conversation, **session: Any) -> SessionView:
+    """The state of ``conversation`` as its session's view; ``session``: the view's session-level
+    fields (created_at, metadata, failures, closed, parent, children ...)."""
+    family = conversation.tito.family
+    episode = conversation.episode
+    trajectory, trajectory_error = _trajectory([n.record for n in conversation.turns], family.max_trim_tokens)
+    return SessionView(
+        session_id=conversation.session_id,
+        family=family.name,
+        created_at=session.pop("created_at", time.time()),
+        messages=[m.to_openai() for m in conversation.messages],
+        token_ids=conversation.token_ids,
+        records=list(conversation.records),
+        max_trim_tokens=family.max_trim_tokens,
+        trajectory=trajectory,
+        trajectory_error=trajectory_error,
+        episode_id=episode.id,
+        role=conversation.role,
+        head_turn=conversation.head.record.turn if conversation.head is not None else None,
+        branches=[BranchView.model_validate(b.to_dict()) for b in conversation.branches],
+        forks=episode.fork_counts(),
+        episode_limit=episode.limit_hit,
+        **session,
+    )
 
 
 def _validated(model: type[RequestModel], body: Any) -> RequestModel:
