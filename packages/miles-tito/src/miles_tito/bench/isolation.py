@@ -35,7 +35,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from miles_tito.bench.session import model_path, percentile, start_process
+from miles_tito.bench.processes import model_path, percentile, start_process
 
 SMALL_GENERATE = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
 LONG_TEXT = "\U0001f642" * 300_000

@@ -1,10 +1,18 @@
-"""``miles bench session``: what the session server costs on top of calling the engine directly.
+"""``miles bench session``: what the session server costs on top of calling the engine directly, per wire API.
 
-Setup: an engine (``--engine URL``, else ``miles serve engine`` is started on ``--model``) and a
-session server process (``miles serve session``) in front of it. At each concurrency level ``c``,
-``c`` workers each run ``--sessions-per-worker`` sessions (more at low concurrency, to reach
-``--min-requests``) of ``--turns`` turns (a user message appended per turn, the history re-sent),
-through raw HTTP, one keep-alive connection per worker, so the client adds little.
+Setup, per ``--engine-kind`` (default both, in this order):
+
+* ``stub``: a stand-in engine (:mod:`miles_tito.bench.stub_engine`, a real HTTP server on loopback)
+  that answers every generation at once with a few fixed ids. It stands in for an engine only so
+  that what is measured is the session server's own cost, not the model's.
+* ``embedded``: ``miles serve engine`` on ``--model`` (or the running engine at ``--engine``).
+
+A session server process (``miles serve session``) sits in front of it. For each API of ``--apis``
+(OpenAI Chat Completions, Anthropic Messages, OpenAI Responses; ``responses-chained`` continues by
+``previous_response_id``, see :mod:`miles_tito.bench.session_apis`) and each concurrency level
+``c``, ``c`` workers each run ``--sessions-per-worker`` sessions (more at low concurrency, to reach
+``--min-requests``) of ``--turns`` turns (a user message appended per turn, the whole history
+re-sent), through raw HTTP, one keep-alive connection per worker, so the client adds little.
 
 * **added latency** per request = what the client waited minus the engine call the server made
   for it (its ``latency_s`` record): the extra hop, parsing, TITO tokenization, checks, records
@@ -13,10 +21,16 @@ through raw HTTP, one keep-alive connection per worker, so the client adds littl
   cost inside ``latency_s`` are the same code and cancel: what remains is what a direct call
   would not pay.
 * **requests/s** through the session server, against the same engine requests (the recorded
-  prompt ids) sent straight to the engine at the same concurrency: ``throughput_ratio``.
+  prompt ids) sent straight to the engine at the same concurrency: ``throughput_ratio``; and the
+  direct calls' own latency, so that, with the stub, session wait minus direct wait is a second
+  reading of the added latency.
 * **server CPU per request**: CPU seconds the session server process used during the level
-  (Linux ``/proc``), divided by its chat requests (session create/delete included). Unlike wall
-  clock, this hardly moves when other processes compete for the cores.
+  (Linux ``/proc``), divided by its turns (session create/delete included). Unlike wall clock,
+  this hardly moves when other processes compete for the cores.
+
+The issue's goal (p50 <= 1 ms and p99 <= 5 ms added at 256 sessions) is evaluated per engine kind
+and API. ``--profile C --profile-out FILE`` runs the server under cProfile during level ``C`` of
+the stub engine (:mod:`miles_tito.bench.profiled_server`); profiled timings are not comparable.
 
 Timings on a shared machine are noisy: run it several times and compare medians.
 """
@@ -29,13 +43,22 @@ import gc
 import json
 import math
 import os
-import socket
+import pstats
+import signal
 import statistics
-import subprocess
 import sys
 import time
 from contextlib import ExitStack
 from typing import Any
+
+from miles_tito.bench.processes import (
+    cpu_seconds,
+    model_path,
+    percentile,
+    raise_open_file_limit,
+    start_process,
+)
+from miles_tito.bench.session_apis import CONVERSATIONS
 
 PROMPTS = [
     "Add 17 and 25, then explain the steps.",
@@ -43,87 +66,91 @@ PROMPTS = [
     "List three prime numbers.",
     "What is the capital of France?",
 ]
+GOAL = {"concurrency": 256, "added_latency_p50_ms": 1.0, "added_latency_p99_ms": 5.0}
+ENGINE_KINDS = {
+    "stub": "stand-in engine (miles_tito.bench.stub_engine): answers every generation at once with fixed ids; it "
+            "stands in for an engine only so that the session server's own cost is measured",
+    "embedded": "miles serve engine (the embedded engine) on the model, on this machine's CPU or GPU",
+}
+DEFAULT_APIS = "chat,messages,responses"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine", help="URL of a running engine (default: start one on --model)")
+    parser.add_argument("--engine-kind", default="stub,embedded",
+                        help="comma-separated, run in this order: stub (a stand-in engine that answers at once, so only "
+                             "the server is measured), embedded (miles serve engine on --model)")
+    parser.add_argument("--engine", help="URL of a running engine, used as the embedded kind (default: start one on --model)")
     parser.add_argument("--model", default="tiny-dense", help="model for the engine and tokenizer ('tiny-dense' = the tiny test model)")
-    parser.add_argument("--concurrency", default="1,64,256", help="comma-separated concurrent sessions")
+    parser.add_argument("--apis", default=DEFAULT_APIS, help=f"comma-separated, of {', '.join(CONVERSATIONS)}")
+    parser.add_argument("--concurrency", default="1,64,256,1000", help="comma-separated concurrent sessions")
     parser.add_argument("--sessions-per-worker", type=int, default=2)
     parser.add_argument("--min-requests", type=int, default=60, help="more sessions per worker at low concurrency, for stable percentiles")
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--profile", type=int, default=None, metavar="C",
+                        help="profile the session server (cProfile) during level C of the stub engine; needs --profile-out")
+    parser.add_argument("--profile-out", default=None, help="where the profile (pstats) goes")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--out", default=None, help="also write the JSON report here")
 
 
 def run(args: argparse.Namespace) -> int:
-    model = model_path(args.model)
+    from miles.cli.command import emit_json
+
+    kinds = args.engine_kind.split(",")
+    apis = args.apis.split(",")
     levels = [int(c) for c in args.concurrency.split(",")]
-    with ExitStack() as stack:
-        engine = args.engine or start_process(stack, [sys.executable, "-m", "miles_engine", "--model", model], args.startup_timeout)[0]
-        server, pid = start_process(stack, [sys.executable, "-m", "miles_tito.server", "--router", engine, "--model", model,
-                                     "--max-tokens", str(args.max_tokens)], args.startup_timeout)
-        results = asyncio.run(_bench(engine, server, pid, levels, args))
-    print(json.dumps({"benchmark": "session", "model": args.model, "turns": args.turns, "max_tokens": args.max_tokens,
-                      "cpu_count": os.cpu_count(), "levels": results}, indent=2))
+    unknown = [k for k in kinds if k not in ENGINE_KINDS] + [a for a in apis if a not in CONVERSATIONS]
+    if unknown:
+        print(f"error: unknown engine kinds or APIs {unknown}; kinds: {list(ENGINE_KINDS)}, APIs: {list(CONVERSATIONS)}",
+              file=sys.stderr)
+        return 2
+    if args.profile is not None and not args.profile_out:
+        print("error: --profile needs --profile-out FILE (where the server writes its profile)", file=sys.stderr)
+        return 2
+    # per process: a connection per session to the server, one onward to the engine, one direct
+    raise_open_file_limit(2 * max(levels) + 256)
+    model = model_path(args.model)
+    report: dict[str, Any] = {
+        "benchmark": "session", "model": args.model, "turns": args.turns, "max_tokens": args.max_tokens,
+        "sessions_per_worker": args.sessions_per_worker, "min_requests": args.min_requests,
+        "cpu_count": os.cpu_count(), "goal": GOAL, "engine_kinds": {},
+    }
+    for kind in kinds:
+        profile = args.profile if kind == "stub" else None
+        with ExitStack() as stack:
+            if kind == "stub":
+                engine = start_process(stack, [sys.executable, "-m", "miles_tito.bench.stub_engine", "--model", model],
+                                       args.startup_timeout)[0]
+            else:
+                engine = args.engine or start_process(stack, [sys.executable, "-m", "miles_engine", "--model", model],
+                                                      args.startup_timeout)[0]
+            server_module = ["miles_tito.bench.profiled_server", "--profile-out", args.profile_out] if profile else ["miles_tito.server"]
+            server, pid = start_process(stack, [sys.executable, "-m", *server_module, "--router", engine, "--model", model,
+                                         "--max-tokens", str(args.max_tokens)], args.startup_timeout)
+            results = asyncio.run(_bench(engine, server, pid, apis, levels, args, profile))
+        report["engine_kinds"][kind] = {"engine": ENGINE_KINDS[kind], "apis": results}
+    report["goal_met"] = goal_met(report["engine_kinds"])
+    if args.profile is not None and "stub" in kinds:
+        report["profile"] = profile_summary(args.profile_out, args.profile, apis)
+    emit_json(report, args.out)
     return 0
 
 
-def model_path(name: str) -> str:
-    if name == "tiny-dense":
-        from miles_models.testing import tiny_model
-
-        return str(tiny_model("dense"))
-    return name
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_process(stack: ExitStack, argv: list[str], timeout: float) -> tuple[str, int]:
-    """Start ``argv --port P`` and wait for its /health: ``(url, pid)``; stopped when ``stack`` closes."""
-    import httpx
-    from miles_contracts.wire.auth import ensure_run_token
-
-    ensure_run_token()  # the servers inherit it; the bench's clients send it
-    port = _free_port()
-    process = subprocess.Popen([*argv, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    stack.callback(_stop, process)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            assert process.stderr is not None  # stderr=PIPE
-            raise RuntimeError(f"`{' '.join(argv)}` exited with {process.returncode}: {process.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0, trust_env=False).status_code == 200:
-                return url, process.pid
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"`{' '.join(argv)}` did not become healthy within {timeout}s")
-
-
-def _stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
-def _cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of process ``pid`` (None where /proc is not available)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def goal_met(kinds: dict[str, Any]) -> dict[str, dict[str, dict[str, bool] | None]]:
+    """Per engine kind and API, whether the goal's level met the p50 and p99 bounds (None: not measured)."""
+    out: dict[str, dict[str, dict[str, bool] | None]] = {}
+    for kind, measured in kinds.items():
+        out[kind] = {}
+        for api, levels in measured["apis"].items():
+            at = next((level for level in levels if level["concurrency"] == GOAL["concurrency"]), None)
+            if at is None:
+                out[kind][api] = None
+                continue
+            p50 = at["added_latency_p50_ms"] <= GOAL["added_latency_p50_ms"]
+            p99 = at["added_latency_p99_ms"] <= GOAL["added_latency_p99_ms"]
+            out[kind][api] = {"p50": p50, "p99": p99, "met": p50 and p99}
+    return out
 
 
 class _Client:
@@ -148,82 +175,146 @@ class _Client:
         await self.engine.aclose()
 
 
-async def _bench(engine: str, server: str, pid: int, levels: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+async def _bench(engine: str, server: str, pid: int, apis: list[str], levels: list[int], args: argparse.Namespace,
+                 profile: int | None) -> dict[str, list[dict[str, Any]]]:
     # One client per worker: a worker's requests are sequential, so each holds one connection.
     clients = [_Client(server, engine) for _ in range(max(levels))]
     try:
         stop_ids = (await clients[0].call("server", "GET", "/server_info"))["stop_token_ids"]
-        await _session_worker(clients[0], 1, 0, args)  # warm-up: first requests load caches
+        for api in apis:  # warm-up: first requests load caches
+            await _session_worker(clients[0], api, 1, 0, args)
         # This process holds transformers' ~400k objects: a full collection of them (~200 ms) while
         # 256 requests are in flight would be counted as the server's latency. Frozen, it is not.
         gc.collect()
         gc.freeze()
-        out = []
-        for level in levels:
-            sessions = max(args.sessions_per_worker, math.ceil(args.min_requests / (level * args.turns)))
-            cpu_before, started = _cpu_seconds(pid), time.perf_counter()
-            per_worker = await asyncio.gather(*[_session_worker(clients[w], sessions, w, args) for w in range(level)])
-            session_seconds, cpu_after = time.perf_counter() - started, _cpu_seconds(pid)
-            requests = [r for worker in per_worker for r in worker]
-            added = sorted(r["added_ms"] for r in requests)
-            started = time.perf_counter()
-            await _direct(clients, [r["input_ids"] for r in requests], level, args.max_tokens, stop_ids)
-            direct_seconds = time.perf_counter() - started
-            session_rps, direct_rps = len(requests) / session_seconds, len(requests) / direct_seconds
-            out.append({
-                "concurrency": level, "requests": len(requests),
-                "added_latency_p50_ms": round(percentile(added, 50), 3),
-                "added_latency_p99_ms": round(percentile(added, 99), 3),
-                "added_latency_mean_ms": round(statistics.fmean(added), 3),
-                "session_requests_per_s": round(session_rps, 1),
-                "direct_requests_per_s": round(direct_rps, 1),
-                "throughput_ratio": round(session_rps / direct_rps, 3),
-                "server_cpu_ms_per_request": (
-                    round((cpu_after - cpu_before) / len(requests) * 1e3, 3) if cpu_before is not None and cpu_after is not None else None
-                ),
-            })
+        out: dict[str, list[dict[str, Any]]] = {}
+        for api in apis:
+            out[api] = []
+            for level in levels:
+                profiled = profile == level
+                if profiled:
+                    os.kill(pid, signal.SIGUSR1)
+                out[api].append(await _level(clients, api, level, pid, stop_ids, args))
+                if profiled:
+                    await _dump_profile(clients[0], pid, args.profile_out, f"{args.profile_out}.{api}")
     finally:
         for client in clients:
             await client.aclose()
     return out
 
 
-async def _session_worker(http: _Client, sessions: int, worker: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+async def _level(clients: list[_Client], api: str, level: int, pid: int, stop_ids: list[int],
+                 args: argparse.Namespace) -> dict[str, Any]:
+    sessions = max(args.sessions_per_worker, math.ceil(args.min_requests / (level * args.turns)))
+    cpu_before, started = cpu_seconds(pid), time.perf_counter()
+    per_worker = await asyncio.gather(*[_session_worker(clients[w], api, sessions, w, args) for w in range(level)])
+    session_seconds, cpu_after = time.perf_counter() - started, cpu_seconds(pid)
+    requests = [r for worker in per_worker for r in worker["requests"]]
+    errors = [e for worker in per_worker for e in worker["errors"]]
+    added = sorted(r["added_ms"] for r in requests)
+    waited = sorted(r["waited_ms"] for r in requests)
+    started = time.perf_counter()
+    direct = sorted(await _direct(clients, [r["input_ids"] for r in requests], level, args.max_tokens, stop_ids))
+    direct_seconds = time.perf_counter() - started
+    session_rps = len(requests) / session_seconds
+    direct_rps = len(requests) / direct_seconds if requests else float("nan")
+    return {
+        "concurrency": level, "sessions": level * sessions, "requests": len(requests),
+        "failed_sessions": len(errors), "errors": errors[:3],
+        "added_latency_p50_ms": round(percentile(added, 50), 3),
+        "added_latency_p99_ms": round(percentile(added, 99), 3),
+        "added_latency_mean_ms": round(statistics.fmean(added), 3) if added else None,
+        "session_wait_p50_ms": round(percentile(waited, 50), 3),
+        "session_wait_p99_ms": round(percentile(waited, 99), 3),
+        "direct_wait_p50_ms": round(percentile(direct, 50), 3),
+        "direct_wait_p99_ms": round(percentile(direct, 99), 3),
+        "session_requests_per_s": round(session_rps, 1),
+        "direct_requests_per_s": round(direct_rps, 1),
+        "throughput_ratio": round(session_rps / direct_rps, 3),
+        "server_cpu_ms_per_request": (
+            round((cpu_after - cpu_before) / len(requests) * 1e3, 3)
+            if cpu_before is not None and cpu_after is not None and requests else None
+        ),
+    }
+
+
+async def _session_worker(http: _Client, api: str, sessions: int, worker: int, args: argparse.Namespace) -> dict[str, Any]:
+    """``sessions`` sessions one after the other: per turn the added and the whole wait, with the
+    turn's prompt ids; a session that failed is counted (its first error kept) and left out."""
     from urllib.parse import urlsplit
 
-    out = []
+    from miles.http11 import HttpError
+
+    requests: list[dict[str, Any]] = []
+    errors: list[str] = []
     for n in range(sessions):
-        session = await http.call("server", "POST", "/sessions")
-        base = urlsplit(session["base_url"]).path
-        messages: list[dict[str, Any]] = []
-        waited = []
-        for turn in range(args.turns):
-            messages.append({"role": "user", "content": PROMPTS[(worker + n + turn) % len(PROMPTS)]})
-            body = {"model": "m", "messages": messages, "max_tokens": args.max_tokens, "temperature": 0}
-            start = time.perf_counter()
-            answer = await http.call("server", "POST", f"{base}/chat/completions", body)
-            waited.append(time.perf_counter() - start)
-            messages.append(answer["choices"][0]["message"])
-        view = await http.call("server", "DELETE", f"/sessions/{session['session_id']}")
+        try:
+            session = await http.call("server", "POST", "/sessions")
+            base = urlsplit(session["base_url"]).path
+            conversation = CONVERSATIONS[api](args.max_tokens)
+            waited = []
+            for turn in range(args.turns):
+                body = conversation.request(PROMPTS[(worker + n + turn) % len(PROMPTS)])
+                start = time.perf_counter()
+                reply = await http.call("server", "POST", f"{base}/{conversation.path}", body)
+                waited.append(time.perf_counter() - start)
+                conversation.answered(reply)
+            view = await http.call("server", "DELETE", f"/sessions/{session['session_id']}")
+        except (RuntimeError, HttpError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}"[:300])
+            continue
         for record, seconds in zip(view["records"], waited, strict=True):
-            out.append({"added_ms": (seconds - record["latency_s"]) * 1e3, "input_ids": record["input_ids"]})
-    return out
+            requests.append({"added_ms": (seconds - record["latency_s"]) * 1e3, "waited_ms": seconds * 1e3,
+                             "input_ids": record["input_ids"]})
+    return {"requests": requests, "errors": errors}
 
 
-async def _direct(clients: list[_Client], prompts: list[list[int]], level: int, max_tokens: int, stop_ids: list[int]) -> None:
+async def _direct(clients: list[_Client], prompts: list[list[int]], level: int, max_tokens: int, stop_ids: list[int]) -> list[float]:
+    """The same engine requests straight to the engine at the same concurrency: each one's wait, ms."""
     queue = list(prompts)
+    waited: list[float] = []
 
     async def worker(http: _Client) -> None:
         while queue:
             ids = queue.pop()
             body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "stop_token_ids": stop_ids}, "return_logprob": True}
+            start = time.perf_counter()
             await http.call("engine", "POST", "/generate", body)
+            waited.append((time.perf_counter() - start) * 1e3)
 
     await asyncio.gather(*[worker(clients[w]) for w in range(level)])
+    return waited
 
 
-def percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    index = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
-    return sorted_values[index]
+async def _dump_profile(http: _Client, pid: int, target: str, path: str, timeout: float = 60.0) -> None:
+    """Ask the profiled server for its profile (written to ``target``) and wait for the file (each
+    /health wakes its loop to run the signal handler); it is moved to ``path``, one file per API."""
+    if os.path.exists(target):
+        os.remove(target)
+    os.kill(pid, signal.SIGUSR2)
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(target):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the profiled session server wrote no profile to {target} within {timeout:g} s")
+        await http.call("server", "GET", "/health")
+        await asyncio.sleep(0.05)
+    os.replace(target, path)
+
+
+def profile_summary(out: str, level: int, apis: list[str], top: int = 25) -> dict[str, Any]:
+    """Per API: the functions with the most own time in the profiled level, and the server's total."""
+    summary: dict[str, Any] = {"concurrency": level, "engine_kind": "stub", "files": {}, "top_own_time": {}}
+    for api in apis:
+        path = f"{out}.{api}"
+        stats = pstats.Stats(path)
+        entries = stats.stats  # type: ignore[attr-defined]  # (file, line, name) -> (cc, nc, tt, ct, callers)
+        total = sum(tt for _, _, tt, _, _ in entries.values())
+        ranked = sorted(entries.items(), key=lambda item: item[1][2], reverse=True)[:top]
+        summary["files"][api] = path
+        summary["top_own_time"][api] = {
+            "total_s": round(total, 3),
+            "functions": [{"function": f"{name} ({os.path.basename(file)}:{line})", "calls": nc,
+                           "own_s": round(tt, 4), "own_share": round(tt / total, 4), "cumulative_s": round(ct, 4)}
+                          for (file, line, name), (_, nc, tt, ct, _) in ranked],
+        }
+    return summary
