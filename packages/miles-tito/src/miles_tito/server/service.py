@@ -175,7 +175,7 @@ class SessionService:
         self.expire_idle()
         if request.parent is None:
             return self._add(request.role, request.metadata, request.sampling, list(request.captures), None)
-        parent = self.get(request.parent.session_id)
+        parent = self._open(request.parent.session_id)
         return self._spawn(parent, request.parent.turn, request.role, request.metadata, request.sampling,
                            list(request.captures))
 
