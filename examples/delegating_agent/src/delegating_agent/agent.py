@@ -66,7 +66,7 @@ async def run_subagent(child: dict[str, Any], task: str, request_kwargs: dict[st
                                                  **messages_kwargs(request_kwargs))
             text = "".join(block.text for block in reply.content if block.type == "text")
             # the reply as returned (all its blocks), so the server recognises its own turn
-            messages.append({"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in reply.content]})  # type: ignore[misc]
+            messages.append({"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in reply.content]})
             if follow_up is not None:
                 messages.append({"role": "user", "content": follow_up})
     return text
