@@ -1,0 +1,31 @@
+"""``miles train`` end to end with the compacting agent: the tiny random model, 2 steps of 2 prompts
+x 2 samples, 4 turns an episode (compacted before turn 3: two branches)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from example_support import dumped, metrics, train
+
+pytestmark = pytest.mark.slow
+CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
+
+
+def test_two_steps_train_on_compacted_episodes(tiny_dense: Path, tmp_path: Path) -> None:
+    out = train(CONFIG, tmp_path, tiny_dense, "rollout.max_turns=4")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    run = tmp_path / "e2e"
+    assert [m["step"] for m in metrics(run)] == [1, 2]
+    for m in metrics(run):
+        assert m["rollout/samples"] == 4 and m["reward/scored"] == 4
+    for step in (1, 2):
+        for episode in dumped(run, step):
+            # the last turn may stop at max_new_tokens (truncated): the episode is trained either way
+            assert episode["status"] in ("completed", "truncated"), episode["exit_detail"]
+            # the primary row is the branch after the compaction: turns 3 and 4 trained there
+            assert len(episode["weight_versions"]) == 2
+            assert sum(episode["loss_mask"]) > 0
+            # a loop that trains every branch also dumps them: the turns before the compaction
+            for branch in episode.get("branches", []):
+                assert (branch["branch"]["cause"], len(branch["weight_versions"])) == ("root", 2)
