@@ -67,7 +67,7 @@ def session_server(engine_url: str, model: Path) -> Iterator[str]:
 
 
 async def run_episode(server: str, agent: Agent, prompt: str, *, label: str | None = None,
-                      metadata: dict[str, Any] | None = None) -> tuple[Sample, SessionView]:
+                      metadata: dict[str, Any] | None = None, role: str = "agent") -> tuple[Sample, SessionView]:
     """Run ``agent`` once as the ``agentic`` generator does; the assembled episode sample and the
     first session's final view (its ``children``: the episode's other sessions)."""
     from miles_tito.generators.agentic import episode_rows
@@ -75,7 +75,7 @@ async def run_episode(server: str, agent: Agent, prompt: str, *, label: str | No
     messages = [{"role": "user", "content": prompt}]
     sample = Sample(prompt=messages, label=label, metadata=dict(metadata or {}))
     async with httpx.AsyncClient(base_url=server, headers=auth_headers(), timeout=120, trust_env=False) as http:
-        created = (await http.post("/sessions", json={"metadata": sample.metadata})).json()
+        created = (await http.post("/sessions", json={"metadata": sample.metadata, "role": role})).json()
         try:
             result = await agent(created["base_url"], messages, dict(REQUEST_KWARGS),
                                  {**sample.metadata, "api_key": created["api_key"], "session_id": created["session_id"]})

@@ -15,25 +15,25 @@ from solver_verifier.reward import solver_verifier
 
 @pytest.mark.slow
 def test_the_verifier_judges_the_solver_in_a_session_of_its_own_role(session_server_url: str) -> None:
-    sample, view = asyncio.run(run_episode(session_server_url, run_agent, "What is 6 * 7?", label="42"))
+    sample, view = asyncio.run(run_episode(session_server_url, run_agent, "What is 6 * 7?", label="42", role="solver"))
     result = sample.metadata["agent_result"]
 
     (verifier,) = view.children
-    assert (view.role, verifier.role) == ("agent", "verifier")
+    assert (view.role, verifier.role) == ("solver", "verifier")
     assert verifier.parent is not None and (verifier.parent.session_id, verifier.parent.turn) == (view.session_id, 0)
     assert (len(view.records), len(verifier.records)) == (1, 1)
-    assert branch_shape(sample) == [("agent", "root"), ("verifier", "subagent")]
-    assert sample.metadata["episode"]["roles"] == ["agent", "verifier"]
+    assert branch_shape(sample) == [("solver", "root"), ("verifier", "subagent")]
+    assert sample.metadata["episode"]["roles"] == ["solver", "verifier"]
     assert result["verdict"] == verdict_of(result["verifier_reply"])
     # the verifier was shown the solver's answer
     assert result["answer"] in verifier.messages[1]["content"]
     assert_every_model_token_trained_once(sample, view)
 
     (rewards,) = solver_verifier([sample])
-    assert isinstance(rewards, dict) and set(rewards) == {"agent", "verifier"}
+    assert isinstance(rewards, dict) and set(rewards) == {"solver", "verifier"}
     # rows() gives the verifier's row the verifier's reward (what the loop trains it with)
-    sample.role_rewards, sample.reward = rewards, rewards["agent"]
-    assert [row.reward for row in sample.rows()] == [rewards["agent"], rewards["verifier"]]
+    sample.role_rewards, sample.reward = rewards, rewards["solver"]
+    assert [row.reward for row in sample.rows()] == [rewards["solver"], rewards["verifier"]]
 
 
 def episode(answer: str, verdict: str, label: str | None = "42") -> Sample:
@@ -46,8 +46,8 @@ def test_the_reward_scores_the_solver_and_whether_the_verdict_is_right() -> None
         episode("Answer: 42", "no"),   # right answer, wrongly rejected
         episode("Answer: 41", "no"),   # wrong answer, rightly rejected
         episode("Answer: 41", "yes"),  # wrong answer, wrongly accepted
-    ]) == [{"agent": 1.0, "verifier": 1.0}, {"agent": 1.0, "verifier": 0.0},
-           {"agent": 0.0, "verifier": 1.0}, {"agent": 0.0, "verifier": 0.0}]
+    ]) == [{"solver": 1.0, "verifier": 1.0}, {"solver": 1.0, "verifier": 0.0},
+           {"solver": 0.0, "verifier": 1.0}, {"solver": 0.0, "verifier": 0.0}]
 
 
 def test_an_episode_without_a_label_or_a_verdict_cannot_be_scored() -> None:

@@ -9,14 +9,9 @@ import pytest
 from example_support import dumped, metrics, train
 
 pytestmark = pytest.mark.slow
-# The reward returns {role: float}; the RL loop of this branch accepts floats only (every sample fails
-# with reward_error and the run stops). The loop that trains every branch row and takes per-role
-# rewards (branch episode-loop) makes this pass: strict, so the merge says to drop this marker.
-NEEDS_ROLE_REWARDS = pytest.mark.xfail(strict=True, reason="needs the RL loop's {role: float} rewards (episode-loop branch)")
 CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
 
 
-@NEEDS_ROLE_REWARDS
 def test_two_steps_train_on_solver_verifier_episodes(tiny_dense: Path, tmp_path: Path) -> None:
     out = train(CONFIG, tmp_path, tiny_dense)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
@@ -26,8 +21,8 @@ def test_two_steps_train_on_solver_verifier_episodes(tiny_dense: Path, tmp_path:
         for episode in dumped(run, step):
             assert episode["status"] in ("completed", "truncated"), episode["exit_detail"]
             assert len(episode["weight_versions"]) == 1  # the solver's one turn
-            assert episode["branch"]["role"] == "agent" and set(episode["role_rewards"]) == {"agent", "verifier"}
-            assert episode["reward"] == episode["role_rewards"]["agent"]
+            assert episode["branch"]["role"] == "solver" and set(episode["role_rewards"]) == {"solver", "verifier"}
+            assert episode["reward"] == episode["role_rewards"]["solver"]
             (verifier,) = episode["branches"]
             assert verifier["branch"]["role"] == "verifier" and len(verifier["weight_versions"]) == 1
             assert verifier["reward"] == episode["role_rewards"]["verifier"]

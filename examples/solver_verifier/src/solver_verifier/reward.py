@@ -4,7 +4,7 @@ It gets the episodes' primary samples (the solver's rows: ``sample.branch.role``
 :data:`~solver_verifier.agent.SOLVER_ROLE`) with ``sample.metadata["agent_result"]`` as the program
 returned it and ``sample.label`` the reference answer, and returns for each::
 
-    {"agent": 1.0 if the solver's answer is right else 0.0,
+    {"solver": 1.0 if the solver's answer is right else 0.0,
      "verifier": 1.0 if the verdict (yes / no) says rightly whether it is, else 0.0}
 
 The loop gives each row of the episode its role's reward (``sample.role_rewards``); an episode it

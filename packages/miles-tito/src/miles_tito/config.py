@@ -27,6 +27,9 @@ class TitoSection(Section):
     max_sessions_per_episode: int = Field(default=16, ge=1, description="sessions of one episode (its sub-agents and roles)")
     max_tokens_per_episode: int = Field(
         default=1 << 20, ge=1, description="tokens one episode's turns add (prompt increments and sampled ids)")
+    agent_role: str = Field(
+        default="agent", pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="role of the episode's first session (the one the agentic generator opens; its agent opens the others)")
     train_retried: bool = Field(
         default=False, description="train the turns of a branch a client abandoned by retrying them (default: keep, do not train)")
     session_idle_timeout: float = Field(

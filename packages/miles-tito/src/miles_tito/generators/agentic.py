@@ -59,7 +59,7 @@ class AgenticGenerator:
             try:
                 created = await http.post("/sessions", json={
                     "metadata": sample.metadata, "sampling": session_sampling(ctx.sampling_params),
-                    "captures": [c.spec.model_dump() for c in ctx.captures],
+                    "captures": [c.spec.model_dump() for c in ctx.captures], "role": settings.tito.agent_role,
                 })
                 created.raise_for_status()
             except (httpx.HTTPError, TypeError, ValueError) as exc:
