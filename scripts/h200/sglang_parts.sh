@@ -19,6 +19,8 @@
 #   sync-broadcast  the same over NCCL broadcast, disaggregated: trainer and SGLang on a GPU each (needs 2 GPUs; ~2 min)
 #   train           the learning config (docs/benchmarks/learning.md) with rollout.engine=sglang,
 #                   STEPS steps (default 5), random weights (~3 min)
+#   episodes        the compacting agent example, 2 steps through SGLang and through the embedded engine,
+#                   then the train/rollout log-prob gap per branch kind (issue 26; EP_MODEL, ~6 min)
 #   bench           `miles bench engine`: SGLang, the embedded engine and transformers `generate`, same GPU,
 #                   model, prompts (also the embedded-vs-generate numbers of engine.md)
 #                   (docs/benchmarks/engine.md; ~4 min)
@@ -115,6 +117,25 @@ PY
       need_sglang; need_model
       run_config /tmp/learning-sglang.json scripts/learning/arithmetic_h200.yaml
       miles_train sglang-learning /tmp/learning-sglang.json run.steps=$STEPS eval.every=0 run.export_hf=false ;;
+    episodes)
+      # issue 26: the compacting agent (examples/compacting_agent) trained through SGLang and through
+      # the embedded engine, 2 steps, tokens dumped; then the train/rollout log-prob gap per branch
+      # kind on step 1 (scripts/h200/branch_logprobs.py). EP_MODEL: /tmp/smol (SmolLM2-135M-Instruct,
+      # model.sh) by default, else the random weights of `prepare`.
+      need_sglang
+      EP_MODEL=${EP_MODEL:-/tmp/smol}
+      [ -f $EP_MODEL/config.json ] || { echo "$EP_MODEL is missing: run model.sh (or EP_MODEL=$MODEL after prepare)"; exit 2; }
+      EP_ARGS=(run.steps=2 run.dump_tokens=true eval.every=0 run.export_hf=false rollout.prompts_per_step=8
+               rollout.samples_per_prompt=4 rollout.max_new_tokens=64 train.backend=fsdp fsdp.compile=false)
+      tag=$(basename $EP_MODEL)
+      run_config /tmp/compact-sglang.json examples/compacting_agent/config.yaml
+      miles_train compact-sglang-$tag /tmp/compact-sglang.json "${EP_ARGS[@]}" model.name=$EP_MODEL
+      miles_train compact-embedded-$tag examples/compacting_agent/config.yaml "${EP_ARGS[@]}" model.name=$EP_MODEL
+      for engine in sglang embedded; do
+        python3 scripts/h200/branch_logprobs.py /tmp/runs/compact-$engine-$tag --model $EP_MODEL \
+          --out "$OUT/branches-$engine-$tag.json" | tail -40
+      done
+      grep -hoE '"rollout/(forks_[a-z]+|episode_rows_mean|retried_branches)": [0-9.]+' "$OUT"/compact-*-$tag.metrics.jsonl | sort | uniq -c ;;
     bench)
       need_sglang
       start=$SECONDS
