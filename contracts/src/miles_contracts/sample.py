@@ -55,7 +55,11 @@ class ExitReason(str, enum.Enum):
     REWARD_ERROR = "reward_error"
     MAX_TURNS = "max_turns"
     MISSING_CAPTURE = "missing_capture"  # a plugin's engine capture is required but absent or broken
-    EPISODE_LIMIT = "episode_limit"  # the episode went over tito.max_branches / max_sessions / max_tokens per episode
+    EPISODE_LIMIT = "episode_limit"  # the episode went over tito.max_branches_per_episode / max_sessions_per_episode
+    # Budgets (a row's settings.budget, else the run's); the training rule of each is in docs/design/debugging.md.
+    WALL_CLOCK_BUDGET = "wall_clock_budget"  # the episode ran out of time (ABORTED: not trained)
+    TOKEN_BUDGET = "token_budget"  # the episode's turns went over its token budget (TRUNCATED: trained)
+    TOOL_TIMEOUT_BUDGET = "tool_timeout_budget"  # more tool calls timed out than tolerated (ABORTED: not trained)
 
 
 ToBatch = Callable[[Sequence[Any], Sequence[int], int], "torch.Tensor"]

@@ -71,6 +71,13 @@ def _check_names(owner: object, name: str, values: Sequence[str]) -> None:
         raise TypeError(f"{type(owner).__name__}.{name} must be a tuple of non-empty names, got {values!r}")
 
 
+def _check_model(owner: object, name: str, model: object) -> None:
+    from pydantic import BaseModel
+
+    if model is not None and not (isinstance(model, type) and issubclass(model, BaseModel)):
+        raise TypeError(f"{type(owner).__name__}.{name} must be a pydantic model class or None, got {model!r}")
+
+
 # ============================================================================ rollout
 
 
@@ -117,16 +124,21 @@ class AgentSpec:
     :ivar run: ``async run_agent(base_url, prompt, request_kwargs, metadata) -> dict | None``.
     :ivar bind: for an agent that reads the run's settings (a section of its own): ``(ctx) ->
         AgentFn``, the agent this run runs (called in the driver, with the driver's context).
+    :ivar settings_model: the pydantic model of a data row's ``settings.agent`` (validated when the
+        data source opens; the agent finds the result in ``metadata["settings"]["agent"]``). None:
+        the agent takes no per-sample settings, and a row that sets some is refused.
     """
 
     run: AgentFn
     _: KW_ONLY
     bind: Callable[[RunContext], AgentFn] | None = None
+    settings_model: type[BaseModel] | None = None
 
     def __post_init__(self) -> None:
         _check_callable(self, run=self.run)
         if self.bind is not None:
             _check_callable(self, bind=self.bind)
+        _check_model(self, "settings_model", self.settings_model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,16 +167,22 @@ class RewardSpec:
     :ivar bind: for a reward that reads the run's settings (``reward.timeout``, the ``remote``
         reward's URL, a section of its own): ``(ctx) -> RewardFn``, the reward this run scores with
         (called in the driver when a step's samples are scored).
+    :ivar settings_model: the pydantic model of a data row's ``settings.reward``, the reward's
+        per-sample parameters (validated when the data source opens; read them back with
+        :func:`miles_contracts.settings.reward_settings`). None: the reward takes none, and a row
+        that sets some is refused.
     """
 
     score: RewardFn
     _: KW_ONLY
     bind: Callable[[RunContext], RewardFn] | None = None
+    settings_model: type[BaseModel] | None = None
 
     def __post_init__(self) -> None:
         _check_callable(self, score=self.score)
         if self.bind is not None:
             _check_callable(self, bind=self.bind)
+        _check_model(self, "settings_model", self.settings_model)
 
 
 @dataclass(frozen=True, slots=True)

@@ -156,10 +156,29 @@ class RolloutSection(Section):
         return value
 
 
+class OverlongPenalty(Section):
+    """DAPO's soft overlong punishment, added to a sample's reward after the reward scored it: 0 up
+    to ``max_length - buffer`` model-written tokens, then falling linearly to ``-factor`` at
+    ``max_length``, and ``-factor`` beyond (``miles.rewards.overlong``)."""
+
+    max_length: int = Field(ge=1, description="L_max: model-written tokens at which the penalty is the whole factor")
+    buffer: int = Field(ge=1, description="L_cache: the tokens below L_max over which the penalty grows")
+    factor: float = Field(default=1.0, gt=0, allow_inf_nan=False, description="the penalty at L_max and beyond")
+
+    @model_validator(mode="after")
+    def _buffer_within_max_length(self) -> OverlongPenalty:
+        if self.buffer > self.max_length:
+            raise ValueError(f"reward.overlong.buffer ({self.buffer}) is larger than reward.overlong.max_length "
+                             f"({self.max_length}); the penalty starts at max_length - buffer, which must not be negative")
+        return self
+
+
 class RewardSection(Section):
     name: Annotated[str, Choice("reward")] = "exact_match"
     timeout: float = Field(default=30.0, gt=0)
     remote_url: str | None = Field(default=None, description="endpoint of the `remote` reward")
+    overlong: OverlongPenalty | None = Field(
+        default=None, description="DAPO's soft overlong penalty on long responses (off when unset)")
 
 
 class TrainSection(Section):

@@ -184,3 +184,17 @@ def test_the_agentic_generator_returns_one_row_per_branch_each_model_token_train
     assert trained_turns == 4
     assert sample.metadata["agent_result"]["answer"] == sample.response
     assert rows[1].weight_versions and rows[1].prompt == sample.prompt
+
+
+def test_a_sessions_token_budget_lowers_the_servers_and_names_itself(server: str) -> None:
+    """``max_episode_tokens`` (a data row's ``settings.budget.tokens``): the first prompt is longer
+    than 5 tokens, so the turn is refused before the engine is asked; a sub-agent may not set one."""
+    root = open_session(server, max_episode_tokens=5).json()
+    over = as_agent(root["api_key"]).post(f"{root['base_url']}/chat/completions",
+                                          json={"messages": [{"role": "user", "content": "hello there"}]})
+    assert over.status_code == 400 and over.json()["error"]["code"] == "episode_limit"
+    assert "the limit is 5 (the session's max_episode_tokens)" in over.json()["error"]["message"]
+    child = open_session(server, parent={"session_id": root["session_id"]}, max_episode_tokens=5)
+    assert child.status_code == 400 and "max_episode_tokens: a sub-agent's session spends its parent's" in child.text
+    final = SessionView.model_validate(authed.delete(f"{server}/sessions/{root['session_id']}").json())
+    assert final.episode_limit_kind == "tokens" and final.records == []

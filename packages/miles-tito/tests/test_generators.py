@@ -18,6 +18,7 @@ from miles.config import build_config
 from miles.engine_client import HttpEngineClient
 from miles.kernel import Kernel
 from miles.plugins import PluginSelection, load_plugins
+from miles.rewards import score_samples_blocking
 from miles_contracts import (
     AgentSpec,
     ExitReason,
@@ -55,6 +56,23 @@ def calls_flaky(text: str) -> ParsedTurn:
     return ParsedTurn(content="", tool_calls=(ToolCall("flaky", json.dumps({"expression": "1"})),))
 
 
+class SleepyTool:
+    """Never answers (a sandbox that hangs): every call of it times out."""
+
+    name = "sleepy"
+    description = "never answers"
+    parameters = {"type": "object", "properties": {"expression": {"type": "string"}}}
+
+    async def __call__(self, expression: str) -> str:
+        await asyncio.Event().wait()
+        return ""
+
+
+def calls_sleepy(text: str) -> ParsedTurn:
+    """Every turn is a call of the sleepy tool."""
+    return ParsedTurn(content="", tool_calls=(ToolCall("sleepy", json.dumps({"expression": "1"})),))
+
+
 async def failing_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any], metadata: dict[str, Any]) -> dict:
     import openai
 
@@ -66,6 +84,12 @@ async def failing_agent(base_url: str, prompt: Any, request_kwargs: dict[str, An
 async def slow_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any], metadata: dict[str, Any]) -> dict:
     await asyncio.sleep(60)
     return {}
+
+
+async def reporting_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any], metadata: dict[str, Any]) -> dict:
+    """One turn, then what the agent was told about its episode."""
+    await one_turn_agent(base_url, prompt, request_kwargs, metadata)
+    return {"limits": metadata["limits"], "settings": metadata["settings"], "max_turns": metadata["max_turns"]}
 
 
 async def one_turn_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any], metadata: dict[str, Any]) -> dict:
@@ -81,7 +105,8 @@ class Registrations:
 
     def __init__(self, chatml: TitoTokenizer) -> None:
         self.families = {"calls": family_with_parser(chatml.family, always_calls, "calls"),
-                         "calls_flaky": family_with_parser(chatml.family, calls_flaky, "calls_flaky")}
+                         "calls_flaky": family_with_parser(chatml.family, calls_flaky, "calls_flaky"),
+                         "calls_sleepy": family_with_parser(chatml.family, calls_sleepy, "calls_sleepy")}
 
     @hookimpl
     def miles_register_chat_families(self, register: Any) -> None:
@@ -91,12 +116,14 @@ class Registrations:
     @hookimpl
     def miles_register_tools(self, register: Any) -> None:
         register("flaky", ToolSpec(FlakyTool()))
+        register("sleepy", ToolSpec(SleepyTool()))
 
     @hookimpl
     def miles_register_agents(self, register: Any) -> None:
         register("failing", AgentSpec(failing_agent))
         register("slow", AgentSpec(slow_agent))
         register("one_turn", AgentSpec(one_turn_agent))
+        register("reporting", AgentSpec(reporting_agent))
 
 
 @pytest.fixture(scope="module")
@@ -217,16 +244,21 @@ def test_agentic_trains_on_the_calculator_agents_exact_tokens(engine_url: str, t
     assert authed.get(f"{calls_server}/server_info").json()["sessions"] == 0  # collected and deleted
 
 
-@pytest.mark.parametrize(("agent", "reason", "detail", "turns"), [
-    ("failing", ExitReason.AGENT_EXCEPTION, "ValueError: the environment crashed", 1),
-    ("slow", ExitReason.TIMEOUT, "did not finish within 1s", 0),
+@pytest.mark.parametrize(("agent", "reason", "detail", "turns", "budget"), [
+    ("failing", ExitReason.AGENT_EXCEPTION, "ValueError: the environment crashed", 1, {}),
+    ("slow", ExitReason.WALL_CLOCK_BUDGET, "did not finish within 1s", 0, {}),  # rollout.agent_timeout
+    ("slow", ExitReason.WALL_CLOCK_BUDGET, "did not finish within 0.5s", 0, {"wall_clock_s": 0.5}),  # the row's
 ])
 def test_a_failing_or_slow_agent_costs_its_sample(engine_url: str, tokenizer: Any, calls_server: str, kernel: Kernel,
-                                                  agent: str, reason: ExitReason, detail: str, turns: int) -> None:
+                                                  agent: str, reason: ExitReason, detail: str, turns: int,
+                                                  budget: dict[str, Any]) -> None:
+    """Training rule of ``wall_clock_budget``: ABORTED, never scored, not trained."""
     ctx = context(engine_url, tokenizer, kernel, session_server_url=calls_server,
                   rollout={"agent": agent, "agent_timeout": 1.0})
-    sample = run(AgenticGenerator(), Sample(prompt="x"), ctx)
+    sample = run(AgenticGenerator(), Sample(prompt="x", label="42", metadata={"settings": {"budget": budget}}), ctx)
     assert (sample.status, sample.exit_reason) == (Status.ABORTED, reason)
+    score_samples_blocking([sample], ctx.run)
+    assert not sample.trainable
     assert detail in (sample.exit_detail or "")
     assert len(sample.weight_versions) == turns  # what the agent did before failing is kept
     assert authed.get(f"{calls_server}/server_info").json()["sessions"] == 0
@@ -250,3 +282,104 @@ def test_an_unreachable_session_server_costs_the_sample(engine_url: str, tokeniz
     sample = run(AgenticGenerator(), Sample(prompt="x"), ctx)
     assert (sample.status, sample.exit_reason) == (Status.ABORTED, ExitReason.ENGINE_ERROR)
     assert "cannot open a session" in (sample.exit_detail or "")
+
+
+# ----------------------------------------------------------------------------- per-sample settings and budgets
+# A row's settings as its data source stores them in ``sample.metadata["settings"]`` (validated when
+# the row was read: kernel/tests/test_sample_settings.py).
+
+
+def with_settings(settings: dict[str, Any], **fields: Any) -> Sample:
+    return Sample(prompt="x", label="42", metadata={"settings": settings}, **fields)
+
+
+def trained(sample: Sample, ctx: GenerateContext) -> bool:
+    """Whether the loop would train ``sample``: scored by the run's reward, then ``trainable``."""
+    score_samples_blocking([sample], ctx.run)
+    return sample.trainable
+
+
+def test_a_rows_tools_and_max_turns_reach_the_tool_loop(engine_url: str, tokenizer: Any, kernel: Kernel) -> None:
+    """The run offers no tools and allows 8 turns; the row offers the calculator for 2 turns."""
+    ctx = context(engine_url, tokenizer, kernel, tito={"family": "calls"})
+    sample = run(MultiTurnGenerator(), with_settings({"env": {"tools": ["calculator"]}, "budget": {"max_turns": 2}}), ctx)
+    assert (sample.status, sample.exit_reason) == (Status.TRUNCATED, ExitReason.MAX_TURNS)
+    assert len(sample.weight_versions) == 2 and "after 2 turns" in (sample.exit_detail or "")
+    assert [m["content"] for m in sample.metadata["messages"] if m["role"] == "tool"] == ["42", "42"]
+
+
+def test_tool_timeouts_are_answered_until_the_budget_is_spent(engine_url: str, tokenizer: Any, kernel: Kernel) -> None:
+    """One timeout tolerated: the first answers the model with an error text and the episode goes
+    on; the second ends it. Training rule of ``tool_timeout_budget``: ABORTED, not trained."""
+    ctx = context(engine_url, tokenizer, kernel, tito={"family": "calls_sleepy"})
+    budget = {"tool_timeout_s": 0.2, "tool_timeouts": 1}
+    sample = run(MultiTurnGenerator(), with_settings({"env": {"tools": ["sleepy"]}, "budget": budget}), ctx)
+    assert (sample.status, sample.exit_reason) == (Status.ABORTED, ExitReason.TOOL_TIMEOUT_BUDGET)
+    assert "2 tool timeouts, 1 tolerated" in (sample.exit_detail or "")
+    assert len(sample.weight_versions) == 2 and sample.metadata["tool_timeouts"] == 2
+    answered = [m["content"] for m in sample.metadata["messages"] if m["role"] == "tool"]
+    assert answered == ["error: tool 'sleepy' did not answer within 0.2s (timeout 1 of 1 tolerated); try again or another way"]
+    assert not trained(sample, ctx)
+
+
+def test_a_run_tolerates_no_tool_timeout_by_default(engine_url: str, tokenizer: Any, kernel: Kernel) -> None:
+    ctx = context(engine_url, tokenizer, kernel, tito={"family": "calls_sleepy", "tool_timeout": 0.2},
+                  rollout={"tools": ["sleepy"]})
+    sample = run(MultiTurnGenerator(), Sample(prompt="x"), ctx)
+    assert (sample.status, sample.exit_reason, len(sample.weight_versions)) == (
+        Status.ABORTED, ExitReason.TOOL_TIMEOUT_BUDGET, 1)
+
+
+def test_a_wall_clock_budget_ends_the_tool_loop_and_it_is_not_trained(engine_url: str, tokenizer: Any,
+                                                                       kernel: Kernel) -> None:
+    ctx = context(engine_url, tokenizer, kernel, tito={"family": "calls_sleepy"})
+    budget = {"wall_clock_s": 0.5, "tool_timeout_s": 600}
+    sample = run(MultiTurnGenerator(), with_settings({"env": {"tools": ["sleepy"]}, "budget": budget}), ctx)
+    assert (sample.status, sample.exit_reason) == (Status.ABORTED, ExitReason.WALL_CLOCK_BUDGET)
+    assert "within 0.5s" in (sample.exit_detail or "") and len(sample.weight_versions) == 1  # the turn before is kept
+    assert not trained(sample, ctx)
+
+
+def test_a_token_budget_truncates_the_tool_loop_and_it_is_trained(engine_url: str, tokenizer: Any, kernel: Kernel) -> None:
+    """Room for the first prompt and its answer (at most 6 tokens), not for the tool result after it.
+    Training rule of ``token_budget``: TRUNCATED, scored, trained."""
+    from miles_tito.generators.tools import tool_specs
+    from miles_tito.messages import ChatMessage
+
+    calculator = kernel.tools().get("calculator").tool
+    calls = kernel.chat_families().get("calls")
+    prompt = TitoTokenizer(tokenizer, calls).first_turn_ids([ChatMessage("user", "x")], tool_specs({"calculator": calculator}))
+    ctx = context(engine_url, tokenizer, kernel, tito={"family": "calls"})
+    settings = {"env": {"tools": ["calculator"]}, "budget": {"tokens": len(prompt) + GREEDY_STOP.max_new_tokens}}
+    sample = run(MultiTurnGenerator(), with_settings(settings), ctx)
+    assert (sample.status, sample.exit_reason) == (Status.TRUNCATED, ExitReason.TOKEN_BUDGET)
+    assert "the row's settings.budget.tokens" in (sample.exit_detail or "") and len(sample.weight_versions) == 1
+    assert trained(sample, ctx)
+
+
+def test_a_rows_settings_and_limits_reach_the_agent(engine_url: str, tokenizer: Any, calls_server: str,
+                                                    kernel: Kernel) -> None:
+    ctx = context(engine_url, tokenizer, kernel, session_server_url=calls_server, rollout={"agent": "reporting"},
+                  tito={"tool_timeout": 30})
+    settings = {"env": {"task_id": "t-9", "workspace": "repo-b", "tools": ["calculator"]},
+                "budget": {"max_turns": 2, "tool_timeouts": 3, "wall_clock_s": 100}}
+    sample = run(AgenticGenerator(), with_settings(settings), ctx)
+    assert sample.status is Status.COMPLETED
+    told = sample.metadata["agent_result"]
+    assert told["settings"] == settings and told["max_turns"] == 2
+    assert told["limits"] == {"wall_clock_s": 100, "tokens": 1 << 20, "tokens_from": "tito.max_tokens_per_episode",
+                              "max_turns": 2, "tool_timeout_s": 30, "tool_timeouts": 3}
+
+
+def test_a_token_budget_truncates_the_agents_episode_and_it_is_trained(engine_url: str, tokenizer: Any,
+                                                                       calls_server: str, kernel: Kernel) -> None:
+    """The calculator agent takes 3 turns; a budget of its 3-turn episode's tokens less 7 (its last
+    answer is at most 6) leaves room for 2: the session refuses the third turn's prompt."""
+    ctx = context(engine_url, tokenizer, kernel, session_server_url=calls_server, rollout={"agent": "calculator_agent"})
+    free = run(AgenticGenerator(), with_settings({"budget": {"max_turns": 3}}), ctx)
+    assert len(free.weight_versions) == 3
+    budget = {"max_turns": 3, "tokens": len(free.tokens) - GREEDY_STOP.max_new_tokens - 1}
+    sample = run(AgenticGenerator(), with_settings({"budget": budget}), ctx)
+    assert (sample.status, sample.exit_reason) == (Status.TRUNCATED, ExitReason.TOKEN_BUDGET)
+    assert "the session's max_episode_tokens" in (sample.exit_detail or "") and len(sample.weight_versions) == 2
+    assert trained(sample, ctx)

@@ -56,6 +56,9 @@ class CreateSessionRequest(_Request):
     :ivar role: the agent role whose turns the session records (several agents over one policy).
     :ivar parent: open the session as a sub-agent inside the parent's episode (its branches join
         the parent's graph; deleting the parent closes it and returns it with the parent).
+    :ivar max_episode_tokens: the new episode's token budget (a data row's ``settings.budget.tokens``);
+        it can only lower the server's ``tito.max_tokens_per_episode``. Not with ``parent`` (a
+        sub-agent spends its parent's episode budget).
     """
 
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -63,6 +66,7 @@ class CreateSessionRequest(_Request):
     captures: list[CaptureSpec] = Field(default_factory=list, max_length=8)
     role: str = Field(default="agent", pattern=ROLE_PATTERN)
     parent: SessionParent | None = None
+    max_episode_tokens: int | None = Field(default=None, ge=1)
 
 
 class ChildSessionRequest(_Request):
@@ -200,6 +204,7 @@ class SessionView(_Response):
     :ivar branches: the episode branches holding this session's turns.
     :ivar forks: the episode's forks so far, by cause.
     :ivar episode_limit: why the episode went over a limit, if it did (it is then over).
+    :ivar episode_limit_kind: which limit: ``branches``, ``sessions`` or ``tokens`` (its token budget).
     :ivar children: on deleting an episode's first session: every other session of the episode,
         in its final state (they are closed with it).
     """
@@ -224,6 +229,7 @@ class SessionView(_Response):
     branches: list[BranchView] = Field(default_factory=list)
     forks: dict[str, int] = Field(default_factory=dict)
     episode_limit: str | None = None
+    episode_limit_kind: Literal["branches", "sessions", "tokens"] | None = None
     children: list[SessionView] = Field(default_factory=list)
 
     @property

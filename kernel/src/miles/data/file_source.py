@@ -3,7 +3,9 @@
 All records are read and validated when the source opens, so a malformed record is reported
 before the first step: with ``data.on_error: fail`` the first one raises (file and line in the
 message); with ``skip`` every one is skipped, counted (``data/skipped_records``) and the first few
-are logged with their file and line.
+are logged with their file and line. A row whose ``settings`` fail validation against the run's
+plugins (:mod:`miles.data.row_settings`) is malformed the same way, its field named, and also
+counted in ``data/rows_invalid``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from miles.data.errors import DataError, RecordProblem
 from miles.data.order import EpochOrder
 from miles.data.prompts import PromptRecord, PromptSpec
 from miles.data.records import Problems, RawRecord, files_of, read_datasets_folder, read_jsonl, read_parquet
+from miles.data.row_settings import RowSettings, SettingsProblem
 
 if TYPE_CHECKING:
     from miles_contracts import RunContext
@@ -32,37 +35,45 @@ logger = logging.getLogger(__name__)
 class FileSource:
     """A :class:`miles_contracts.DataSource` over validated records (also ``len()`` and ``metrics()``)."""
 
-    def __init__(self, records: list[PromptRecord], *, seed: int, shuffle: bool, skipped: int = 0, name: str = "") -> None:
+    def __init__(self, records: list[PromptRecord], *, seed: int, shuffle: bool, skipped: int = 0, invalid: int = 0,
+                 name: str = "") -> None:
         self.records = records
         self.order = EpochOrder(len(records), seed=seed, shuffle=shuffle)
         self.skipped = skipped
+        self.invalid = invalid
         self.name = name
 
     @classmethod
-    def read(cls, config: DataSection, raw_records: Iterable[RawRecord], *, name: str) -> FileSource:
-        """Validate every record with the config's prompt settings and apply ``data.on_error``."""
+    def read(cls, config: DataSection, raw_records: Iterable[RawRecord], *, name: str,
+             settings: RowSettings | None = None) -> FileSource:
+        """Validate every record with the config's prompt settings (and its ``settings`` with
+        ``settings``, the run's check) and apply ``data.on_error``."""
         spec = PromptSpec.from_config(config)
         records: list[PromptRecord] = []
         problems = Problems()
+        invalid = 0
         for location, fields in raw_records:
             try:
                 if isinstance(fields, RecordProblem):
                     raise fields
                 record = spec.build(fields)
+                checked = settings.check(fields, record.metadata) if settings is not None else None
             except RecordProblem as problem:
                 if config.on_error == "fail":
                     raise DataError(
                         f"{location}: {problem}. Fix or remove this record, or set data.on_error=skip to skip malformed records"
                     ) from None
                 problems.add(location, problem)
+                invalid += isinstance(problem, SettingsProblem)
                 continue
-            records.append(PromptRecord(record.prompt, record.label, {**record.metadata, "data_location": location}))
+            metadata = {**record.metadata, "data_location": location, **({"settings": checked} if checked else {})}
+            records.append(PromptRecord(record.prompt, record.label, metadata))
         if problems.count:
             logger.warning("data source %s: skipped %d malformed record(s) (data.on_error=skip):\n%s", name, problems.count, problems.summary())
         if not records:
             detail = f"; all {problems.count} records were malformed:\n{problems.summary()}" if problems.count else ""
             raise DataError(f"data source {name} found no prompts in {config.path}{detail}")
-        return cls(records, seed=config.seed, shuffle=config.shuffle, skipped=problems.count, name=name)
+        return cls(records, seed=config.seed, shuffle=config.shuffle, skipped=problems.count, invalid=invalid, name=name)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -77,7 +88,8 @@ class FileSource:
         self.order.load_state_dict(state["order"])
 
     def metrics(self) -> dict[str, float]:
-        return {"data/epoch": float(self.order.epoch), "data/skipped_records": float(self.skipped)}
+        return {"data/epoch": float(self.order.epoch), "data/skipped_records": float(self.skipped),
+                "data/rows_invalid": float(self.invalid)}
 
 
 # ------------------------------------------------------------------ registered factories
@@ -115,7 +127,8 @@ def _files_source(reader: Callable[[Path], Iterable[RawRecord]], suffixes: tuple
     def factory(ctx: RunContext, config: DataSection) -> FileSource:
         parse_options(_NoOptions, config)
         files = files_of(_path_of(config), suffixes, what)
-        return FileSource.read(config, (record for file in files for record in reader(file)), name=config.source)
+        return FileSource.read(config, (record for file in files for record in reader(file)), name=config.source,
+                               settings=RowSettings(ctx))
 
     factory.__doc__ = f"Prompts from {what} files (data.path: a file or a folder of them)."
     return factory
@@ -128,4 +141,5 @@ parquet_source = _files_source(read_parquet, (".parquet",), "parquet")
 def datasets_source(ctx: RunContext, config: DataSection) -> FileSource:
     """Prompts from a local Hugging Face datasets folder (data.options.split, default train)."""
     options = parse_options(DatasetsOptions, config)
-    return FileSource.read(config, read_datasets_folder(_path_of(config), options.split), name=config.source)
+    return FileSource.read(config, read_datasets_folder(_path_of(config), options.split), name=config.source,
+                           settings=RowSettings(ctx))

@@ -10,6 +10,11 @@ alone, so one bad sample does not fail its neighbours.
 A reward may score an episode of several agents with ``{role: float}``: the sample's
 ``role_rewards`` become the mapping and its ``reward`` its own role's value (``sample.branch.role``);
 a mapping without that role, or with a value that is not a finite number, fails the sample.
+
+A reward's per-sample parameters are the row's ``settings.reward`` (validated by its
+``RewardSpec.settings_model`` when the data was read): the reward reads them from the samples it is
+given (``miles_contracts.settings.reward_settings``). With ``reward.overlong`` set, DAPO's overlong
+penalty is added to every scored sample's reward (:mod:`miles.rewards.overlong`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from miles_contracts import ExitReason, RewardFn, Sample, Status
 
 from miles.registry import UnknownNameError
+from miles.rewards.overlong import apply_overlong_penalty
 
 if TYPE_CHECKING:
     from miles_contracts import RunContext
@@ -44,11 +50,13 @@ class ScoreReport:
     scored: int = 0
     failed: int = 0
     skipped: int = 0
+    overlong: int = 0  # scored samples the overlong penalty lowered
     seconds: dict[str, float] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)  # the first few failure details
 
     def metrics(self) -> dict[str, float]:
-        out = {"reward/scored": float(self.scored), "reward/failed": float(self.failed), "reward/skipped": float(self.skipped)}
+        out = {"reward/scored": float(self.scored), "reward/failed": float(self.failed), "reward/skipped": float(self.skipped),
+               "reward/overlong_penalized": float(self.overlong)}
         out.update({f"reward/{name}/seconds": s for name, s in self.seconds.items()})
         return out
 
@@ -85,6 +93,8 @@ async def score_samples(samples: Sequence[Sample], ctx: RunContext) -> ScoreRepo
             if value is not None:
                 sample.reward, sample.role_rewards = value
                 report.scored += 1
+                if config.overlong is not None and apply_overlong_penalty(sample, config.overlong):
+                    report.overlong += 1
             else:
                 sample.reward, sample.role_rewards = None, {}
                 sample.finish(Status.FAILED, ExitReason.REWARD_ERROR, error)

@@ -36,4 +36,7 @@ class TitoSection(Section):
         default=3600.0, ge=0, description="seconds without a request after which a session expires (0: never)",
     )
     tool_timeout: float = Field(default=60.0, gt=0, description="seconds one tool call of multi_turn may take")
+    tool_timeout_budget: int = Field(
+        default=0, ge=0, description="tool calls of multi_turn that may time out before the episode ends (exit reason "
+                                     "tool_timeout_budget); a tolerated one answers the model with an error text")
     collect_timeout: float = Field(default=600.0, gt=0, description="seconds to wait for a session's records")

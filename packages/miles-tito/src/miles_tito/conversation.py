@@ -42,7 +42,7 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from miles_contracts import Branch
 from miles_contracts.wire.session import FinishReason, TurnCapture, TurnRecord
@@ -51,20 +51,25 @@ from miles_tito.errors import EpisodeLimitExceeded, InvalidRequest, RoleNotAllow
 from miles_tito.messages import ChatMessage
 from miles_tito.tokenizer import TitoTokenizer
 
+LimitKind = Literal["branches", "sessions", "tokens"]
+
 
 @dataclass(frozen=True, slots=True)
 class EpisodeLimits:
-    """Bounds on one episode (all its sessions); going over ends it (``ExitReason.EPISODE_LIMIT``)."""
+    """Bounds on one episode (all its sessions); going over ends it (``ExitReason.EPISODE_LIMIT``,
+    ``TOKEN_BUDGET`` for tokens). ``tokens_from`` names the setting ``max_tokens`` came from."""
 
     max_branches: int = 64
     max_sessions: int = 16
     max_tokens: int = 1 << 20
+    tokens_from: str = "tito.max_tokens_per_episode"
 
 
 class Episode:
     """What the sessions of one agent episode share: the branch table, counters and limits.
 
     :ivar limit_hit: why the episode went over a limit (the first time it did), else None.
+    :ivar limit_kind: which limit that was: ``branches``, ``sessions`` or ``tokens``.
     """
 
     def __init__(self, limits: EpisodeLimits | None = None, episode_id: str | None = None) -> None:
@@ -74,23 +79,25 @@ class Episode:
         self.sessions = 0
         self.tokens = 0  # prompt increments and sampled ids of every turn
         self.limit_hit: str | None = None
+        self.limit_kind: LimitKind | None = None
 
     def check_branches(self, more: int) -> None:
         if len(self.branches) + more > self.limits.max_branches:
-            self._over(f"the episode has {len(self.branches)} branches and this request needs {more} more; the limit "
-                       f"is {self.limits.max_branches} (tito.max_branches_per_episode)")
+            self._over("branches", f"the episode has {len(self.branches)} branches and this request needs {more} more; "
+                                   f"the limit is {self.limits.max_branches} (tito.max_branches_per_episode)")
 
     def check_sessions(self) -> None:
         if self.sessions >= self.limits.max_sessions:
-            self._over(f"the episode has {self.sessions} sessions, the limit (tito.max_sessions_per_episode)")
+            self._over("sessions", f"the episode has {self.sessions} sessions, the limit (tito.max_sessions_per_episode)")
 
     def check_tokens(self, more: int) -> None:
         if self.tokens + more > self.limits.max_tokens:
-            self._over(f"the episode holds {self.tokens} tokens and this prompt adds {more}; the limit is "
-                       f"{self.limits.max_tokens} (tito.max_tokens_per_episode)")
+            self._over("tokens", f"the episode holds {self.tokens} tokens and this prompt adds {more}; the limit is "
+                                 f"{self.limits.max_tokens} ({self.limits.tokens_from})")
 
-    def _over(self, why: str) -> None:
-        self.limit_hit = self.limit_hit or why
+    def _over(self, kind: LimitKind, why: str) -> None:
+        if self.limit_hit is None:
+            self.limit_hit, self.limit_kind = why, kind
         raise EpisodeLimitExceeded(f"{why}: the episode is over; finish it", param="messages")
 
     def add_branch(self, **fields: Any) -> Branch:

@@ -1,7 +1,8 @@
 """The ``agentic`` generator: run a user's agent against a session, keep its exact tokens.
 
 Per sample: open a session on the session server, call the registered agent
-``run_agent(base_url, prompt, request_kwargs, metadata)`` under ``rollout.agent_timeout``, then --
+``run_agent(base_url, prompt, request_kwargs, metadata)`` under the episode's wall-clock budget
+(``rollout.agent_timeout``, or the row's ``settings.budget.wall_clock_s``), then --
 always, whatever the agent did -- delete the session, which returns its records, and assemble them
 into the trajectory sample.
 
@@ -13,13 +14,20 @@ into the trajectory sample.
   ``top_p``, ``stop``, ``seed``; ``extra_body`` for ``top_k``); the session also uses them as defaults,
   so an agent that ignores them still samples as the run says.
 * ``metadata`` is the sample's metadata plus ``session_id``, ``api_key``, ``index``, ``group_index``,
-  ``max_context_len`` and ``max_turns`` (``rollout.max_turns``). The agent's return value is kept in ``sample.metadata["agent_result"]``.
+  ``max_context_len``, ``max_turns`` (``rollout.max_turns`` or the row's) and ``limits`` (every
+  limit of the episode, the row's budget over the run's:
+  :class:`~miles_tito.generators.settings.Limits`); the row's validated settings, when it has
+  some, are ``metadata["settings"]`` (``env``: task id, workspace, tools; ``agent``: the agent's own,
+  validated by its ``settings_model``). The agent's return value is kept in ``sample.metadata["agent_result"]``.
+* the row's token budget (``settings.budget.tokens``) is the session's ``max_episode_tokens``: the
+  session server refuses the turn that would go over it (``400 episode_limit``).
 
 The run's engine captures (``ctx.captures``) are given to the session when it is created; every
 turn's payloads come back in the records and are stitched into the sample's stash.
 
-An agent that raises or times out costs its sample (ABORTED, exit reason ``agent_exception`` /
-``timeout``), never the run; so does a session server that cannot be reached (``engine_error``).
+An agent that raises or runs out of time costs its sample (ABORTED, exit reason ``agent_exception``
+/ ``wall_clock_budget``), never the run; so does a session server that cannot be reached
+(``engine_error``). An episode over its token budget is TRUNCATED (``token_budget``) and trained.
 """
 
 from __future__ import annotations
@@ -50,7 +58,8 @@ class AgenticGenerator:
         self._embedded_lock = threading.Lock()
 
     async def __call__(self, sample: Sample, ctx: GenerateContext) -> Sample:
-        settings = settings_from(ctx, need_agent=True)
+        settings = settings_from(ctx, sample, need_agent=True)
+        limits = settings.limits
         server_url = settings.tito.session_server_url or ctx.session_server_url or self._embedded_server(ctx, settings)
         sampling = request_kwargs(ctx.sampling_params)
         # the run's token goes to the session server only, never through an HTTP_PROXY (miles.loopback)
@@ -60,6 +69,7 @@ class AgenticGenerator:
                 created = await http.post("/sessions", json={
                     "metadata": sample.metadata, "sampling": session_sampling(ctx.sampling_params),
                     "captures": [c.spec.model_dump() for c in ctx.captures], "role": settings.tito.agent_role,
+                    **({"max_episode_tokens": limits.tokens} if limits.tokens < settings.tito.max_tokens_per_episode else {}),
                 })
                 created.raise_for_status()
             except (httpx.HTTPError, TypeError, ValueError) as exc:
@@ -68,18 +78,20 @@ class AgenticGenerator:
             metadata = {
                 **sample.metadata, "session_id": session["session_id"], "api_key": session.get("api_key"),
                 "index": sample.index,
-                "group_index": sample.group_index, "max_context_len": ctx.max_context_len, "max_turns": settings.max_turns,
+                "group_index": sample.group_index, "max_context_len": ctx.max_context_len, "max_turns": limits.max_turns,
+                "limits": limits.to_dict(),
             }
             outcome: tuple[Status, ExitReason, str] | None = None
             try:
                 result = await asyncio.wait_for(
                     settings.agent(session["base_url"], prompt_messages(sample.prompt), sampling, metadata),  # type: ignore[misc]
-                    timeout=settings.agent_timeout,
+                    timeout=limits.wall_clock_s,
                 )
                 if result is not None:
                     sample.metadata["agent_result"] = result
             except TimeoutError:
-                outcome = (Status.ABORTED, ExitReason.TIMEOUT, f"the agent did not finish within {settings.agent_timeout:g}s")
+                outcome = (Status.ABORTED, ExitReason.WALL_CLOCK_BUDGET, f"the agent did not finish within "
+                           f"{limits.wall_clock_s:g}s (rollout.agent_timeout or the row's settings.budget.wall_clock_s)")
             except Exception as exc:
                 outcome = (Status.ABORTED, ExitReason.AGENT_EXCEPTION, f"the agent raised {type(exc).__name__}: {exc}")
             finally:
@@ -165,8 +177,10 @@ def _finish(
         sample.metadata["session_failures"] = [f.model_dump() for f in view.failures]
     if view.failures_dropped:
         sample.metadata["session_failures_dropped"] = view.failures_dropped
-    if view.episode_limit is not None and rows:
-        return sample.finish(Status.TRUNCATED, ExitReason.EPISODE_LIMIT, view.episode_limit)
+    if view.episode_limit is not None:
+        reason = ExitReason.TOKEN_BUDGET if view.episode_limit_kind == "tokens" else ExitReason.EPISODE_LIMIT
+        # over a limit with nothing generated: there is no truncated response to train on
+        return sample.finish(Status.TRUNCATED if rows else Status.ABORTED, reason, view.episode_limit)
     if outcome is not None:
         return sample.finish(*outcome)
     if not rows:

@@ -25,7 +25,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 from miles_contracts import CaptureSpec, EngineClient
@@ -174,7 +174,11 @@ class SessionService:
         request = _validated(CreateSessionRequest, body)
         self.expire_idle()
         if request.parent is None:
-            return self._add(request.role, request.metadata, request.sampling, list(request.captures), None)
+            return self._add(request.role, request.metadata, request.sampling, list(request.captures), None,
+                             episode=self._new_episode(request.max_episode_tokens))
+        if request.max_episode_tokens is not None:
+            raise InvalidRequest("max_episode_tokens: a sub-agent's session spends its parent's episode budget; "
+                                 "set the budget when creating the episode's first session", param="max_episode_tokens")
         parent = self._open(request.parent.session_id)
         return self._spawn(parent, request.parent.turn, request.role, request.metadata, request.sampling,
                            list(request.captures))
@@ -205,6 +209,13 @@ class SessionService:
         child.root = root
         root.children.append(child)
         return child
+
+    def _new_episode(self, max_tokens: int | None) -> Episode:
+        """An episode with the server's limits, its token budget lowered to ``max_tokens`` when given."""
+        limits = self.episode_limits
+        if max_tokens is not None and max_tokens < limits.max_tokens:
+            limits = replace(limits, max_tokens=max_tokens, tokens_from="the session's max_episode_tokens")
+        return Episode(limits)
 
     def _add(self, role: str, metadata: dict[str, Any], sampling: SessionSampling, captures: list[CaptureSpec],
              parent: SessionParent | None, *, episode: Episode | None = None,
@@ -433,6 +444,7 @@ def conversation_view(conversation: Conversation, **session: Any) -> SessionView
         branches=[BranchView.model_validate(b.to_dict()) for b in conversation.branches],
         forks=episode.fork_counts(),
         episode_limit=episode.limit_hit,
+        episode_limit_kind=episode.limit_kind,
         **session,
     )
 
