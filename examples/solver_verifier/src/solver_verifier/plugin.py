@@ -25,4 +25,4 @@ def miles_register_agents(register: Register[AgentSpec]) -> None:
 def miles_register_rewards(register: Register[RewardSpec]) -> None:
     from solver_verifier.reward import solver_verifier
 
-    register("solver_verifier", RewardSpec(solver_verifier))  # type: ignore[arg-type]
+    register("solver_verifier", RewardSpec(solver_verifier))
