@@ -17,7 +17,7 @@ FIRST_CURVES = (
 )
 """Drawn first, in this order, when the run logged them; every other metric follows, folded."""
 
-WIDTH, HEIGHT, PAD_X, PAD_Y = 300, 120, 46, 16
+WIDTH, HEIGHT, PAD_X, PAD_Y = 300, 120, 58, 16
 
 
 def metric_series(records: list[dict[str, Any]]) -> dict[str, list[tuple[int, float | None]]]:
