@@ -84,7 +84,16 @@ class RunSection(Section):
         default=False, description="after the last step, write the model as a Hugging Face folder to <run>/hf "
                                    "(independent of save_final)",
     )
-    dump_tokens: bool = Field(default=False, description="also write token ids, loss masks and log-probs to <run>/samples")
+    dump_tokens: bool = Field(
+        default=False, description="also write token ids, loss masks and log-probs to <run>/samples (what `miles "
+                                   "replay` trains on again)",
+    )
+    weights_digest: bool = Field(
+        default=False,
+        description="log train/weights_digest every step: a 48-bit hash of the actor's weights after the update, "
+                    "which `miles replay` checks its replayed step against (costs one pass over the full weights "
+                    "per step, gathered like a weight sync); docs/design/debugging.md",
+    )
 
 
 class ModelSection(Section):

@@ -1,4 +1,5 @@
-"""Built-in plugin ``train``: the ``miles train`` command (the main job)."""
+"""Built-in plugin ``train``: the ``miles train`` command (the main job), and ``miles replay`` and
+``miles rollout`` (:mod:`miles.builtin.debugging`), which read and write the same run folders."""
 
 from __future__ import annotations
 
@@ -30,10 +31,11 @@ sglang.env, ...) from the run folder only if the command line repeats them, or w
 """
 
 
-def _train(args: argparse.Namespace, ctx: RunContext) -> int:
+def prepare_run_environment() -> None:
+    """What this process's environment needs before it starts a run's processes (``miles train``,
+    ``miles rollout``)."""
     from miles_contracts.wire.auth import ensure_run_token
 
-    from miles.loop.interrupts import exit_code_of
     from miles.loopback import keep_loopback_off_proxies
 
     # One secret per run, in this process's environment: every service the run starts inherits it.
@@ -43,6 +45,12 @@ def _train(args: argparse.Namespace, ctx: RunContext) -> int:
     if added:
         print(f"miles: an HTTP proxy is set; added {','.join(added)} to NO_PROXY so loopback calls bypass it",
               file=sys.stderr)
+
+
+def _train(args: argparse.Namespace, ctx: RunContext) -> int:
+    from miles.loop.interrupts import exit_code_of
+
+    prepare_run_environment()
     return exit_code_of(lambda: _train_run(args))
 
 
@@ -92,5 +100,9 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 @hookimpl
 def miles_register_commands(register: Register[CommandSpec]) -> None:
+    from miles.builtin.debugging import REPLAY_COMMAND, ROLLOUT_COMMAND
+
     register("train", CommandSpec("run RL training (the embedded default when no config is given)",
                                   _train, add_arguments=_args, description=DESCRIPTION))
+    register("replay", REPLAY_COMMAND)
+    register("rollout", ROLLOUT_COMMAND)

@@ -74,9 +74,10 @@ def settings_from_folder(config: MilesConfig, overrides: Sequence[str]) -> list[
     return found
 
 
-def refuse_folder_privileges(config: MilesConfig, overrides: Sequence[str], run_dir: Path) -> None:
+def refuse_folder_privileges(config: MilesConfig, overrides: Sequence[str], run_dir: Path, *,
+                             command: str = "miles train --resume") -> None:
     """Raise :class:`MilesError` naming every privileged setting ``config`` takes from ``run_dir``
-    alone (see the module's docstring)."""
+    alone (see the module's docstring); ``command``: the command line that reads the folder."""
     taken = settings_from_folder(config, overrides)
     if not taken:
         return
@@ -85,8 +86,8 @@ def refuse_folder_privileges(config: MilesConfig, overrides: Sequence[str], run_
     raise MilesError(
         f"{run_dir}/config.yaml sets {len(taken)} setting(s) that decide what runs or where the run's secrets go, "
         f"and this command line does not give them:\n{lines}\n"
-        f"A run folder can come from anyone, so resuming does not take these from it alone. If they are what you "
-        f"want, give them on the command line:\n"
-        f"  miles train --resume {shlex.quote(str(run_dir))} {again}\n"
+        f"A run folder can come from anyone, so `{command}` does not take these from it alone. If they are what "
+        f"you want, give them on the command line:\n"
+        f"  {command} {shlex.quote(str(run_dir))} {again}\n"
         f"or pass {TRUST_FLAG} to take the folder's whole config (only for a folder you wrote)."
     )

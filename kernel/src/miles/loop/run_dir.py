@@ -3,7 +3,8 @@
     config.yaml              the resolved config the run started with (mode 0600: it can hold secrets)
     metrics.jsonl            one line per step (the jsonl tracker)
     logs/<service>.log       engine, router and session-server output (0600, secrets redacted)
-    samples/step_000003.jsonl  every sample of a step (prompt, response, reward, status)
+    samples/step_000003.jsonl  every sample of a step (prompt, response, reward, status, metadata; with
+                               run.dump_tokens its tokens; ``batch_group`` on the episodes trained on)
     checkpoints/step_000004/   backend state + miles-state.json (written last: its presence marks
                                a complete checkpoint)
     hf/                      the final model as a Hugging Face folder (``run.export_hf``)
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +66,13 @@ def _complete(path: Path) -> bool:
     return (path / STATE_FILE).is_file()
 
 
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """The complete checkpoint folders, oldest step first."""
+    return [p for p in _checkpoints(run_dir) if _complete(p)]
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    complete = [p for p in _checkpoints(run_dir) if _complete(p)]
+    complete = complete_checkpoints(run_dir)
     return complete[-1] if complete else None
 
 
@@ -100,13 +107,21 @@ def prune_checkpoints(run_dir: Path, keep: int) -> tuple[list[Path], list[Path]]
     return removed, failed
 
 
-def dump_samples(run_dir: Path, step: int, samples: list[Sample], kind: str = "samples", *, tokens: bool = False) -> Path:
+def dump_samples(run_dir: Path, step: int, samples: list[Sample], kind: str = "samples", *, tokens: bool = False,
+                 trained: Sequence[Sequence[Sample]] = ()) -> Path:
+    """Write ``samples`` to ``<run>/<kind>/step_<n>.jsonl``, one episode a line. ``trained``: the
+    groups the step's batch was built from, in batch order; each of their episodes' lines gets
+    ``batch_group`` (the group's position), which ``miles replay`` rebuilds the batch from."""
     folder = run_dir / kind
     folder.mkdir(exist_ok=True)
     path = folder / f"step_{step:06d}.jsonl"
+    position = {id(s): n for n, group in enumerate(trained) for s in group}
     with path.open("w") as f:
         for s in samples:
-            f.write(json.dumps(_dumped(s, tokens=tokens)) + "\n")
+            row = _dumped(s, tokens=tokens)
+            if id(s) in position:
+                row["batch_group"] = position[id(s)]
+            f.write(json.dumps(row) + "\n")
     return path
 
 
@@ -117,6 +132,7 @@ def _dumped(s: Sample, *, tokens: bool) -> dict[str, Any]:
         "response": s.response, "reward": s.reward, "status": s.status.value,
         "exit_reason": s.exit_reason.value if s.exit_reason else None, "exit_detail": s.exit_detail,
         "response_tokens": s.response_length, "weight_versions": s.weight_versions,
+        "metadata": s.metadata,  # per-sample reward selection and data fields: what a re-score needs
     }
     if tokens:
         row.update(tokens=s.tokens, loss_mask=s.loss_mask, rollout_logprobs=s.rollout_logprobs,

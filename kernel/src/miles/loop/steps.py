@@ -24,7 +24,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,10 +142,12 @@ class StepOps:
             self.dump(step, (earlier or []) + rollout.all_samples)
             raise error
 
-    def dump(self, step: int, samples: list[Sample], kind: str = "samples") -> float:
-        """Write ``samples`` to the run folder (``<run>/<kind>/step_<n>.jsonl``); the seconds it took."""
+    def dump(self, step: int, samples: list[Sample], kind: str = "samples", *,
+             trained: Sequence[Sequence[Sample]] = ()) -> float:
+        """Write ``samples`` to the run folder (``<run>/<kind>/step_<n>.jsonl``), marking those of the
+        ``trained`` groups (the step's batch, for ``miles replay``); the seconds it took."""
         start = time.perf_counter()
-        dump_samples(self.run_dir, step, samples, kind=kind, tokens=self.config.run.dump_tokens)
+        dump_samples(self.run_dir, step, samples, kind=kind, tokens=self.config.run.dump_tokens, trained=trained)
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ training and weights

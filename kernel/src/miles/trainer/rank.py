@@ -88,6 +88,10 @@ class RankWorker:
     def train_step(self, batch: Any) -> dict[str, float]:
         metrics = dict(self.backend.train_step(batch))
         self.context.kernel.train_step_end(metrics)  # plugins measuring inside the backend report here
+        if self.context.config.run.weights_digest:  # every rank iterates: a sharded backend gathers collectively
+            from miles.trainer.weights_digest import weights_digest
+
+            metrics["train/weights_digest"] = weights_digest(self.backend.named_weights())
         if self.context.config.resources.release_engine_memory != "none":
             # the engines released memory for this step and take it back next: leave it free for them
             hand_back_cached_memory()

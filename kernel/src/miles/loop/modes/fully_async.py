@@ -71,7 +71,7 @@ async def run(ops: StepOps) -> None:
             batch.metrics.update(workers.take_metrics())
             last_take = now
             # off the event loop: it drives every request and agent in flight (the batch is no longer touched)
-            await asyncio.to_thread(ops.dump, step, batch.all_samples)
+            await asyncio.to_thread(ops.dump, step, batch.all_samples, trained=batch.groups)
             metrics = dict(batch.metrics)
             metrics.update(await ops.train(batch, in_thread=True))
             if final or step % cfg.weights.update_interval == 0:

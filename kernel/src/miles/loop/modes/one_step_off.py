@@ -55,7 +55,7 @@ async def run(ops: StepOps) -> None:
             # the trainer will be training meanwhile: this rollout cannot push weights to a restarted engine
             pending = asyncio.create_task(ops.collect(step + 1, resync=False))
         # the dump goes beside training, off the event loop: on it, it held back the next rollout's start
-        dumped = asyncio.create_task(asyncio.to_thread(ops.dump, step, rollout.all_samples))
+        dumped = asyncio.create_task(asyncio.to_thread(ops.dump, step, rollout.all_samples, trained=rollout.groups))
         metrics.update(await ops.train(rollout, in_thread=True))
         metrics["time/dump"] = await dumped
         if pending is not None:

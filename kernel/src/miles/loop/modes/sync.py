@@ -22,7 +22,7 @@ async def run(ops: StepOps) -> None:
         step = ops.next_step()
         rollout = await ops.rollout_step(step)
         metrics = dict(rollout.metrics)
-        metrics["time/dump"] = ops.dump(step, rollout.all_samples)
+        metrics["time/dump"] = ops.dump(step, rollout.all_samples, trained=rollout.groups)
         metrics.update(await ops.release_engine_memory())  # the engines idle until the next rollout
         metrics.update(await ops.train(rollout, in_thread=False))
         metrics.update(await ops.resume_and_sync_weights())
