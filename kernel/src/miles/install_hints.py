@@ -44,6 +44,7 @@ KERNEL = "miles-kernel"
 FIRST_PARTY: tuple[Provider, ...] = (
     _row("core", KERNEL, command=("plugins", "config show")),
     _row("train", KERNEL, command=("train", "replay", "rollout")),
+    _row("view", KERNEL, command=("view",)),
     _row("data", KERNEL, data_source=("jsonl", "parquet", "hf_dataset", "arithmetic")),
     _row("executors", KERNEL, executor=("local",)),
     _row("filters", KERNEL, filter=("zero_variance", "no_aborted", "no_truncated")),
@@ -65,7 +66,8 @@ FIRST_PARTY: tuple[Provider, ...] = (
     _row("qwen3", "miles-model-qwen3", chat_family=("qwen3",),
          architectures=("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "qwen3", "qwen3_moe")),
     _row("tito", "miles-tito", generator=("multi_turn", "agentic"), tool=("calculator",), service=("session",),
-         config_section=("tito",), command=("serve session", "verify-template", "bench session", "bench tito", "bench isolation")),
+         config_section=("tito",), command=("serve session", "verify-template", "bench session", "bench tito", "bench isolation",
+                                             "bench episode-tokens")),
     _row("r3", "miles-r3", config_section=("r3",), command=("bench r3",)),
     _row("sglang", "miles-sglang", service=("sglang",), config_section=("sglang",)),
     _row("mooncake", "miles-mooncake", weight_transport=("mooncake",), config_section=("mooncake",)),
@@ -78,6 +80,9 @@ FIRST_PARTY: tuple[Provider, ...] = (
     _row("longtail", "miles-longtail", agent=("long_tail",), reward=("repeated_tokens",), config_section=("longtail",),
          command=("bench async",)),
     _row("calculator-agent", "miles-example-calculator-agent", agent=("calculator_agent",)),
+    _row("compacting-agent", "miles-example-compacting-agent", agent=("compacting_agent",)),
+    _row("delegating-agent", "miles-example-delegating-agent", agent=("delegating_agent",)),
+    _row("solver-verifier", "miles-example-solver-verifier", agent=("solver_verifier",), reward=("solver_verifier",)),
 )
 """Every first-party plugin, the kernel's built-ins first."""
 
