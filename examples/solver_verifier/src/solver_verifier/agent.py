@@ -1,7 +1,7 @@
 """The episode: a solver and a verifier, both the policy being trained, each in its own session.
 
 * The **solver** is the episode's first session (the one the ``agentic`` generator opens, with the
-  role ``tito.agent_role`` of the config: ``solver``, :data:`SOLVER_ROLE`). It answers the task in one turn.
+  role ``tito.agent_role`` of the config: ``solver``, :data:`~solver_verifier.roles.SOLVER_ROLE`). It answers the task in one turn.
 * The **verifier** is a session the solver's program opens in the same episode with
   ``POST {base_url}/children`` (role ``verifier``, spawned at the solver's answer). It is asked
   whether the solver's answer is right and replies yes or no.
@@ -19,8 +19,8 @@ import httpx
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-SOLVER_ROLE = "solver"  # the first session's role: config.yaml sets tito.agent_role to it
-VERIFIER_ROLE = "verifier"
+from solver_verifier.roles import VERIFIER_ROLE
+
 SOLVER_SYSTEM = "Solve the problem. Reply with 'Answer: <number>'."
 VERIFIER_SYSTEM = "You check other people's answers. Reply 'yes' if the proposed answer is correct, else 'no'."
 _YES = re.compile(r"^\W*yes\b", re.IGNORECASE)

@@ -1,7 +1,7 @@
 """The ``solver_verifier`` reward: one reward per role of the episode.
 
 It gets the episodes' primary samples (the solver's rows: ``sample.branch.role`` is
-:data:`~solver_verifier.agent.SOLVER_ROLE`) with ``sample.metadata["agent_result"]`` as the program
+:data:`~solver_verifier.roles.SOLVER_ROLE`) with ``sample.metadata["agent_result"]`` as the program
 returned it and ``sample.label`` the reference answer, and returns for each::
 
     {"solver": 1.0 if the solver's answer is right else 0.0,
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from miles.rewards.exact_match import exact_match_score
 from miles_contracts import Sample
 
-from solver_verifier.agent import SOLVER_ROLE, VERIFIER_ROLE
+from solver_verifier.roles import SOLVER_ROLE, VERIFIER_ROLE
 
 
 def role_rewards(sample: Sample) -> dict[str, float] | float:
