@@ -135,7 +135,9 @@ PY
         python3 scripts/h200/branch_logprobs.py /tmp/runs/compact-$engine-$tag --model $EP_MODEL \
           --out "$OUT/branches-$engine-$tag.json" | tail -40
       done
-      grep -hoE '"rollout/(forks_[a-z]+|episode_rows_mean|retried_branches)": [0-9.]+' "$OUT"/compact-*-$tag.metrics.jsonl | sort | uniq -c ;;
+      grep -hoE '"rollout/(forks_[a-z]+|episode_rows_mean|retried_branches)": [0-9.]+' "$OUT"/compact-*-$tag.metrics.jsonl | sort | uniq -c
+      # a call returns at most 8 files: the engines' and ranks' logs in one archive
+      tar -C "$OUT" -czf "$OUT/episodes-logs-$tag.tgz" $(cd "$OUT" && ls -d compact-*-logs 2>/dev/null) && rm -rf "$OUT"/compact-*-logs ;;
     bench)
       need_sglang
       start=$SECONDS

@@ -5,8 +5,9 @@
 | 400    | ``invalid_request``             | malformed body, unsupported parameter, bad message            |
 | 400    | ``role_not_allowed``            | an appended message's role is not allowed by the chat family  |
 | 400    | ``context_length_exceeded``     | the prompt leaves no room for a single new token              |
+| 400    | ``episode_limit``               | over the episode's branches, sessions or tokens               |
 | 404    | ``session_not_found``           | unknown (or deleted) session id                               |
-| 409    | ``history_conflict``            | the messages rewrite history beyond the one-turn rollback      |
+| 404    | ``turn_not_found``              | a sub-agent's parent turn that its session does not have      |
 | 409    | ``session_closing``             | the session is being deleted                                  |
 | 422    | ``template_not_prefix_invariant`` | appending messages re-rendered earlier ones differently     |
 | 422    | ``token_chain_broken``          | a turn's tokens do not extend the previous turn's             |
