@@ -80,6 +80,8 @@ def load_decoder(run_dir: Path, tokenizer: str | None, model: str | None) -> Dec
         from transformers import AutoTokenizer
 
         return TokenizerDecoder(AutoTokenizer.from_pretrained(folder), name, fast=False)
+    except ImportError as exc:  # the kernel alone has neither library (a model or train plugin brings them)
+        return IdDecoder(f"the tokenizer of {name!r} needs {exc.name or 'tokenizers'}, which is not installed")
     except Exception as exc:  # any failure to find or read it leaves ids, which still show everything else
         return IdDecoder(f"the tokenizer of {name!r} did not load ({type(exc).__name__}: {exc}); pass --tokenizer FOLDER")
 
