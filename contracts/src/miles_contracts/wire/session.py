@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles_contracts.capture import CaptureSpec
+from miles_contracts.sample import Branch
 from miles_contracts.wire.engine import INT32_MAX, MAX_STOP_STRINGS
 
 
@@ -174,19 +175,6 @@ class TrajectoryView(_Response):
     exit_reason: str | None = None
 
 
-class BranchView(_Response):
-    """A branch of an episode (:class:`miles_contracts.Branch`, which names the fields)."""
-
-    episode_id: str
-    branch_id: int
-    parent_branch: int | None = None
-    fork_turn: int | None = None
-    role: str = "agent"
-    cause: str = "root"
-    session_id: str = ""
-    retried: bool = False
-
-
 class SessionView(_Response):
     """A session's state.
 
@@ -226,7 +214,7 @@ class SessionView(_Response):
     role: str = "agent"
     parent: SessionParent | None = None
     head_turn: int | None = None
-    branches: list[BranchView] = Field(default_factory=list)
+    branches: list[Branch] = Field(default_factory=list)
     forks: dict[str, int] = Field(default_factory=dict)
     episode_limit: str | None = None
     episode_limit_kind: Literal["branches", "sessions", "tokens"] | None = None

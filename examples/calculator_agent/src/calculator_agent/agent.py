@@ -8,10 +8,9 @@ server turns that into token-exact training data.
 
 from __future__ import annotations
 
-import json
 from typing import Any, cast
 
-from miles_tito.calculator import evaluate
+from miles_tito.calculator import answer_call, openai_tool
 from openai import AsyncOpenAI
 from openai.types.chat import (
     ChatCompletionAssistantMessageParam,
@@ -21,31 +20,8 @@ from openai.types.chat import (
 
 SYSTEM_PROMPT = "You are a careful math assistant. Use the calculator tool for arithmetic, then state the final answer."
 
-CALCULATOR_TOOL: ChatCompletionToolParam = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression exactly, e.g. '(12 + 30) * 2'.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string", "description": "the expression to evaluate"}},
-            "required": ["expression"],
-        },
-    },
-}
-
-
-def run_tool(name: str, arguments: str) -> str:
-    """The tool's answer as text; mistakes are answers too, so the model can recover from them."""
-    if name != "calculator":
-        return f"error: there is no tool named {name!r}; use calculator"
-    try:
-        expression = json.loads(arguments).get("expression")
-    except (json.JSONDecodeError, AttributeError):
-        return "error: arguments must be a JSON object with an 'expression' string"
-    if not isinstance(expression, str):
-        return "error: 'expression' must be a string"
-    return evaluate(expression)
+CALCULATOR_TOOL = cast(ChatCompletionToolParam, openai_tool())
+run_tool = answer_call  # the tool's answer as text; mistakes are answers too, so the model can recover
 
 
 async def run_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:

@@ -13,11 +13,10 @@ the episode's primary branch (the one the reward reads).
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, cast
 
-from miles_tito.calculator import evaluate
+from miles_tito.calculator import answer_call, openai_tool
 from openai import AsyncOpenAI
 from openai.types.chat import (
     ChatCompletionAssistantMessageParam,
@@ -34,29 +33,8 @@ SUMMARY_NOTE_CHARS = 40
 DEFAULT_COMPACT_EVERY = 2
 _FINAL = re.compile(r"answer\s*:", re.IGNORECASE)
 
-CALCULATOR_TOOL: ChatCompletionToolParam = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression exactly, e.g. '(12 + 30) * 2'.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string", "description": "the expression to evaluate"}},
-            "required": ["expression"],
-        },
-    },
-}
-
-
-def run_tool(name: str, arguments: str) -> str:
-    """The calculator's answer as text; a bad call is answered too, so the model can recover."""
-    if name != "calculator":
-        return f"error: there is no tool named {name!r}; use calculator"
-    try:
-        expression = json.loads(arguments).get("expression")
-    except (json.JSONDecodeError, AttributeError):
-        return "error: arguments must be a JSON object with an 'expression' string"
-    return evaluate(expression) if isinstance(expression, str) else "error: 'expression' must be a string"
+CALCULATOR_TOOL = cast(ChatCompletionToolParam, openai_tool())
+run_tool = answer_call  # the tool's answer as text; mistakes are answers too, so the model can recover
 
 
 def summary(task: str, turns: int, notes: list[str]) -> str:

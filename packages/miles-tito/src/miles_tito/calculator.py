@@ -7,6 +7,7 @@ huge powers) come back as ``"error: ..."`` text for the model to read, never as 
 from __future__ import annotations
 
 import ast
+import json
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -69,3 +70,21 @@ class Calculator:
 
     async def __call__(self, expression: str) -> str:
         return evaluate(expression)
+
+
+def openai_tool() -> dict[str, Any]:
+    """The calculator as an entry of an OpenAI ``tools`` list: what an agent of its own sends."""
+    return {"type": "function", "function": {"name": Calculator.name, "description": Calculator.description,
+                                             "parameters": Calculator.parameters}}
+
+
+def answer_call(name: str, arguments: str) -> str:
+    """The tool message for a model's call ``name(arguments)`` (JSON text): the result, or an
+    ``error: ...`` the model can read and recover from (a wrong name, arguments that do not parse)."""
+    if name != Calculator.name:
+        return f"error: there is no tool named {name!r}; use {Calculator.name}"
+    try:
+        expression = json.loads(arguments).get("expression")
+    except (json.JSONDecodeError, AttributeError):
+        return "error: arguments must be a JSON object with an 'expression' string"
+    return evaluate(expression) if isinstance(expression, str) else "error: 'expression' must be a string"

@@ -33,12 +33,13 @@ An agent that raises or runs out of time costs its sample (ABORTED, exit reason 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import httpx
-from miles_contracts import Branch, EngineCapture, ExitReason, GenerateContext, Sample, Status
+from miles_contracts import EngineCapture, ExitReason, GenerateContext, Sample, Status
 from miles_contracts.wire.auth import auth_headers
 from miles_contracts.wire.engine import SamplingParams
 from miles_contracts.wire.session import SessionView
@@ -199,12 +200,12 @@ def episode_rows(sample: Sample, view: SessionView, captures: Sequence[EngineCap
     ordered = sorted(((s, b) for s in sessions for b in s.branches),
                      key=lambda item: (item[0] is not view or item[1].branch_id != primary, item[1].branch_id))
     rows: list[Sample] = []
-    for session, branch_view in ordered:
-        last = max(r.turn for r in session.records if r.branch == branch_view.branch_id)
+    for session, branch in ordered:
+        last = max(r.turn for r in session.records if r.branch == branch.branch_id)
         path = session.path(last)
         into = sample if not rows else Sample(prompt=sample.prompt, label=sample.label,
                                               metadata={"episode_id": view.episode_id})
-        row = branch_sample(path, Branch(**branch_view.model_dump(include=set(Branch.__slots__))),
+        row = branch_sample(path, dataclasses.replace(branch),
                             max_trim_tokens=view.max_trim_tokens, train_retried=train_retried, into=into)
         if row is None:
             continue

@@ -19,6 +19,7 @@ abandoned session's tokens forever.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import hmac
 import logging
@@ -32,7 +33,6 @@ from miles_contracts import CaptureSpec, EngineClient
 from miles_contracts.wire.auth import new_session_key
 from miles_contracts.wire.engine import SamplingParams
 from miles_contracts.wire.session import (
-    BranchView,
     ChildSessionRequest,
     CreateSessionRequest,
     RequestFailure,
@@ -441,7 +441,7 @@ def conversation_view(conversation: Conversation, **session: Any) -> SessionView
         episode_id=episode.id,
         role=conversation.role,
         head_turn=conversation.head.record.turn if conversation.head is not None else None,
-        branches=[BranchView.model_validate(b.to_dict()) for b in conversation.branches],
+        branches=[dataclasses.replace(b) for b in conversation.branches],  # a snapshot: a retry marks one later
         forks=episode.fork_counts(),
         episode_limit=episode.limit_hit,
         episode_limit_kind=episode.limit_kind,
