@@ -187,6 +187,45 @@ def test_a_server_answers_to_the_names_it_is_given(monkeypatch: pytest.MonkeyPat
                        "evil.example": 400}
 
 
+def test_the_host_verdict_cache_changes_no_verdict_and_stays_bounded() -> None:
+    """The guard remembers its Host verdict per value (a client-chosen value): a refused name is
+    refused after an allowed one was remembered and after being remembered itself, a client that
+    sends a new Host each time only evicts (the cache never holds more than HOST_VERDICTS_KEPT),
+    a refused name still refused once evicted, and an over-long Host checked but not kept."""
+    from miles_contracts.wire.guard import HOST_VERDICT_MAX_CHARS, HOST_VERDICTS_KEPT, RequestGuard
+    from miles_tito.server.background import BackgroundServer
+
+    async def ok(scope, receive, send):  # type: ignore[no-untyped-def]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    guards: list[RequestGuard] = []
+
+    def make() -> RequestGuard:
+        guards.append(RequestGuard(ok, token="t" * 32, public_paths=["/"], allowed_hosts=["trainer.internal"]))
+        return guards[-1]
+
+    with BackgroundServer(make) as server, httpx.Client(base_url=server.url) as client:
+        def status(host: str) -> int:
+            return client.get("/", headers={"Host": host}).status_code
+
+        port = server.url.rsplit(":", 1)[1]
+        for _ in range(2):  # the second round answers from the cache
+            assert [status(h) for h in (f"127.0.0.1:{port}", "trainer.internal", "evil.example", f"evil.example:{port}",
+                                        "127.0.0.1.evil.example", "trainer.internal.evil.example")] == [200, 200, 400, 400, 400, 400]
+        verdicts = guards[0].host_verdicts
+        assert verdicts.cache_info().currsize == 6
+        for n in range(HOST_VERDICTS_KEPT + 50):  # a new address every request
+            assert status(f"10.0.{n // 256}.{n % 256}:{port}") == 200
+        assert verdicts.cache_info().currsize == verdicts.cache_info().maxsize == HOST_VERDICTS_KEPT
+        assert status("evil.example") == 400 and status("trainer.internal") == 200  # evicted, judged afresh
+        before = verdicts.cache_info()
+        long_name = "a" * HOST_VERDICT_MAX_CHARS + ".example"
+        assert status(long_name) == 400 and status("[::1]:" + "1" * HOST_VERDICT_MAX_CHARS) == 200
+        after = verdicts.cache_info()
+        assert (after.hits, after.misses) == (before.hits, before.misses)  # over-long values are never kept
+
+
 def test_token_helpers(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     token = run_token()
     assert token and auth_headers() == {"Authorization": f"Bearer {token}"}

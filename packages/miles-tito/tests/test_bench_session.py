@@ -22,6 +22,7 @@ LEVEL_KEYS = {
     "concurrency", "sessions", "requests", "failed_sessions", "errors", "added_latency_p50_ms", "added_latency_p99_ms",
     "added_latency_mean_ms", "session_wait_p50_ms", "session_wait_p99_ms", "direct_wait_p50_ms", "direct_wait_p99_ms",
     "session_requests_per_s", "direct_requests_per_s", "throughput_ratio", "server_cpu_ms_per_request",
+    "think_ms_mean", "offered_turns_per_s", "turns_per_s", "server_cpu_utilisation",
 }
 
 
@@ -40,6 +41,7 @@ def test_every_api_and_level_is_measured_and_every_request_succeeds(tmp_path: Pa
     assert session.run(bench_args(out)) == 0
     report = json.loads(out.read_text())
     assert report["goal"] == {"concurrency": 256, "added_latency_p50_ms": 1.0, "added_latency_p99_ms": 5.0}
+    assert report["load"] == {"mode": "closed-loop", "think_ms": None}
     stub = report["engine_kinds"]["stub"]
     assert "stands in for an engine only" in stub["engine"]
     assert list(stub["apis"]) == list(CONVERSATIONS)
@@ -50,15 +52,49 @@ def test_every_api_and_level_is_measured_and_every_request_succeeds(tmp_path: Pa
             assert level["failed_sessions"] == 0 and level["errors"] == [], (api, level["errors"])
             assert level["requests"] == level["sessions"] == level["concurrency"]  # one turn per session
             assert level["session_requests_per_s"] > 0 and level["direct_requests_per_s"] > 0
+            assert level["think_ms_mean"] == 0 and level["offered_turns_per_s"] is None  # closed loop
+            assert level["turns_per_s"] > 0 and level["server_cpu_utilisation"] >= 0
     # 256 sessions were not run: the goal is not judged rather than judged met
     assert report["goal_met"] == {"stub": dict.fromkeys(CONVERSATIONS)}
 
 
-def test_the_goal_is_judged_per_engine_kind_and_api() -> None:
-    level = {"concurrency": 256, "added_latency_p50_ms": 0.9, "added_latency_p99_ms": 7.0}
+def test_think_times_are_waited_before_each_turn_and_the_load_reported(tmp_path: Path) -> None:
+    """``--think-ms``: every turn of every session waits a drawn think time first (their mean lies
+    in the range), the offered load follows from it, the direct pass is skipped (null, not NaN),
+    and every request still succeeds and is measured."""
+    out = tmp_path / "think.json"
+    args = bench_args(out, apis="chat", concurrency="1,3", turns=2, think_ms=session.think_range("20-40"))
+    assert session.run(args) == 0
+    report = json.loads(out.read_text())
+    assert report["load"] == {"mode": "think-time", "think_ms": {"min": 20.0, "max": 40.0}}
+    for level in report["engine_kinds"]["stub"]["apis"]["chat"]:
+        assert set(level) == LEVEL_KEYS
+        assert level["failed_sessions"] == 0 and level["requests"] == 2 * level["concurrency"]
+        assert 20 <= level["think_ms_mean"] <= 40
+        assert level["offered_turns_per_s"] == pytest.approx(level["concurrency"] / (level["think_ms_mean"] / 1e3), rel=0.01)
+        assert level["direct_requests_per_s"] is None and level["throughput_ratio"] is None
+        assert level["turns_per_s"] > 0
+
+
+@pytest.mark.parametrize("text", ["fast", "50-10", "-5", "10-inf"])
+def test_a_bad_think_time_is_refused_saying_what_is_expected(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="MIN"):
+        session.think_range(text)
+
+
+def test_think_ranges_read_as_milliseconds() -> None:
+    assert session.think_range("0") == (0.0, 0.0)
+    assert session.think_range("100") == (100.0, 100.0)
+    assert session.think_range("250-750") == (250.0, 750.0)
+
+
+def test_the_goal_is_judged_per_engine_kind_and_api_with_its_load() -> None:
+    level = {"concurrency": 256, "added_latency_p50_ms": 0.9, "added_latency_p99_ms": 7.0, "turns_per_s": 400.0,
+             "server_cpu_utilisation": 0.4}
     kinds = {"stub": {"apis": {"chat": [level], "messages": [{**level, "added_latency_p99_ms": 4.0}]}}}
-    assert session.goal_met(kinds) == {"stub": {"chat": {"p50": True, "p99": False, "met": False},
-                                                "messages": {"p50": True, "p99": True, "met": True}}}
+    load = {"turns_per_s": 400.0, "server_cpu_utilisation": 0.4}
+    assert session.goal_met(kinds) == {"stub": {"chat": {"p50": True, "p99": False, "met": False, **load},
+                                                "messages": {"p50": True, "p99": True, "met": True, **load}}}
 
 
 def test_an_unknown_api_is_refused_with_the_names_it_takes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -28,8 +28,19 @@ re-sent), through raw HTTP, one keep-alive connection per worker, so the client 
   (Linux ``/proc``), divided by its turns (session create/delete included). Unlike wall clock,
   this hardly moves when other processes compete for the cores.
 
+**Load model.** By default the load is closed-loop: a worker sends its next turn the moment the
+last one is answered, so with an instant engine ``c`` workers keep ``c`` turns queued in the one
+server process and the added latency is mostly queueing (Little's law). ``--think-ms MIN-MAX`` is
+an agent that runs tools between turns: before each turn its worker sleeps a time drawn uniformly
+from ``MIN``-``MAX`` ms (per worker from ``--seed``, so runs draw the same times), which also
+staggers the first turns. Per level the report gives the **offered load** (``c`` / the mean think
+time: the turns/s the agents would send to a server that answered at once), the **served load**
+(turns/s measured) and the **server CPU utilisation** (its CPU seconds over the level's wall time,
+in cores): near 1 core the one-process server is saturated and the added latency is queueing again.
+With think times the direct pass is skipped (its throughput would only measure the think times).
+
 The issue's goal (p50 <= 1 ms and p99 <= 5 ms added at 256 sessions) is evaluated per engine kind
-and API. ``--profile C --profile-out FILE`` runs the server under cProfile during level ``C`` of
+and API, with the load it was judged at. ``--profile C --profile-out FILE`` runs the server under cProfile during level ``C`` of
 the stub engine (:mod:`miles_tito.bench.profiled_server`); profiled timings are not comparable.
 
 Timings on a shared machine are noisy: run it several times and compare medians.
@@ -44,6 +55,7 @@ import json
 import math
 import os
 import pstats
+import random
 import signal
 import statistics
 import sys
@@ -87,11 +99,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-requests", type=int, default=60, help="more sessions per worker at low concurrency, for stable percentiles")
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--think-ms", type=think_range, default=(0.0, 0.0), metavar="MIN-MAX",
+                        help="think time before each turn, drawn uniformly from MIN-MAX ms per turn (one number: "
+                             "that time); 0 (default): closed loop, the next turn as soon as the last is answered")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the think times (per worker)")
     parser.add_argument("--profile", type=int, default=None, metavar="C",
                         help="profile the session server (cProfile) during level C of the stub engine; needs --profile-out")
     parser.add_argument("--profile-out", default=None, help="where the profile (pstats) goes")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--out", default=None, help="also write the JSON report here")
+
+
+def think_range(text: str) -> tuple[float, float]:
+    """``MIN-MAX`` or ``MS`` (milliseconds, MIN <= MAX, not negative) as ``(min, max)``."""
+    low, dash, high = text.partition("-")
+    try:
+        bounds = (float(low), float(high) if dash else float(low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN-MAX or MS in milliseconds (e.g. 250-750), got {text!r}") from None
+    if not 0 <= bounds[0] <= bounds[1] or not math.isfinite(bounds[1]):
+        raise argparse.ArgumentTypeError(f"expected 0 <= MIN <= MAX milliseconds, got {text!r}")
+    return bounds
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "benchmark": "session", "model": args.model, "turns": args.turns, "max_tokens": args.max_tokens,
         "sessions_per_worker": args.sessions_per_worker, "min_requests": args.min_requests,
-        "cpu_count": os.cpu_count(), "goal": GOAL, "engine_kinds": {},
+        "load": _load_model(args.think_ms), "seed": args.seed, "cpu_count": os.cpu_count(), "goal": GOAL, "engine_kinds": {},
     }
     for kind in kinds:
         profile = args.profile if kind == "stub" else None
@@ -137,9 +165,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def goal_met(kinds: dict[str, Any]) -> dict[str, dict[str, dict[str, bool] | None]]:
-    """Per engine kind and API, whether the goal's level met the p50 and p99 bounds (None: not measured)."""
-    out: dict[str, dict[str, dict[str, bool] | None]] = {}
+def _load_model(think_ms: tuple[float, float]) -> dict[str, Any]:
+    if think_ms[1] == 0:
+        return {"mode": "closed-loop", "think_ms": None}
+    return {"mode": "think-time", "think_ms": {"min": think_ms[0], "max": think_ms[1]}}
+
+
+def goal_met(kinds: dict[str, Any]) -> dict[str, dict[str, dict[str, Any] | None]]:
+    """Per engine kind and API, whether the goal's level met the p50 and p99 bounds (None: not
+    measured), with the load it was judged at (served turns/s, the server's CPU utilisation)."""
+    out: dict[str, dict[str, dict[str, Any] | None]] = {}
     for kind, measured in kinds.items():
         out[kind] = {}
         for api, levels in measured["apis"].items():
@@ -149,7 +184,8 @@ def goal_met(kinds: dict[str, Any]) -> dict[str, dict[str, dict[str, bool] | Non
                 continue
             p50 = at["added_latency_p50_ms"] <= GOAL["added_latency_p50_ms"]
             p99 = at["added_latency_p99_ms"] <= GOAL["added_latency_p99_ms"]
-            out[kind][api] = {"p50": p50, "p99": p99, "met": p50 and p99}
+            out[kind][api] = {"p50": p50, "p99": p99, "met": p50 and p99, "turns_per_s": at.get("turns_per_s"),
+                              "server_cpu_utilisation": at.get("server_cpu_utilisation")}
     return out
 
 
@@ -182,7 +218,7 @@ async def _bench(engine: str, server: str, pid: int, apis: list[str], levels: li
     try:
         stop_ids = (await clients[0].call("server", "GET", "/server_info"))["stop_token_ids"]
         for api in apis:  # warm-up: first requests load caches
-            await _session_worker(clients[0], api, 1, 0, args)
+            await _session_worker(clients[0], api, 1, 0, random.Random(), args, think=False)
         # This process holds transformers' ~400k objects: a full collection of them (~200 ms) while
         # 256 requests are in flight would be counted as the server's latency. Frozen, it is not.
         gc.collect()
@@ -206,18 +242,25 @@ async def _bench(engine: str, server: str, pid: int, apis: list[str], levels: li
 async def _level(clients: list[_Client], api: str, level: int, pid: int, stop_ids: list[int],
                  args: argparse.Namespace) -> dict[str, Any]:
     sessions = max(args.sessions_per_worker, math.ceil(args.min_requests / (level * args.turns)))
+    rngs = [random.Random(f"{args.seed}/{api}/{level}/{w}") for w in range(level)]
     cpu_before, started = cpu_seconds(pid), time.perf_counter()
-    per_worker = await asyncio.gather(*[_session_worker(clients[w], api, sessions, w, args) for w in range(level)])
+    per_worker = await asyncio.gather(*[_session_worker(clients[w], api, sessions, w, rngs[w], args) for w in range(level)])
     session_seconds, cpu_after = time.perf_counter() - started, cpu_seconds(pid)
     requests = [r for worker in per_worker for r in worker["requests"]]
     errors = [e for worker in per_worker for e in worker["errors"]]
+    thought = [t for worker in per_worker for t in worker["thought_s"]]
     added = sorted(r["added_ms"] for r in requests)
     waited = sorted(r["waited_ms"] for r in requests)
-    started = time.perf_counter()
-    direct = sorted(await _direct(clients, [r["input_ids"] for r in requests], level, args.max_tokens, stop_ids))
-    direct_seconds = time.perf_counter() - started
     session_rps = len(requests) / session_seconds
-    direct_rps = len(requests) / direct_seconds if requests else float("nan")
+    think_s = statistics.fmean(thought) if thought else 0.0
+    if think_s > 0:  # the direct pass would measure the think times, not the engine
+        direct: list[float] = []
+        direct_rps = float("nan")
+    else:
+        started = time.perf_counter()
+        direct = sorted(await _direct(clients, [r["input_ids"] for r in requests], level, args.max_tokens, stop_ids))
+        direct_rps = len(requests) / (time.perf_counter() - started) if requests else float("nan")
+    cpu_s = cpu_after - cpu_before if cpu_before is not None and cpu_after is not None else None
     return {
         "concurrency": level, "sessions": level * sessions, "requests": len(requests),
         "failed_sessions": len(errors), "errors": errors[:3],
@@ -226,27 +269,38 @@ async def _level(clients: list[_Client], api: str, level: int, pid: int, stop_id
         "added_latency_mean_ms": round(statistics.fmean(added), 3) if added else None,
         "session_wait_p50_ms": round(percentile(waited, 50), 3),
         "session_wait_p99_ms": round(percentile(waited, 99), 3),
-        "direct_wait_p50_ms": round(percentile(direct, 50), 3),
-        "direct_wait_p99_ms": round(percentile(direct, 99), 3),
+        "direct_wait_p50_ms": _rounded(percentile(direct, 50), 3),
+        "direct_wait_p99_ms": _rounded(percentile(direct, 99), 3),
         "session_requests_per_s": round(session_rps, 1),
-        "direct_requests_per_s": round(direct_rps, 1),
-        "throughput_ratio": round(session_rps / direct_rps, 3),
-        "server_cpu_ms_per_request": (
-            round((cpu_after - cpu_before) / len(requests) * 1e3, 3)
-            if cpu_before is not None and cpu_after is not None and requests else None
-        ),
+        "direct_requests_per_s": _rounded(direct_rps, 1),
+        "throughput_ratio": _rounded(session_rps / direct_rps, 3),
+        "think_ms_mean": round(think_s * 1e3, 1),
+        # what the agents would send to a server answering at once; closed loop: as much as it serves
+        "offered_turns_per_s": round(level / think_s, 1) if think_s > 0 else None,
+        "turns_per_s": round(session_rps, 1),
+        "server_cpu_utilisation": round(cpu_s / session_seconds, 3) if cpu_s is not None else None,
+        "server_cpu_ms_per_request": round(cpu_s / len(requests) * 1e3, 3) if cpu_s is not None and requests else None,
     }
 
 
-async def _session_worker(http: _Client, api: str, sessions: int, worker: int, args: argparse.Namespace) -> dict[str, Any]:
+def _rounded(value: float, digits: int) -> float | None:
+    """``value`` rounded, None for NaN (not measured), which JSON has no number for."""
+    return None if math.isnan(value) else round(value, digits)
+
+
+async def _session_worker(http: _Client, api: str, sessions: int, worker: int, rng: random.Random,
+                          args: argparse.Namespace, think: bool = True) -> dict[str, Any]:
     """``sessions`` sessions one after the other: per turn the added and the whole wait, with the
-    turn's prompt ids; a session that failed is counted (its first error kept) and left out."""
+    turn's prompt ids; a session that failed is counted (its first error kept) and left out. With
+    ``--think-ms``, a think time drawn from ``rng`` before each turn (``thought_s``)."""
     from urllib.parse import urlsplit
 
     from miles.http11 import HttpError
 
     requests: list[dict[str, Any]] = []
     errors: list[str] = []
+    thought: list[float] = []
+    low, high = args.think_ms if think else (0.0, 0.0)
     for n in range(sessions):
         try:
             session = await http.call("server", "POST", "/sessions")
@@ -254,6 +308,9 @@ async def _session_worker(http: _Client, api: str, sessions: int, worker: int, a
             conversation = CONVERSATIONS[api](args.max_tokens)
             waited = []
             for turn in range(args.turns):
+                if high > 0:
+                    thought.append(rng.uniform(low, high) / 1e3)
+                    await asyncio.sleep(thought[-1])
                 body = conversation.request(PROMPTS[(worker + n + turn) % len(PROMPTS)])
                 start = time.perf_counter()
                 reply = await http.call("server", "POST", f"{base}/{conversation.path}", body)
@@ -266,7 +323,7 @@ async def _session_worker(http: _Client, api: str, sessions: int, worker: int, a
         for record, seconds in zip(view["records"], waited, strict=True):
             requests.append({"added_ms": (seconds - record["latency_s"]) * 1e3, "waited_ms": seconds * 1e3,
                              "input_ids": record["input_ids"]})
-    return {"requests": requests, "errors": errors}
+    return {"requests": requests, "errors": errors, "thought_s": thought}
 
 
 async def _direct(clients: list[_Client], prompts: list[list[int]], level: int, max_tokens: int, stop_ids: list[int]) -> list[float]:
