@@ -20,6 +20,8 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from miles_tito.server.app import acknowledge_lifespan
+
 REPLY = "Hello there"
 """Two or three tokens in most tokenizers: with the stop id it fits the bench's 4-token budget."""
 LOGPROB = -0.25
@@ -38,7 +40,7 @@ class StubEngine:
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]], send: Send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await acknowledge_lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
@@ -92,15 +94,6 @@ async def _answer(send: Send, status: int, body: bytes) -> None:
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
 
-
-async def _lifespan(receive: Callable[[], Awaitable[dict[str, Any]]], send: Send) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
 
 
 def stub_engine(model: str) -> StubEngine:

@@ -152,7 +152,7 @@ class SessionApp:
         if kind == "http":
             await self._http(scope, receive, send)
         elif kind == "lifespan":
-            await _lifespan(receive, send)
+            await acknowledge_lifespan(receive, send)
         # websocket: returning without accepting makes uvicorn refuse it (403)
 
     # ------------------------------------------------------------------ endpoints
@@ -330,7 +330,7 @@ async def _send_reply(reply: Reply, send: Send) -> None:
     await send({"type": "http.response.body", "body": b""})
 
 
-async def _lifespan(receive: Receive, send: Send) -> None:
+async def acknowledge_lifespan(receive: Receive, send: Send) -> None:
     """Nothing to start or stop: acknowledge both, so uvicorn does not report lifespan as unsupported."""
     while True:
         message = await receive()
