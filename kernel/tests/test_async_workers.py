@@ -239,3 +239,71 @@ def test_evaluation_numbers_its_samples_apart_from_training() -> None:
     again.load_state_dict(state)
     assert [s.index for g in again.make_groups(again.data.next_prompts(1), 2, evaluation=True) for s in g] == [6, 7]
     assert [s.index for g in again.make_groups(again.data.next_prompts(1), 2) for s in g] == [4, 5]
+
+
+async def always_raises(sample: Sample, ctx: object) -> Sample:
+    raise ConnectionError("agent sandbox unreachable")
+
+
+class Broken:
+    @hookimpl
+    def miles_register_generators(self, register):
+        register("always_raises", GeneratorSpec(always_raises))
+
+
+def _broken_manager(mode: str) -> RolloutManager:
+    kernel = Kernel.load(PluginSelection(enable=("core", "data", "filters", "generators", "rewards")))
+    if "broken" not in {i.name for i in kernel.plugins()}:
+        kernel.register_plugin(Broken(), "broken")
+    config = MilesConfig(run=RunSection(mode=mode), algorithm=AlgorithmSection(correction="tis"),
+                         rollout=RolloutSection(generator="always_raises", samples_per_prompt=2, prompts_per_step=2,
+                                                concurrency=4, max_generator_failures=5))
+    ctx = context_for(config, kernel=kernel)
+    return RolloutManager(ctx, open_data_source(ctx), engine=None, tokenizer=None)
+
+
+def test_a_generator_that_only_raises_stops_a_fully_async_run_with_its_error() -> None:
+    """Before, the trainer waited forever while the workers burnt prompts, every group dropped
+    as failed. After rollout.max_generator_failures calls in a row that raise, the run stops with
+    an error naming the generator and its last exception."""
+    from miles.errors import MilesError
+
+    manager = _broken_manager("fully_async")
+    buffer = GroupBuffer(4, admit=filter_pipeline(["no_aborted"], manager.kernel))
+    workers = RolloutWorkers(manager, buffer, version=lambda: 0)
+
+    async def scenario() -> None:
+        workers.start()
+        try:
+            with pytest.raises(MilesError) as error:
+                await asyncio.wait_for(buffer.take(2, version=0), timeout=30)  # a deadline, not a timing
+        finally:
+            await workers.stop()
+        message = str(error.value)
+        assert "'always_raises'" in message and "5 calls in a row" in message
+        assert "ConnectionError: agent sandbox unreachable" in message and "rollout.max_generator_failures" in message
+
+    asyncio.run(scenario())
+    assert workers.launched < 10  # it stopped drawing prompts soon after the source was known to fail
+
+
+def test_a_generator_that_only_raises_stops_a_sync_step_and_one_success_resets_the_count() -> None:
+    from miles.errors import MilesError
+
+    manager = _broken_manager("sync")
+    with pytest.raises(MilesError, match="generator 'always_raises' raised on 5 calls in a row"):
+        asyncio.run(asyncio.wait_for(manager.collect(1), timeout=30))
+
+    calls = 0
+
+    async def every_fourth_works(sample: Sample, ctx: object) -> Sample:
+        nonlocal calls
+        calls += 1
+        if calls % 4:
+            raise ConnectionError("flaky")
+        return await instant(sample, ctx)
+
+    manager = _broken_manager("sync")
+    manager.generator = every_fourth_works
+    rollout = asyncio.run(asyncio.wait_for(manager.collect(1), timeout=30))  # 3 in a row at most: never stops
+    assert rollout.metrics["rollout/status_failed"] > 0

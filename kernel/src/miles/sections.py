@@ -140,6 +140,11 @@ class RolloutSection(Section):
     # Engines queue what they cannot run yet, so a high limit costs little, while a low one feeds
     # the engine one request per finished one: a prefill forward at nearly every decode step.
     concurrency: int = Field(default=256, ge=1, description="generator calls in flight")
+    max_generator_failures: int = Field(
+        default=32, ge=1, description="generator calls in a row that raise before the run stops with the last "
+        "one's error (a generator that only fails would otherwise burn every prompt while the trainer waits); "
+        "a call that returns resets the count",
+    )
     max_staleness: int | None = Field(
         default=None, ge=0, description="fully_async: weight versions a group may lag behind the engines' when a batch "
         "is taken (current version minus its oldest token's); None: no bound",
