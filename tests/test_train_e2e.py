@@ -139,8 +139,8 @@ def test_one_step_off_resumes_with_the_prompts_the_interrupted_step_had(tiny_mod
     checkpoint keeps the data position from before that draw, so a resume generates the same
     prompts for that step (it used to skip them and draw the following ones)."""
     run = tmp_path / "overlap"
-    first = _train(*_args(tiny_model, tmp_path, "overlap", "run.mode=one_step_off", "run.steps=3", "run.save_every=1",
-                          "run.keep_checkpoints=3"))
+    first = _train(*_args(tiny_model, tmp_path, "overlap", "run.mode=one_step_off", "algorithm.correction=tis",
+                          "run.steps=3", "run.save_every=1", "run.keep_checkpoints=3"))
     assert first.returncode == 0, first.stderr
     prompts = [s["prompt"] for s in _samples(run, 3)]
     shutil.rmtree(run / "checkpoints" / "step_000003")  # as if it had crashed before step 3's checkpoint
@@ -257,7 +257,8 @@ def test_one_step_off_on_two_ranks_and_a_killed_rank_stops_the_run(tiny_model: P
     once, naming the rank and the checkpoint to resume from, and leaves no process behind."""
     run = tmp_path / "ranks"
     proc = _start_train(tmp_path / "ranks.out", *_args(tiny_model, tmp_path, "ranks", "run.steps=50", "run.save_every=1",
-                                                       "run.mode=one_step_off", "resources.trainer_ranks=2"))
+                                                       "run.mode=one_step_off", "algorithm.correction=tis",
+                                                       "resources.trainer_ranks=2"))
     try:
         proc.wait_ready(lambda: (run / "metrics.jsonl").exists() and len(_metrics(run)) >= 2, "two steps logged")
         rows = {row["name"]: row for row in json.loads((run / "services.json").read_text())}

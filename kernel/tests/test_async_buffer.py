@@ -30,7 +30,7 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-def test_groups_leave_first_in_first_out_and_each_batch_is_sorted_by_group_index() -> None:
+def test_equally_old_groups_leave_first_in_first_out_and_each_batch_is_sorted_by_group_index() -> None:
     async def scenario() -> list[list[int]]:
         buffer = GroupBuffer(capacity=8)
         for index in (3, 1, 2, 0, 5, 4):  # completion order
@@ -45,7 +45,7 @@ def test_a_producer_blocks_while_the_buffer_is_full() -> None:
         buffer = GroupBuffer(capacity=1)
         assert await buffer.put(group(0)) == "queued"
         blocked_put = asyncio.create_task(buffer.put(group(1)))
-        blocked_room = asyncio.create_task(buffer.wait_for_room())
+        blocked_room = asyncio.create_task(buffer.wait_for_launch())
         await settle()
         assert not blocked_put.done() and not blocked_room.done() and len(buffer) == 1
         assert [g.index for g in await buffer.take(1, version=0)] == [0]
@@ -58,16 +58,61 @@ def test_a_producer_blocks_while_the_buffer_is_full() -> None:
     run(scenario())
 
 
-def test_with_a_limit_a_producer_waits_while_too_many_groups_are_ahead_of_the_trainer() -> None:
+def test_the_oldest_finished_groups_are_trained_first() -> None:
+    """A group that came back late (a long tail) is not queued behind younger ones: it is taken
+    first, within the bound, instead of waiting until it is past it."""
+    async def scenario() -> list[int]:
+        buffer = GroupBuffer(capacity=8, max_staleness=1)
+        for index, version in ((0, 2), (1, 2), (2, 1), (3, 2)):  # completion order; group 2 is a long tail
+            await buffer.put(group(index, versions=(version,)))
+        taken = [g.index for g in await buffer.take(2, version=2)]
+        assert not buffer.take_counts()["late_trained"]
+        return taken
+
+    assert run(scenario()) == [0, 2]
+
+
+def test_groups_being_scored_count_as_finished_groups() -> None:
+    """With a slow reward, groups that finished generating wait in scoring: counted nowhere, the
+    producer went on drawing (a buffer of 2 held about 50 such groups)."""
     async def scenario() -> None:
-        buffer = GroupBuffer(capacity=8)
-        in_flight = 2
+        buffer = GroupBuffer(capacity=2)
+        scoring = 1
         await buffer.put(group(0))
-        await buffer.put(group(1))
-        gated = asyncio.create_task(buffer.wait_for_room(lambda: in_flight, ahead_limit=4))  # 2 waiting + 2 in flight
+        gated = asyncio.create_task(buffer.wait_for_launch(lambda: scoring))  # 1 queued + 1 being scored
         await settle()
         assert not gated.done()
-        await buffer.take(1, version=0)  # the trainer took one: 3 ahead
+        scoring = 0
+        await buffer.take(1, version=0)
+        await gated
+
+    run(scenario())
+
+
+def test_with_a_limit_a_producer_waits_while_that_many_groups_are_reserved() -> None:
+    """Reserved groups (launched, headed for training) hold their place until trained; a filtered
+    or aborted one gives it back, so its replacement may start."""
+    def admit(samples: Sequence[Sample]) -> str | None:
+        return "zero_std" if samples[0].group_index == 1 else None
+
+    async def scenario() -> None:
+        buffer = GroupBuffer(capacity=8, admit=admit)
+        limit = 2
+        for _ in range(2):
+            buffer.reserve()
+        gated = asyncio.create_task(buffer.wait_for_launch(limit=lambda: limit))
+        await buffer.put(group(0))
+        await buffer.take(1, version=0)  # trained: still counts against the limit
+        await settle()
+        assert not gated.done()
+        assert await buffer.put(group(1)) == "filtered_zero_std"  # its place is free again
+        await gated
+        buffer.reserve()
+        gated = asyncio.create_task(buffer.wait_for_launch(limit=lambda: limit))
+        await settle()
+        assert not gated.done()
+        limit = 3  # a new weight version lets more start
+        await buffer.weights_updated()
         await gated
 
     run(scenario())
@@ -79,25 +124,28 @@ def test_nothing_is_stale_before_the_first_update() -> None:
         await buffer.put(group(0, versions=(0,)))  # older than the start version: a resumed run's leftovers
         await buffer.put(group(1, versions=()))  # no engine call reported a version
         assert [g.index for g in await buffer.take(2, version=3)] == [0, 1]
-        assert not buffer.take_counts()["stale_recycled"]
+        assert not buffer.take_counts()["late_trained"]
 
     run(scenario())
 
 
-@pytest.mark.parametrize("policy", ["recycle", "drop"])
-def test_groups_over_the_staleness_bound_are_recycled_or_dropped_and_counted(policy: str) -> None:
+@pytest.mark.parametrize("policy", ["train", "recycle"])
+def test_late_groups_are_trained_or_recycled_never_thrown_away_and_counted(policy: str) -> None:
     async def scenario() -> None:
-        buffer = GroupBuffer(capacity=8, max_staleness=1, unused=policy)
+        buffer = GroupBuffer(capacity=8, max_staleness=1, late=policy)
+        for _ in range(3):
+            buffer.reserve()
         old, spanning, fresh = group(0, versions=(0,)), group(1, versions=(0, 2)), group(2, versions=(1, 2))
         for g in (old, spanning, fresh):
             await buffer.put(g)
         # at version 2: staleness is 2 for the first two (their oldest call ran version 0), 1 for the last
-        assert [g.index for g in await buffer.take(1, version=2)] == [2]
-        counts = buffer.take_counts()
-        if policy == "drop":
-            assert counts["stale_dropped"] == 2 and buffer.next_recycled() is None
+        if policy == "train":
+            assert [g.index for g in await buffer.take(3, version=2)] == [0, 1, 2]
+            assert buffer.take_counts()["late_trained"] == 2 and buffer.next_recycled() is None
+            assert buffer.reserved == 3
             return
-        assert counts["stale_recycled"] == 2
+        assert [g.index for g in await buffer.take(1, version=2)] == [2]
+        assert buffer.take_counts()["late_recycled"] == 2 and buffer.reserved == 1  # their places are free
         again = [buffer.next_recycled(), buffer.next_recycled()]
         assert [g.index for g in again] == [0, 1] and buffer.next_recycled() is None
         for g in again:  # regenerated from the prompt, as drawn
@@ -111,22 +159,21 @@ def test_a_branch_older_than_its_episodes_primary_makes_the_group_stale() -> Non
     """An episode's rows are trained together: a branch whose turns ran older weights than every
     turn of the episode's primary branch (an abandoned attempt, a compacted history) ages the group."""
     async def scenario() -> None:
-        buffer = GroupBuffer(capacity=8, max_staleness=1, unused="drop")
+        buffer = GroupBuffer(capacity=8, max_staleness=1, late="recycle")
         aged = group(0, versions=(2,))
         aged.samples[1].branches = [Sample(weight_versions=[0], branch=Branch(episode_id="e", branch_id=1))]
         await buffer.put(aged)
         await buffer.put(group(1, versions=(2,)))
         assert [g.index for g in await buffer.take(1, version=2)] == [1]
-        assert buffer.take_counts()["stale_dropped"] == 1
+        assert buffer.take_counts()["late_recycled"] == 1
 
     run(scenario())
 
 
-def test_a_group_recycled_too_often_is_dropped() -> None:
+def test_a_late_group_that_used_up_its_attempts_is_trained_as_it_is() -> None:
     async def scenario() -> None:
-        buffer = GroupBuffer(capacity=4, max_staleness=0, max_attempts=2)
-        first = group(0)
-        await buffer.put(first)
+        buffer = GroupBuffer(capacity=4, max_staleness=0, late="recycle", max_attempts=2)
+        await buffer.put(group(0))
         await buffer.put(group(1, versions=(1,)))
         await buffer.take(1, version=1)
         second = buffer.next_recycled()
@@ -135,9 +182,24 @@ def test_a_group_recycled_too_often_is_dropped() -> None:
             s.weight_versions, s.status = [1], Status.COMPLETED
         await buffer.put(second)
         await buffer.put(group(2, versions=(2,)))
-        assert [g.index for g in await buffer.take(1, version=2)] == [2]
+        assert [g.index for g in await buffer.take(2, version=2)] == [0, 2]
         counts = buffer.take_counts()
-        assert counts["stale_dropped"] == 1 and counts["attempts_exhausted"] == 1 and buffer.next_recycled() is None
+        assert counts["late_recycled"] == 1 and counts["late_trained"] == 1 and buffer.next_recycled() is None
+
+    run(scenario())
+
+
+def test_an_aborted_group_recycled_too_often_is_dropped() -> None:
+    async def scenario() -> None:
+        buffer = GroupBuffer(capacity=4, max_attempts=2)
+        assert await buffer.put(group(0, status=Status.ABORTED)) == "aborted_recycled"
+        second = buffer.next_recycled()
+        assert second is not None and second.attempt == 2
+        for s in second.samples:
+            s.status = Status.ABORTED
+        assert await buffer.put(second) == "aborted_dropped"
+        counts = buffer.take_counts()
+        assert counts["attempts_exhausted"] == 1 and buffer.next_recycled() is None
 
     run(scenario())
 

@@ -6,6 +6,9 @@ the real ones)."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from miles import hookimpl
@@ -16,16 +19,16 @@ from miles.errors import PluginError
 from miles.kernel import Kernel
 from miles.loop.buffer import GroupBuffer
 from miles.loop.modes.fully_async import filter_pipeline
-from miles.loop.producer import RolloutWorkers
+from miles.loop.producer import LaunchPacing, RolloutWorkers
 from miles.loop.rollout import RolloutManager
 from miles.plugins import PluginSelection
-from miles.sections import AlgorithmSection, RolloutSection, RunSection
-from miles_contracts import ExitReason, FilterSpec, FilterVerdict, GeneratorSpec, Sample, Status
+from miles.sections import AlgorithmSection, RewardSection, RolloutSection, RunSection
+from miles_contracts import ExitReason, FilterSpec, FilterVerdict, GeneratorSpec, RewardSpec, Sample, Status
 
 
 async def instant(sample: Sample, ctx: object) -> Sample:
     sample.tokens, sample.response_length, sample.loss_mask = [1, 2, 3], 1, [1]
-    sample.response, sample.weight_versions = "4", [0]
+    sample.response = "4"  # no engine version reported: a group is as old as its launch
     return sample.finish(Status.COMPLETED, ExitReason.STOP)
 
 
@@ -35,26 +38,172 @@ def breaks_on_group_2(group: list[Sample]) -> FilterVerdict:
     return FilterVerdict(keep=True)
 
 
+class SlowReward:
+    """A reward that answers only once ``release`` is set (``calls``: samples it was asked to score)."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.calls = 0
+
+    async def __call__(self, samples: list[Sample]) -> list[float]:
+        self.calls += len(samples)
+        await self.release.wait()
+        return [1.0] * len(samples)
+
+
+slow_reward = SlowReward()
+
+
+class LongTail:
+    """Group 1's samples answer only once ``release`` is set; the others at once."""
+
+    release = asyncio.Event()
+
+    async def __call__(self, sample: Sample, ctx: object) -> Sample:
+        if sample.group_index == 1:
+            await self.release.wait()
+        return await instant(sample, ctx)
+
+
+long_tail = LongTail()
+
+
 class Workload:
     @hookimpl
     def miles_register_generators(self, register):
         register("instant", GeneratorSpec(instant))
+        register("long_tail", GeneratorSpec(long_tail))
+
+    @hookimpl
+    def miles_register_rewards(self, register):
+        register("slow", RewardSpec(slow_reward))
 
     @hookimpl
     def miles_register_filters(self, register):
         register("breaks_on_group_2", FilterSpec(breaks_on_group_2))
 
 
-def _workers(filters: list[str]) -> tuple[RolloutWorkers, GroupBuffer]:
+def _workers(filters: list[str], *, capacity: int = 4, reward: str = "exact_match", steps: int = 100,
+             version: Callable[[], int] = lambda: 0, **rollout: Any) -> tuple[RolloutWorkers, GroupBuffer]:
     kernel = Kernel.load(PluginSelection(enable=("core", "data", "filters", "generators", "rewards")))
     if "workload" not in {i.name for i in kernel.plugins()}:
         kernel.register_plugin(Workload(), "workload")
-    config = MilesConfig(run=RunSection(mode="fully_async"), algorithm=AlgorithmSection(correction="tis"),
-                         rollout=RolloutSection(generator="instant", samples_per_prompt=2, prompts_per_step=2,
-                                                concurrency=4, filters=filters))
+    config = MilesConfig(run=RunSection(mode="fully_async", steps=steps), algorithm=AlgorithmSection(correction="tis"),
+                         reward=RewardSection(name=reward),
+                         rollout=RolloutSection(**{"generator": "instant", "samples_per_prompt": 2, "prompts_per_step": 2,
+                                                   "concurrency": 4, "filters": filters, **rollout}))
     manager = RolloutManager(context_for(config, kernel=kernel), open_data_source(context_for(config, kernel=kernel)), engine=None, tokenizer=None)
-    buffer = GroupBuffer(4, admit=filter_pipeline(filters, kernel))
-    return RolloutWorkers(manager, buffer, version=lambda: 0), buffer
+    buffer = GroupBuffer(capacity, admit=filter_pipeline(filters, kernel), max_staleness=config.rollout.max_staleness,
+                         late=config.rollout.late_groups)
+    return RolloutWorkers(manager, buffer, version=version), buffer
+
+
+async def _settle(rounds: int = 200) -> None:
+    """Let every ready task run (no timing: the workers here never wait on anything outside the loop)."""
+    for _ in range(rounds):
+        await asyncio.sleep(0)
+
+
+def test_groups_being_scored_count_against_the_buffer_without_a_staleness_bound() -> None:
+    """Before, with no staleness bound, groups waiting on a slow reward counted nowhere: a buffer
+    of 2 let the workers draw about 50 groups. Now at most the buffer's capacity of groups is
+    finished (scored or being scored), plus what the generation slots hold."""
+    async def scenario() -> None:
+        workers, buffer = _workers(["no_aborted"], capacity=2, reward="slow")
+        workers.start()
+        try:
+            while slow_reward.calls < 4:  # two groups are being scored
+                await asyncio.sleep(0)
+            await _settle()
+            assert workers.launched <= 2 + 4 // 2  # capacity + concurrency / samples_per_prompt
+            slow_reward.release.set()
+            assert len(await buffer.take(2, version=0)) == 2
+        finally:
+            slow_reward.release.set()
+            await workers.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+
+
+def test_at_max_staleness_0_no_group_starts_while_the_trainer_trains_and_none_is_late() -> None:
+    """Before, the launch gate let one batch more start than the bound allows: at max_staleness 0
+    every group generated while the trainer trained was stale after the push, and thrown away."""
+    version = 0
+
+    async def scenario() -> None:
+        workers, buffer = _workers(["no_aborted"], capacity=8, max_staleness=0, version=lambda: version)
+        nonlocal version
+        workers.start()
+        try:
+            first = await buffer.take(2, version=0)
+            await _settle()  # the trainer trains batch 1
+            assert workers.launched == 2  # the next batch would be trained after the push: not yet
+            version = 1
+            await buffer.weights_updated()
+            second = await buffer.take(2, version=1)
+            assert [g.staleness(1) for g in second] == [0, 0]
+            counts = buffer.take_counts()
+            assert not counts["late_trained"] and not counts["late_recycled"]
+            assert [g.index for g in first + second] == [0, 1, 2, 3]
+        finally:
+            await workers.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+
+
+@pytest.mark.parametrize("late", ["train", "recycle"])
+def test_admission_keeps_staleness_within_the_bound_and_trains_a_late_group_instead_of_discarding_it(late: str) -> None:
+    """max_staleness 1, a trainer that pushes after every batch, and group 1 a long tail held
+    until step 2 is taken. Every other group is trained within the bound; group 1, back at
+    staleness 2, is trained with its correction (train) or generated again and trained within
+    the bound (recycle): counted either way, and no group is trained twice or dropped."""
+    version = 0
+    long_tail.release = asyncio.Event()
+
+    async def scenario() -> None:
+        nonlocal version
+        workers, buffer = _workers(["no_aborted"], capacity=8, max_staleness=1, late_groups=late,
+                                   generator="long_tail", concurrency=16, version=lambda: version)
+        workers.start()
+        trained: list[tuple[int, int]] = []  # (group, staleness when taken)
+        counts: Counter[str] = Counter()
+        try:
+            for step in range(1, 6):
+                batch = await buffer.take(2, version=version)
+                trained += [(g.index, g.staleness(version)) for g in batch]
+                counts.update(buffer.take_counts())
+                await _settle()  # the trainer trains
+                if step == 2:
+                    long_tail.release.set()
+                    await _settle()
+                version += 1
+                await buffer.weights_updated()
+        finally:
+            long_tail.release.set()
+            await workers.stop()
+        groups = [g for g, _ in trained]
+        assert len(groups) == len(set(groups)) == 10 and 1 in groups
+        assert not any(k.endswith("_dropped") for k in counts)
+        late_ones = [g for g, staleness in trained if staleness > 1]
+        if late == "train":
+            assert late_ones == [1] and counts["late_trained"] == 1 and not counts["late_recycled"]
+        else:
+            assert late_ones == [] and counts["late_recycled"] == 1 and not counts["late_trained"]
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+
+
+def test_launch_pacing_fills_exactly_the_batches_within_the_bound() -> None:
+    """AReaL's admission rule counted in this run's batches, resumed runs and intervals included."""
+    pacing = LaunchPacing(batch=2, interval=1, max_staleness=1, start_step=0, start_version=0, steps=10)
+    assert [pacing.limit(v) for v in range(3)] == [4, 6, 8]  # at version v, batches up to v + 1
+    assert pacing.limit(20) == 20  # never more than the steps left
+    # pushes after steps 2, 4, ...: batches 0 and 1 at version 0, 2 and 3 at version 1
+    assert LaunchPacing(2, 2, 0, 0, 0, 10).limit(0) == 4
+    # resumed after step 3 at version 1 (interval 2): step 4 is taken at version 1, steps 5-6 at 2
+    resumed = LaunchPacing(2, 2, 0, start_step=3, start_version=1, steps=10)
+    assert [resumed.limit(1), resumed.limit(2)] == [2, 6]
+    assert LaunchPacing(2, 1, None, 0, 0, 3).limit(0) == 6
 
 
 def test_workers_keep_the_buffer_filled_with_scored_groups() -> None:
@@ -239,3 +388,71 @@ def test_evaluation_numbers_its_samples_apart_from_training() -> None:
     again.load_state_dict(state)
     assert [s.index for g in again.make_groups(again.data.next_prompts(1), 2, evaluation=True) for s in g] == [6, 7]
     assert [s.index for g in again.make_groups(again.data.next_prompts(1), 2) for s in g] == [4, 5]
+
+
+async def always_raises(sample: Sample, ctx: object) -> Sample:
+    raise ConnectionError("agent sandbox unreachable")
+
+
+class Broken:
+    @hookimpl
+    def miles_register_generators(self, register):
+        register("always_raises", GeneratorSpec(always_raises))
+
+
+def _broken_manager(mode: str) -> RolloutManager:
+    kernel = Kernel.load(PluginSelection(enable=("core", "data", "filters", "generators", "rewards")))
+    if "broken" not in {i.name for i in kernel.plugins()}:
+        kernel.register_plugin(Broken(), "broken")
+    config = MilesConfig(run=RunSection(mode=mode), algorithm=AlgorithmSection(correction="tis"),
+                         rollout=RolloutSection(generator="always_raises", samples_per_prompt=2, prompts_per_step=2,
+                                                concurrency=4, max_generator_failures=5))
+    ctx = context_for(config, kernel=kernel)
+    return RolloutManager(ctx, open_data_source(ctx), engine=None, tokenizer=None)
+
+
+def test_a_generator_that_only_raises_stops_a_fully_async_run_with_its_error() -> None:
+    """Before, the trainer waited forever while the workers burnt prompts, every group dropped
+    as failed. After rollout.max_generator_failures calls in a row that raise, the run stops with
+    an error naming the generator and its last exception."""
+    from miles.errors import MilesError
+
+    manager = _broken_manager("fully_async")
+    buffer = GroupBuffer(4, admit=filter_pipeline(["no_aborted"], manager.kernel))
+    workers = RolloutWorkers(manager, buffer, version=lambda: 0)
+
+    async def scenario() -> None:
+        workers.start()
+        try:
+            with pytest.raises(MilesError) as error:
+                await asyncio.wait_for(buffer.take(2, version=0), timeout=30)  # a deadline, not a timing
+        finally:
+            await workers.stop()
+        message = str(error.value)
+        assert "'always_raises'" in message and "5 calls in a row" in message
+        assert "ConnectionError: agent sandbox unreachable" in message and "rollout.max_generator_failures" in message
+
+    asyncio.run(scenario())
+    assert workers.launched < 10  # it stopped drawing prompts soon after the source was known to fail
+
+
+def test_a_generator_that_only_raises_stops_a_sync_step_and_one_success_resets_the_count() -> None:
+    from miles.errors import MilesError
+
+    manager = _broken_manager("sync")
+    with pytest.raises(MilesError, match="generator 'always_raises' raised on 5 calls in a row"):
+        asyncio.run(asyncio.wait_for(manager.collect(1), timeout=30))
+
+    calls = 0
+
+    async def every_fourth_works(sample: Sample, ctx: object) -> Sample:
+        nonlocal calls
+        calls += 1
+        if calls % 4:
+            raise ConnectionError("flaky")
+        return await instant(sample, ctx)
+
+    manager = _broken_manager("sync")
+    manager.generator = every_fourth_works
+    rollout = asyncio.run(asyncio.wait_for(manager.collect(1), timeout=30))  # 3 in a row at most: never stops
+    assert rollout.metrics["rollout/status_failed"] > 0

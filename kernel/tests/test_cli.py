@@ -74,7 +74,8 @@ def test_a_second_argument_without_equals_is_refused(items: list[str]) -> None:
 
 
 def test_config_show_and_train_read_the_same_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["config", "show", "run.mode=one_step_off", "rollout.temperature=0.5", "--json"]) == 0
+    assert main(["config", "show", "run.mode=one_step_off", "algorithm.correction=tis", "rollout.temperature=0.5",
+                 "--json"]) == 0
     cfg = json.loads(capsys.readouterr().out)
     assert cfg["run"]["mode"] == "one_step_off" and cfg["rollout"]["temperature"] == 0.5
     path = tmp_path / "c.yaml"

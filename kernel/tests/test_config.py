@@ -211,10 +211,33 @@ def test_async_settings_are_checked_against_the_mode(kernel: Kernel) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(None, ["run.mode=fully_async", "rollout.concurrency=2", "rollout.samples_per_prompt=4"], kernel=kernel)
     assert "rollout.concurrency (2) must be at least rollout.samples_per_prompt (4)" in str(err.value)
-    assert "set algorithm.correction to tis or mis" in str(err.value)
+    assert "set algorithm.correction: tis (or mis)" in str(err.value)
     cfg = load_config(None, ["run.mode=fully_async", "algorithm.correction=tis", "rollout.max_staleness=2",
                              "weights.update_interval=2"], kernel=kernel)
     assert (cfg.run.mode, cfg.rollout.max_staleness, cfg.weights.update_interval) == ("fully_async", 2, 2)
+
+
+def test_an_importance_correction_is_required_wherever_staleness_can_be_above_0(kernel: Kernel) -> None:
+    """Collected with the other errors, naming the settings that make the run train on older
+    weights' tokens. sync, and fully_async at max_staleness 0 (no group in flight across a push),
+    train only on their own weights' tokens and need none."""
+    stale = {
+        ("run.mode=one_step_off",): "run.mode one_step_off trains each step on samples of the weights one update older",
+        ("run.mode=fully_async",): "run.mode fully_async with rollout.max_staleness unset (no bound)",
+        ("run.mode=fully_async", "rollout.max_staleness=2"): "run.mode fully_async with rollout.max_staleness 2",
+    }
+    for overrides, why in stale.items():
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [*overrides, "rollout.max_new_tokens=2000"], kernel=kernel)
+        message = str(err.value)
+        assert "found 2 error(s)" in message and "rollout.max_new_tokens (2000)" in message  # collected at once
+        assert f"algorithm.correction is none, but {why}" in message
+        assert "set algorithm.correction: tis (or mis)" in message
+        assert load_config(None, [*overrides, "algorithm.correction=tis"], kernel=kernel).algorithm.correction == "tis"
+    for fine in ([], ["run.mode=fully_async", "rollout.max_staleness=0", "rollout.late_groups=recycle"]):
+        assert load_config(None, fine, kernel=kernel).algorithm.correction == "none"
+    with pytest.raises(ConfigError, match=r"rollout.late_groups \(recycle\) applies to run.mode fully_async only"):
+        load_config(None, ["rollout.late_groups=recycle"], kernel=kernel)
 
 
 def test_a_service_checks_the_schema_but_leaves_the_names_to_the_driver(kernel: Kernel) -> None:

@@ -22,9 +22,9 @@ miles_run() {  # name, extra overrides...
 for part in "$@"; do
   case $part in
     miles-sync) miles_run miles-sync ;;
-    miles-async) miles_run miles-async run.mode=one_step_off ;;
+    miles-async) miles_run miles-async run.mode=one_step_off algorithm.correction=tis ;;
     miles-sync-compile) miles_run miles-sync-compile fsdp.compile=true ;;
-    miles-async-compile) miles_run miles-async-compile run.mode=one_step_off fsdp.compile=true ;;
+    miles-async-compile) miles_run miles-async-compile run.mode=one_step_off algorithm.correction=tis fsdp.compile=true ;;
     profile)
       py-spy record --subprocesses --nonblocking --rate 50 --format raw -o "$OUT/profile.txt" -- \
         miles train $CFG model.name=/tmp/smol run.output_dir=/tmp/runs run.name=profile run.steps=12 eval.every=0 \

@@ -30,9 +30,9 @@ CONFIG = "scripts/learning/arithmetic_h200.yaml"
 
 
 MILES_PARTS = {  # part -> its overrides of the learning config
-    "miles-async": ["run.mode=one_step_off"],
+    "miles-async": ["run.mode=one_step_off", "algorithm.correction=tis"],  # staleness 1 needs a correction
     "miles-sync": ["run.mode=sync"],
-    "miles-async-compile": ["run.mode=one_step_off", "fsdp.compile=true"],
+    "miles-async-compile": ["run.mode=one_step_off", "algorithm.correction=tis", "fsdp.compile=true"],
 }
 
 

@@ -40,7 +40,7 @@ for part in "$@"; do
     one-gpu) run_part one-gpu resources.gpus_per_node=1 ;;
     disagg) run_part disagg resources.trainer_ranks=1 resources.engines=1 resources.colocate=false weights.transport=broadcast ;;
     disagg-async) run_part disagg-async resources.trainer_ranks=1 resources.engines=1 resources.colocate=false \
-                    weights.transport=broadcast run.mode=one_step_off ;;
+                    weights.transport=broadcast run.mode=one_step_off algorithm.correction=tis ;;
     coloc2) run_part coloc2 resources.trainer_ranks=2 resources.engines=2 ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac

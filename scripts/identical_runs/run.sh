@@ -23,7 +23,7 @@ run() {
   echo "$name: exit $?"
 }
 run sync run.steps=3
-run one_step_off run.mode=one_step_off run.steps=3 algorithm.normalize_advantages=true
+run one_step_off run.mode=one_step_off algorithm.correction=tis run.steps=3 algorithm.normalize_advantages=true
 run ppo run.steps=2 algorithm.advantage=ppo train.use_critic=true
 run agentic examples/calculator_agent/config.yaml run.steps=2 rollout.prompts_per_step=2
 run r3moe run.steps=2 model.name="$MOE" r3.enabled=true

@@ -140,17 +140,29 @@ class RolloutSection(Section):
     # Engines queue what they cannot run yet, so a high limit costs little, while a low one feeds
     # the engine one request per finished one: a prefill forward at nearly every decode step.
     concurrency: int = Field(default=256, ge=1, description="generator calls in flight")
+    max_generator_failures: int = Field(
+        default=32, ge=1, description="generator calls in a row that raise before the run stops with the last "
+        "one's error (a generator that only fails would otherwise burn every prompt while the trainer waits); "
+        "a call that returns resets the count",
+    )
     max_staleness: int | None = Field(
         default=None, ge=0, description="fully_async: weight versions a group may lag behind the engines' when a batch "
-        "is taken (current version minus its oldest token's); None: no bound",
+        "is taken (current version minus its oldest token's). Workers start only as many groups per version as "
+        "batches within the bound will train, and the trainer takes the oldest finished groups first; a group "
+        "whose own generation outlives the bound is late (rollout.late_groups). None: no bound",
+    )
+    late_groups: Literal["train", "recycle"] = Field(
+        default="train", description="fully_async: a group over rollout.max_staleness when taken is trained with the "
+        "importance correction (train) or generated again from its prompt (recycle: counted async/late_recycled, "
+        "trained as it is after 3 generations); never thrown away for lateness",
     )
     partial_rollout: bool = Field(
         default=True, description="fully_async: a generation a weight update aborted goes on under the new weights "
         "with the tokens it has (false: it ends aborted)",
     )
     unused_groups: Literal["recycle", "drop"] = Field(
-        default="recycle", description="fully_async: a group too stale when taken, or with an aborted sample, is "
-        "regenerated from its prompt (recycle) or dropped; counted per reason either way",
+        default="recycle", description="fully_async: a group with an aborted sample is regenerated from its prompt "
+        "(recycle, at most 3 generations) or dropped; counted per outcome either way",
     )
     buffer_groups: int | None = Field(
         default=None, ge=1, description="fully_async: finished groups that may wait for the trainer (producers block "

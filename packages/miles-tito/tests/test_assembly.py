@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from miles_contracts import ExitReason, Sample, Status
 from miles_contracts.wire.session import TurnRecord
-from miles_tito.assembly import AssemblyError, assemble, turn_samples
+from miles_tito.assembly import AssemblyError, assemble, merge_turns, turn_samples
 
 ids = st.integers(min_value=10, max_value=60)  # a small alphabet so coincidental matches happen too
 
@@ -122,3 +122,34 @@ def test_a_trimmed_tail_is_not_credited_when_the_next_turn_samples_the_same_toke
     assert sample.tokens == [10, 30, 31, 32]
     assert sample.loss_mask == [1, 1, 1]
     assert sample.rollout_logprobs == [-3.0, -4.0, -5.0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(conversations(), st.data())
+def test_turns_that_carry_only_a_call_version_or_none_still_make_a_valid_version_list(
+        case: tuple[list[TurnRecord], int, list[int]], data: st.DataObject) -> None:
+    """Generators fill ``token_versions`` or only ``weight_versions`` (or neither: an engine that
+    reports no version). Each merged token keeps its turn's version when the turn says what it is
+    (per token, or one call version); when a turn cannot say, the trajectory records none rather
+    than a list misaligned with the response (``Sample.validate`` refuses those)."""
+    records, max_trim, _ = case
+    turns = turn_samples(records)
+    kinds = data.draw(st.lists(st.sampled_from(["per_token", "call", "none"]), min_size=len(turns), max_size=len(turns)))
+    for turn, kind in zip(turns, kinds, strict=True):
+        if kind != "per_token":
+            turn.token_versions = []
+        if kind == "none":
+            turn.weight_versions = []
+    sample = merge_turns(turns, max_trim_tokens=max_trim)
+    sample.validate()
+    if "none" in kinds:
+        assert sample.token_versions == []
+        return
+    assert len(sample.token_versions) == sample.response_length
+    for offset, (mask, version) in enumerate(zip(sample.loss_mask, sample.token_versions, strict=True)):
+        if not mask:
+            assert version == -1
+            continue
+        position = sample.prompt_length + offset
+        owner = next(r for r in reversed(records) if len(r.input_ids) <= position < len(r.input_ids) + len(r.output_ids))
+        assert version == owner.weight_version

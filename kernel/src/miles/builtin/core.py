@@ -52,7 +52,7 @@ Validate a config and print it fully resolved (defaults included). Takes the sam
 
   miles config show                                   # the defaults
   miles config show examples/arithmetic/config.yaml
-  miles config show run.mode=one_step_off rollout.temperature=0.8
+  miles config show run.mode=one_step_off algorithm.correction=tis rollout.temperature=0.8
   miles config show examples/arithmetic/config.yaml run.steps=20 --json
 """
 

@@ -2,21 +2,27 @@
 
 Its contract (``docs/design/async.md``; each point tested in ``kernel/tests/test_async_buffer.py``):
 
-- **Stable order.** First in, first out across batches: a group that was queued earlier never
-  leaves after one queued later. Within a batch, groups are sorted by group index, so the same
-  set of groups always makes the same batch, however their completions interleaved.
-- **Back-pressure.** ``put`` waits while the buffer is full, and :meth:`GroupBuffer.wait_for_room`
-  lets a producer hold off drawing new prompts meanwhile (and, given a limit, while too many
-  groups are ahead of the trainer: in flight or waiting).
-- **Admission** (at ``put``). A group with an ABORTED sample goes to the unused-group policy. A
+- **Oldest first.** ``take`` hands out the finished groups whose oldest engine call is oldest, and
+  among equally old ones the first queued. Within a batch, groups are sorted by group index, so
+  the same set of groups always makes the same batch, however their completions interleaved.
+- **Back-pressure.** ``put`` waits while the buffer is full, and :meth:`GroupBuffer.wait_for_launch`
+  lets a producer hold off drawing new prompts meanwhile; groups being scored count as finished
+  (with a slow reward they would otherwise pile up unbounded).
+- **Launch pacing.** Given a limit, ``wait_for_launch`` also waits while that many groups are
+  reserved (:meth:`GroupBuffer.reserve`: launched and headed for training, until a filter, an
+  abort or lateness takes one out). The producer's limit grows with the weight version
+  (:class:`miles.loop.producer.LaunchPacing`), which bounds staleness at the source.
+- **Admission** (at ``put``). A group with an ABORTED sample goes to the aborted-group policy. A
   group a filter drops is counted under the filter's reason and never recycled: its prompt
   taught nothing (zero variance) or cannot be trained on, and generating it again would not
   change that. The rest are queued.
-- **Staleness** (at ``take``): the current weight version minus the oldest version any engine
-  call of the group ran with. A group over ``max_staleness`` goes to the unused-group policy.
-  Nothing is stale before the first weight update (while the version is the one the buffer
+- **Lateness** (at ``take``): staleness is the current weight version minus the oldest version
+  any engine call of the group ran with. A group over ``max_staleness`` is late: it is never
+  thrown away for it, but trained (with the run's importance correction) or, with ``late:
+  recycle``, generated again from its prompt (and trained anyway once it used up its attempts).
+  Nothing is late before the first weight update (while the version is the one the buffer
   started at), whatever the bound.
-- **Unused groups.** ``recycle``: the group is queued to be generated again from its prompt
+- **Aborted groups.** ``recycle``: the group is queued to be generated again from its prompt
   (workers take recycled groups before drawing new prompts), at most ``max_attempts``
   generations in all, after which it is dropped. ``drop``: it is dropped. Every outcome is
   counted by reason (:meth:`GroupBuffer.take_counts`).
@@ -37,12 +43,15 @@ from typing import Literal
 from miles_contracts import Sample, Status
 
 UnusedPolicy = Literal["recycle", "drop"]
+"""What becomes of a group with an aborted sample (``rollout.unused_groups``)."""
+LatePolicy = Literal["train", "recycle"]
+"""What becomes of a group over the staleness bound when taken (``rollout.late_groups``)."""
 Admit = Callable[[Sequence[Sample]], "str | None"]
 """The filter pipeline as the buffer sees it: None keeps a group, a string is the drop reason."""
 
 MAX_ATTEMPTS = 3
-"""Generations a group gets under ``recycle`` before it is dropped: a prompt whose group keeps
-aborting or going stale is costing more than it is worth."""
+"""Generations a group gets under ``recycle``: an aborted group is then dropped (a prompt whose group
+keeps aborting costs more than it is worth), a late one trained as it is."""
 
 
 @dataclass(eq=False)
@@ -94,19 +103,23 @@ class BufferClosedError(RuntimeError):
 class GroupBuffer:
     """See the module docstring for the contract.
 
-    :param capacity: finished groups that may wait for the trainer.
-    :param max_staleness: versions a group may lag when taken; None: no bound.
-    :param unused: what happens to an aborted or stale group.
+    :param capacity: finished groups that may wait for the trainer (being scored, blocked in
+        ``put`` or queued).
+    :param max_staleness: versions a group may lag when taken before it is late; None: no bound.
+    :param late: what happens to a late group (trained, or generated again).
+    :param unused: what happens to an aborted group.
     :param admit: the filter pipeline (None keeps everything).
     :param start_version: the weight version when the buffer starts (no group is stale before it moves).
     """
 
-    def __init__(self, capacity: int, *, max_staleness: int | None = None, unused: UnusedPolicy = "recycle",
-                 admit: Admit | None = None, max_attempts: int = MAX_ATTEMPTS, start_version: int = 0) -> None:
+    def __init__(self, capacity: int, *, max_staleness: int | None = None, late: LatePolicy = "train",
+                 unused: UnusedPolicy = "recycle", admit: Admit | None = None, max_attempts: int = MAX_ATTEMPTS,
+                 start_version: int = 0) -> None:
         if capacity < 1:
             raise ValueError(f"buffer capacity must be at least 1 group, got {capacity}")
         self.capacity = capacity
         self.max_staleness = max_staleness
+        self.late = late
         self.unused = unused
         self.admit = admit
         self.max_attempts = max_attempts
@@ -118,6 +131,7 @@ class GroupBuffer:
         self._changed = asyncio.Condition()
         self._error: BaseException | None = None
         self._closed = False
+        self.reserved = 0  # groups launched and headed for training (see reserve())
         self.last_abort: str | None = None  # why the last aborted group's first sample ended
 
     def __len__(self) -> int:
@@ -129,16 +143,31 @@ class GroupBuffer:
 
     # ------------------------------------------------------------------ producer side
 
-    async def wait_for_room(self, in_flight: Callable[[], int] = lambda: 0, ahead_limit: int | None = None) -> None:
-        """Return once a finished group could be queued without waiting and, with ``ahead_limit``,
-        fewer than that many groups are waiting or (``in_flight()``) being generated."""
+    async def wait_for_launch(self, scoring: Callable[[], int] = lambda: 0,
+                              limit: Callable[[], int | None] = lambda: None) -> None:
+        """Return once a finished group could be queued without waiting -- counting the ``scoring()``
+        groups that finished generating and are being scored -- and, when ``limit()`` gives one,
+        fewer groups than that are reserved. The caller reserves its group (:meth:`reserve`)
+        before it next awaits."""
         def room() -> bool:
-            waiting = len(self._queue) + len(self._waiting)
-            return waiting < self.capacity and (ahead_limit is None or waiting + in_flight() < ahead_limit)
+            finished = len(self._queue) + len(self._waiting) + scoring()
+            cap = limit()
+            return finished < self.capacity and (cap is None or self.reserved < cap)
 
         async with self._changed:
             await self._changed.wait_for(lambda: self._stopped or room())
             self._raise_if_stopped()
+
+    def reserve(self) -> None:
+        """A group was launched: it holds a place in the batches to come until it is trained, or
+        a filter, an abort or lateness (``late: recycle``) takes it out (its regeneration, if
+        any, reserves again when launched)."""
+        self.reserved += 1
+
+    async def weights_updated(self) -> None:
+        """The engines serve a new version: a producer's launch limit may have grown."""
+        async with self._changed:
+            self._changed.notify_all()
 
     async def put(self, group: Group) -> str:
         """Admit ``group``; returns what became of it: ``queued``, ``filtered_<reason>``,
@@ -147,13 +176,16 @@ class GroupBuffer:
             first = group.samples[0] if group.samples else None
             if first is not None:
                 self.last_abort = f"{first.status.value}: {first.exit_detail or first.exit_reason}"[:300]
+            self.reserved -= 1
             return await self._settled(self._set_aside(group, "aborted"))
         reason = self.admit(group.samples) if self.admit is not None else None
         if reason is not None:
+            self.reserved -= 1
             self._counts[f"filtered_{reason}"] += 1
             return await self._settled(f"filtered_{reason}")
+        # among the waiting before the first await: the producer stopped counting it as being scored
+        self._waiting.append(group)
         async with self._changed:
-            self._waiting.append(group)
             await self._changed.wait_for(lambda: self._stopped or len(self._queue) < self.capacity)
             self._raise_if_stopped()  # the group stays among the waiting: drain() returns it
             self._waiting.remove(group)
@@ -181,26 +213,31 @@ class GroupBuffer:
     # ------------------------------------------------------------------ trainer side
 
     async def take(self, count: int, version: int) -> list[Group]:
-        """Wait for ``count`` groups fresh enough at weight ``version``; oldest first, then sorted
-        by group index. Stale groups met on the way go to the unused-group policy."""
+        """Wait for ``count`` groups to train at weight ``version``: the oldest finished first, then
+        sorted by group index. Late groups go to the late-group policy (trained or recycled)."""
         batch: list[Group] = []
         async with self._changed:
             try:
                 while len(batch) < count:
                     await self._changed.wait_for(lambda: self._stopped or bool(self._queue))
                     self._raise_if_stopped()
-                    group = self._queue.popleft()
+                    group = self._pop_oldest()
                     self._changed.notify_all()  # room for a waiting producer
-                    if self.is_stale(group, version):
-                        self._set_aside(group, "stale")
-                    else:
+                    if not self.is_late(group, version):
+                        batch.append(group)
+                    elif self.late == "recycle" and group.attempt < self.max_attempts:
+                        self.reserved -= 1
+                        self._recycled.append(group.regenerated())
+                        self._counts["late_recycled"] += 1
+                    else:  # never thrown away for lateness: the correction weighs its old tokens
+                        self._counts["late_trained"] += 1
                         batch.append(group)
             except BaseException:  # failed or cancelled: the groups were not taken after all, drain() keeps them
                 self._queue.extendleft(reversed(batch))
                 raise
         return sorted(batch, key=lambda g: g.index)
 
-    def is_stale(self, group: Group, version: int) -> bool:
+    def is_late(self, group: Group, version: int) -> bool:
         if self.max_staleness is None or version == self.start_version:
             return False
         return group.staleness(version) > self.max_staleness
@@ -233,6 +270,13 @@ class GroupBuffer:
             raise self._error
         if self._closed:
             raise BufferClosedError("the buffer was drained: the run is stopping")
+
+    def _pop_oldest(self) -> Group:
+        """The queued group whose oldest engine call is oldest (the first queued among equals)."""
+        at = min(range(len(self._queue)), key=lambda i: self._queue[i].oldest_version())
+        group = self._queue[at]
+        del self._queue[at]
+        return group
 
     def _set_aside(self, group: Group, reason: str) -> str:
         if self.unused == "recycle" and group.attempt < self.max_attempts:

@@ -25,6 +25,7 @@ from miles_contracts import DataSource, EngineClient, ExitReason, GenerateContex
 from miles_contracts.wire.engine import SamplingParams
 
 from miles.data.source import source_metrics
+from miles.errors import MilesError
 from miles.filtering import apply_filters, over_sampler_for
 from miles.loop.episodes import episode_metrics, training_rows
 from miles.loop.progress import RolloutProgress
@@ -39,6 +40,33 @@ def sampling_seed(run_seed: int, index: int) -> int:
     below 2**31 so that every engine accepts it."""
     digest = hashlib.blake2b(f"miles-sampling:{run_seed}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") % 2**31
+
+
+class GeneratorFailingError(MilesError):
+    """The generator raised on every one of the last ``rollout.max_generator_failures`` calls."""
+
+
+class GeneratorFailures:
+    """Counts generator calls that raise in a row. A call that raises costs its sample; a
+    generator that only raises (an unreachable sandbox, a bug on every path) would cost every
+    prompt of the run while the trainer waits for a batch that never comes, so after ``limit`` in
+    a row the run stops with the generator's name and its last exception."""
+
+    def __init__(self, generator: str, limit: int) -> None:
+        self.generator = generator
+        self.limit = limit
+        self.in_a_row = 0
+
+    def succeeded(self) -> None:
+        self.in_a_row = 0
+
+    def failed(self, exc: Exception) -> None:
+        self.in_a_row += 1
+        if self.in_a_row >= self.limit:
+            raise GeneratorFailingError(
+                f"generator {self.generator!r} raised on {self.in_a_row} calls in a row, the last with "
+                f"{type(exc).__name__}: {exc}; the run stops (rollout.max_generator_failures: {self.limit})"
+            ) from exc
 
 
 @dataclass
@@ -68,6 +96,7 @@ class RolloutManager:
         self.kernel = ctx.kernel
         self.data = data
         self.generator = ctx.kernel.generators().get(ctx.config.rollout.generator).generate
+        self.failures = GeneratorFailures(ctx.config.rollout.generator, ctx.config.rollout.max_generator_failures)
         self.engine = engine
         self.tokenizer = tokenizer
         self.session_url = session_url
@@ -135,10 +164,16 @@ class RolloutManager:
         return groups
 
     async def generate_one(self, sample: Sample, ctx: GenerateContext) -> None:
+        """Run the generator on ``sample``. One that raises costs the sample (FAILED), not the run,
+        unless it raised on every one of the last ``rollout.max_generator_failures`` calls: then
+        :class:`GeneratorFailingError`."""
         try:
             await self.generator(sample, self._seeded(ctx, sample))
-        except Exception as exc:  # a generator bug costs the sample, not the run
+        except Exception as exc:
             sample.finish(Status.FAILED, ExitReason.ENGINE_ERROR, f"generator raised {type(exc).__name__}: {exc}")
+            self.failures.failed(exc)
+        else:
+            self.failures.succeeded()
 
     async def generate(self, samples: list[Sample], ctx: GenerateContext,
                        on_done: Callable[[int], None] | None = None) -> None:

@@ -71,7 +71,8 @@ def merge_turns(turns: Sequence[Sample], *, max_trim_tokens: int, into: Sample |
     :param max_trim_tokens: the chat family's limit on trailing tokens a turn may lose.
     :param into: sample to fill (prompt, label, ids and metadata are kept); a new one if None.
     :returns: ``into`` with ``tokens [P + R]``, ``loss_mask [R]``, ``rollout_logprobs [R]``,
-        ``token_versions [R]``, ``weight_versions`` (per engine call), status and exit reason set.
+        ``token_versions [R]`` (empty when a turn says neither per token nor by its one call which
+        version sampled it), ``weight_versions`` (per engine call), status and exit reason set.
     """
     if not turns:
         raise AssemblyError("no turns to merge: the conversation has no generated turn")
@@ -79,7 +80,7 @@ def merge_turns(turns: Sequence[Sample], *, max_trim_tokens: int, into: Sample |
     prompt_length = turns[0].prompt_length
     loss_mask: list[int] = []
     logprobs: list[float] = []
-    versions: list[int] = []
+    versions: list[int] | None = []  # None once a turn cannot say which version sampled its tokens
     spans: list[list[int]] = []
     trimmed: list[int] = []
     cursor = prompt_length
@@ -106,7 +107,8 @@ def merge_turns(turns: Sequence[Sample], *, max_trim_tokens: int, into: Sample |
             )
         loss_mask += [0] * (start - cursor) + [1] * keep
         logprobs += [0.0] * (start - cursor) + list(turn.rollout_logprobs[:keep])
-        versions += [-1] * (start - cursor) + list(turn.token_versions[:keep])
+        known = _sampled_versions(turn)
+        versions = None if versions is None or known is None else versions + [-1] * (start - cursor) + known[:keep]
         spans.append([start - prompt_length, start - prompt_length + keep])
         trimmed.append(lost)
         cursor = start + keep
@@ -116,7 +118,7 @@ def merge_turns(turns: Sequence[Sample], *, max_trim_tokens: int, into: Sample |
     sample.response_length = len(final) - prompt_length
     sample.loss_mask = loss_mask
     sample.rollout_logprobs = logprobs
-    sample.token_versions = versions
+    sample.token_versions = versions or []
     sample.weight_versions = [v for t in turns for v in t.weight_versions]
     last = turns[-1]
     errors = [t.exit_detail for t in turns if t.exit_reason is ExitReason.FORMAT_ERROR]
@@ -153,7 +155,8 @@ def branch_sample(path: Sequence[TurnRecord], branch: Branch, *, max_trim_tokens
         if not keep:
             sample.loss_mask[start:end] = [0] * (end - start)
             sample.rollout_logprobs[start:end] = [0.0] * (end - start)
-            sample.token_versions[start:end] = [-1] * (end - start)
+            if sample.token_versions:  # empty: not recorded (a slice assignment would insert)
+                sample.token_versions[start:end] = [-1] * (end - start)
     sample.weight_versions = [v for r, keep in zip(path, trained, strict=True) if keep
                               for v in dict.fromkeys(r.output_versions or [r.weight_version])]
     sample.branch = branch
@@ -190,6 +193,16 @@ def capture_pieces(records: Sequence[TurnRecord], merged: Sample, names: Sequenc
                 end = max(part.start, min(part.start + part.rows, stop))
                 pieces[name].append(CapturedPiece(start=part.start, rows=part.rows, stop=end, payload=part.payload))
     return pieces
+
+
+def _sampled_versions(turn: Sample) -> list[int] | None:
+    """The version of each token ``turn`` sampled: its own list, else its one call's version on
+    every token; None when the turn does not say (no version, or several calls and no list)."""
+    if turn.token_versions:
+        return list(turn.token_versions)
+    if len(set(turn.weight_versions)) == 1:
+        return [turn.weight_versions[0]] * turn.response_length
+    return None
 
 
 def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

@@ -46,6 +46,9 @@ class LoopMode:
         take turns; under any other mode that setting is an error.
     :ivar reads: settings only this mode reads (setting them under another mode is an error).
     :ivar checks: the mode's own config errors.
+    :ivar trains_stale: why, under ``config``, the trainer can train on tokens sampled by older
+        weights than its own (staleness above 0), naming the settings; None when it cannot. Such a
+        run needs an importance correction (``algorithm.correction``).
     """
 
     name: str
@@ -54,6 +57,7 @@ class LoopMode:
     releases_engine_memory: bool = False
     reads: tuple[str, ...] = ()
     checks: Callable[[MilesConfig], list[str]] | None = None
+    trains_stale: Callable[[MilesConfig], str | None] | None = None
 
     def partial_rollout(self, config: MilesConfig) -> bool:
         """Whether generations continue across weight updates in this run."""
@@ -70,6 +74,11 @@ class LoopMode:
                           f"(run.mode sync), but run.mode {self.name} generates while the trainer trains, so the "
                           f"engines use their memory all the time; use run.mode: sync, or "
                           f"resources.release_engine_memory: none")
+        stale = self.trains_stale(config) if self.trains_stale is not None else None
+        if stale is not None and config.algorithm.correction == "none":
+            errors.append(f"algorithm.correction is none, but {stale}: an uncorrected loss treats those tokens as the "
+                          f"trainer's own; set algorithm.correction: tis (or mis), which weighs each token by how far "
+                          f"the trainer has moved from the weights that sampled it")
         if self.checks is not None:
             errors += self.checks(config)
         return errors
@@ -81,9 +90,9 @@ def _value(config: MilesConfig, setting: str) -> object:
 
 
 def _is_set(config: MilesConfig, setting: str) -> bool:
-    """A mode-only setting away from its default (``weights.update_interval`` 1, the rest None)."""
-    value = _value(config, setting)
-    return value != 1 if setting == "weights.update_interval" else value is not None
+    """A mode-only setting away from its default."""
+    section, key = setting.split(".")
+    return bool(_value(config, setting) != type(getattr(config, section)).model_fields[key].default)
 
 
 def _fully_async_errors(cfg: MilesConfig) -> list[str]:
@@ -91,20 +100,32 @@ def _fully_async_errors(cfg: MilesConfig) -> list[str]:
     if cfg.rollout.concurrency < cfg.rollout.samples_per_prompt:
         errors.append(f"rollout.concurrency ({cfg.rollout.concurrency}) must be at least rollout.samples_per_prompt "
                       f"({cfg.rollout.samples_per_prompt}) in fully_async mode: a group's samples are in flight together")
-    if cfg.algorithm.correction == "none":
-        errors.append("run.mode fully_async trains on tokens sampled by older weights: set algorithm.correction to "
-                      "tis or mis so the loss weighs them by how far the trainer has moved (none ignores it)")
     if cfg.run.deterministic:
         errors.append("run.deterministic cannot hold in run.mode fully_async: which weights sample a token, and "
                       "which groups make a batch, depend on timing; use sync or one_step_off for reproducible runs")
     return errors
 
 
+def _one_step_off_stale(cfg: MilesConfig) -> str:
+    return "run.mode one_step_off trains each step on samples of the weights one update older than the trainer's"
+
+
+def _fully_async_stale(cfg: MilesConfig) -> str | None:
+    """Staleness stays 0 only with ``rollout.max_staleness: 0``: the workers then launch no group
+    that the trainer will not take before its next push, so none is in flight across one."""
+    bound = cfg.rollout.max_staleness
+    if bound == 0:
+        return None
+    setting = "unset (no bound)" if bound is None else str(bound)
+    return f"run.mode fully_async with rollout.max_staleness {setting} trains on tokens sampled by older weights"
+
+
 MODES: dict[str, LoopMode] = {mode.name: mode for mode in (
     LoopMode("sync", sync.run, releases_engine_memory=True),
-    LoopMode("one_step_off", one_step_off.run),
+    LoopMode("one_step_off", one_step_off.run, trains_stale=_one_step_off_stale),
     LoopMode("fully_async", fully_async.run, continues_aborted=True,
-             reads=("weights.update_interval", "rollout.max_staleness"), checks=_fully_async_errors),
+             reads=("weights.update_interval", "rollout.max_staleness", "rollout.late_groups"),
+             checks=_fully_async_errors, trains_stale=_fully_async_stale),
 )}
 
 

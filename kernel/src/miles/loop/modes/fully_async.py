@@ -3,7 +3,7 @@
 ::
 
     workers, all the time:  prompt -> generate (rollout.concurrency in flight) -> reward -> buffer (filters)
-    trainer, each step:     batch = buffer.take(prompts_per_step, version)     staleness checked here
+    trainer, each step:     batch = buffer.take(prompts_per_step, version)     oldest first; late ones trained or recycled
                             train (in a thread: the event loop keeps generating)
                             every weights.update_interval steps, and after the last: push weights;
                             generation goes on, requests in flight continue under the new weights
@@ -46,9 +46,9 @@ async def run(ops: StepOps) -> None:
     rollout = cfg.rollout
     state = ops.state
     buffer = GroupBuffer(rollout.buffer_groups or 2 * rollout.prompts_per_step, max_staleness=rollout.max_staleness,
-                         unused=rollout.unused_groups, admit=filter_pipeline(rollout.filters, ops.kernel),
-                         start_version=state.version)
-    workers = RolloutWorkers(ops.rollouts, buffer, version=lambda: state.version)
+                         late=rollout.late_groups, unused=rollout.unused_groups,
+                         admit=filter_pipeline(rollout.filters, ops.kernel), start_version=state.version)
+    workers = RolloutWorkers(ops.rollouts, buffer, version=lambda: state.version, start_step=state.step)
     evaluation = BackgroundEvaluation(ops)
     await ops.wait_engines(router=True)
     workers.start()
@@ -76,6 +76,7 @@ async def run(ops: StepOps) -> None:
             metrics.update(await ops.train(batch, in_thread=True))
             if final or step % cfg.weights.update_interval == 0:
                 metrics.update(await asyncio.to_thread(ops.sync_weights))
+                await buffer.weights_updated()  # the launch pacing allows the next version's groups
             if final:  # the final evaluation is never skipped; an earlier one would only be overwritten
                 await evaluation.supersede()
             if evaluation.due(step):
@@ -179,7 +180,7 @@ def batch_metrics(groups: list[Group], buffer: GroupBuffer, version: int, *, wai
         "async/partial_samples": float(sum(len(set(s.weight_versions)) > 1 for s in samples)),
         "async/retried_groups": float(sum(g.attempt > 1 for g in groups)),
     }
-    for outcome in ("stale_recycled", "stale_dropped", "aborted_recycled", "aborted_dropped", "attempts_exhausted"):
+    for outcome in ("late_trained", "late_recycled", "aborted_recycled", "aborted_dropped", "attempts_exhausted"):
         metrics[f"async/{outcome}"] = float(counts[outcome])
     metrics |= token_lag_metrics(training_rows(g.samples for g in groups), version)  # every branch's tokens
     return metrics
