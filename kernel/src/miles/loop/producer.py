@@ -50,6 +50,7 @@ class RolloutWorkers:
         self.groups_in_flight = 0  # groups started and not yet handed to the buffer
         self.reward_metrics: Counter[str] = Counter()  # summed since the last take_metrics()
         self.launched = 0  # groups started, recycled ones included
+        self.running: dict[int, Group] = {}  # by group index: started, not yet handed to the buffer
         # With a staleness bound, start a group only while fewer than (bound x interval + 1) batches
         # are ahead of the trainer (as AReaL gates admission): a group started now is then taken
         # within `max_staleness` weight updates unless its own generation outlives them.
@@ -83,10 +84,12 @@ class RolloutWorkers:
                 for _ in range(self.group_size):  # a group's samples start together
                     await self._slots.acquire()
                 group = self.buffer.next_recycled() or self._draw()
+                self.manager.record([group.samples], "in_flight")
                 group.launched_version = self.version()
                 self.in_flight += len(group.samples)
                 self.groups_in_flight += 1
                 self.launched += 1
+                self.running[group.index] = group
                 task = asyncio.create_task(self._run(group), name=f"miles-rollout-group-{group.index}")
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -96,7 +99,7 @@ class RolloutWorkers:
             await self.buffer.fail(exc)
 
     def _draw(self) -> Group:
-        [samples] = self.manager.make_groups(self.manager.data.next_prompts(1), self.group_size)
+        [samples] = self.manager.draw_groups(1)
         return Group.fresh(samples)
 
     async def _run(self, group: Group) -> None:
@@ -105,9 +108,11 @@ class RolloutWorkers:
                 await asyncio.gather(*(self._generate(s) for s in group.samples))
                 report = await score_samples(group.samples, self.manager.run)
                 self.reward_metrics.update(report.metrics())
+                self.manager.record([group.samples], "generated")
             finally:
                 self.groups_in_flight -= 1  # from here on the buffer counts it (waiting, queued or set aside)
             await self.buffer.put(group)
+            del self.running[group.index]
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # rewards, filters: a plugin bug stops the run (it would recur)
