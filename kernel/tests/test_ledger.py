@@ -174,7 +174,7 @@ def test_a_resume_draws_what_was_in_flight_at_the_checkpoint_again_once(fresh_ke
     resumed.ledger.record_batch(2, again[:2])
     resumed.ledger.record_batch(3, again[2:] + _generated(resumed, resumed.draw_groups(1)))  # epoch 0 closes
     report = summarize(run)
-    assert report["resumes"] == 1 and report["epochs"][0]["closed"]
+    assert report["resumes"] == 1 and report["epochs"][0]["closed"] and report["epochs"][0]["redrawn"] == 2
     assert (report["epochs"][0]["trained"], report["lost"], report["duplicated"]) == (4, 0, 0)
 
 
@@ -254,3 +254,17 @@ def test_closed_epochs_are_compacted_at_checkpoints_so_the_events_file_stays_bou
 def test_miles_ledger_explains_a_folder_without_a_ledger(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["ledger", str(tmp_path)]) == 2
     assert "has no sample ledger" in capsys.readouterr().err
+
+
+def test_a_damaged_ledger_is_refused_with_the_line_that_is_wrong(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A run folder may come from anyone: a line nested ten thousand deep, or one that is not a
+    ledger line, is an error naming the file, not a traceback."""
+    folder = tmp_path / LEDGER_DIR
+    folder.mkdir()
+    (folder / EVENTS_FILE).write_text("[" * 10000 + "\n" + '{"seq": 1, "event": "start", "upto": 0}\n')
+    assert main(["ledger", str(tmp_path)]) == 2
+    assert f"{folder / EVENTS_FILE}:1: not a JSON line" in capsys.readouterr().err
+    (folder / EVENTS_FILE).write_text('{"seq": 1, "group": 0, "state": "drawn"}\n{"seq": 2, "event": "end"}\n')
+    assert main(["ledger", str(tmp_path)]) == 2
+    assert "is not a ledger line" in capsys.readouterr().err

@@ -41,6 +41,7 @@ from typing import Any
 
 from miles_contracts import Sample
 
+from miles import bounded_json
 from miles.errors import MilesError
 from miles.loop.episodes import training_rows
 
@@ -68,6 +69,7 @@ class Draw:
     reason: str | None = None
     step: int | None = None
     finals: int = 0
+    redrawn: int = 0  # drawn again after a resume (it was in flight at the checkpoint)
     prompt: dict[str, Any] | None = None  # the writer's copy of the prompt as drawn (to draw it again)
 
     @property
@@ -91,6 +93,7 @@ class EpochSummary:
     recycled: Counter[str] = field(default_factory=Counter)
     aborted: Counter[str] = field(default_factory=Counter)
     in_flight: int = 0
+    redrawn: int = 0
     lost: int = 0
     duplicated: int = 0
     closed: bool = False
@@ -98,14 +101,15 @@ class EpochSummary:
     def to_json(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "prompts": self.prompts, "drawn": self.drawn, "trained": self.trained,
                 "filtered": dict(self.filtered), "dropped": dict(self.dropped), "recycled": dict(self.recycled),
-                "aborted": dict(self.aborted), "in_flight": self.in_flight, "lost": self.lost,
+                "aborted": dict(self.aborted), "in_flight": self.in_flight, "redrawn": self.redrawn, "lost": self.lost,
                 "duplicated": self.duplicated, "closed": self.closed}
 
     @classmethod
     def from_json(cls, row: Mapping[str, Any]) -> EpochSummary:
         return cls(int(row["epoch"]), row.get("prompts"), int(row.get("drawn", 0)), int(row["trained"]),
                    Counter(row.get("filtered", {})), Counter(row.get("dropped", {})), Counter(row.get("recycled", {})),
-                   Counter(row.get("aborted", {})), int(row.get("in_flight", 0)), int(row["lost"]),
+                   Counter(row.get("aborted", {})), int(row.get("in_flight", 0)), int(row.get("redrawn", 0)),
+                   int(row["lost"]),
                    int(row["duplicated"]), bool(row.get("closed", True)))
 
 
@@ -153,7 +157,9 @@ class Book:
             if draw is not None and draw.settled:
                 draw.finals += 1  # a settled prompt handed out again: it will be counted twice
                 return
-            if draw is None:
+            if draw is not None:
+                draw.redrawn += 1
+            else:
                 self.draws[group] = Draw(group, list(line["samples"]), int(line["epoch"]), line.get("data_index"))
                 if self.first_full_epoch is None:  # the epoch a resume without a ledger landed in was partly untracked
                     self.first_full_epoch = int(line["epoch"]) + 1
@@ -187,6 +193,7 @@ class Book:
         finals: Counter[int] = Counter()
         for draw in draws:
             finals[draw.key] += draw.finals
+            out.redrawn += draw.redrawn
             if not draw.settled:
                 out.in_flight += 1
         for line in self.live:  # recycled and aborted are passing states: count every time
@@ -233,37 +240,46 @@ class Book:
 def read_book(folder: Path) -> Book:
     """The ledger in ``folder`` (``<run>/ledger``) as it stands on disk."""
     book = Book()
-    epochs_path = folder / EPOCHS_FILE
-    if epochs_path.is_file():
-        for row in _lines(epochs_path):
-            summary = EpochSummary.from_json(row)
-            book.closed[summary.epoch] = summary
-    events_path = folder / EVENTS_FILE
-    if events_path.is_file():
-        summarised: set[int] = set()  # groups of epochs already in epochs.jsonl
-        for line in _lines(events_path):
+    epochs_path, events_path = folder / EPOCHS_FILE, folder / EVENTS_FILE
+    summarised: set[int] = set()  # groups of epochs already in epochs.jsonl
+    for path, line in [*_records(epochs_path), *_records(events_path)]:
+        try:
+            if path == epochs_path:
+                summary = EpochSummary.from_json(line)
+                book.closed[summary.epoch] = summary
+                continue
             # a compaction that stopped between its two writes left lines of an epoch already summarised
             if line.get("state") == "drawn" and int(line["epoch"]) in book.closed:
                 summarised.add(int(line["group"]))
             if "event" not in line and int(line["group"]) in summarised:
                 continue
             book.apply(line)
+        except (KeyError, TypeError, ValueError) as exc:  # a field missing or of the wrong kind
+            raise LedgerError(f"{path}: {str(line)[:200]} is not a ledger line ({exc!r}); the ledger was edited "
+                              f"or damaged") from None
     return book
 
 
+def _records(path: Path) -> list[tuple[Path, dict[str, Any]]]:
+    return [(path, line) for line in _lines(path)] if path.is_file() else []
+
+
 def _lines(path: Path) -> Iterable[dict[str, Any]]:
-    """A JSONL file's records; a last line cut short by a kill is left out."""
-    text = path.read_text()
-    lines = text.split("\n")
+    """A JSONL file's records; a last line cut short by a kill is left out. The folder may come
+    from anyone (``miles ledger``, ``--resume``): JSON only, nesting bounded, objects only."""
+    lines = path.read_text().split("\n")
     for number, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
         try:
-            yield json.loads(raw)
-        except json.JSONDecodeError:
+            record = bounded_json.loads(raw)
+        except ValueError:
             if number == len(lines):  # the process died while writing it
                 return
             raise LedgerError(f"{path}:{number}: not a JSON line; the ledger was edited or damaged") from None
+        if not isinstance(record, dict):
+            raise LedgerError(f"{path}:{number}: a ledger line is a JSON object, got {type(record).__name__}")
+        yield record
 
 
 class Ledger:
