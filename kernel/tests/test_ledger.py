@@ -268,3 +268,21 @@ def test_a_damaged_ledger_is_refused_with_the_line_that_is_wrong(tmp_path: Path,
     (folder / EVENTS_FILE).write_text('{"seq": 1, "group": 0, "state": "drawn"}\n{"seq": 2, "event": "end"}\n')
     assert main(["ledger", str(tmp_path)]) == 2
     assert "is not a ledger line" in capsys.readouterr().err
+
+
+def test_a_resume_whose_ledger_was_deleted_still_draws_what_was_in_flight(fresh_kernels: None, tmp_path: Path) -> None:
+    """A run folder copied without ledger/: the resume does not refuse, draws the checkpoint's
+    in-flight prompts again, and marks what came before as untracked."""
+    import shutil
+
+    (tmp_path / "run").mkdir()
+    first = _manager(tmp_path)
+    assert first.ledger is not None
+    first.ledger.begin(None, 0)
+    first.draw_groups(2)
+    checkpoint = first.ledger.checkpoint_state()
+    first.ledger.close()
+    shutil.rmtree(tmp_path / "run" / LEDGER_DIR)
+    again = Ledger(tmp_path / "run", RECORDS)
+    assert [d.group for d in again.begin(checkpoint, 1)] == [0, 1]
+    assert json.loads((tmp_path / "run" / LEDGER_DIR / EVENTS_FILE).read_text().splitlines()[0])["untracked"]

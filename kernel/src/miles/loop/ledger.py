@@ -307,16 +307,20 @@ class Ledger:
         the checkpoint no longer count. Returns the draws to draw again before any new prompt.
         A checkpoint from before the ledger: ``{"seq": 0, "unsettled": [], "untracked": True}``."""
         upto = int(checkpoint["seq"]) if checkpoint is not None else 0
+        # no ledger on disk (deleted, or a folder copied without it): what came before is not tracked
+        gone = checkpoint is not None and not self.book.live and not self.book.closed
         self._write({"event": "start", "upto": upto, "step": step, "epoch_size": self.epoch_size,
-                     "resumed": checkpoint is not None, "untracked": bool((checkpoint or {}).get("untracked"))})
+                     "resumed": checkpoint is not None,
+                     "untracked": gone or bool((checkpoint or {}).get("untracked"))})
         redraw = [Draw(int(d["group"]), list(d["samples"]), int(d["epoch"]), d.get("data_index"), prompt=d["prompt"])
                   for d in (checkpoint or {}).get("unsettled", [])]
         missing = {d.group for d in self.book.unsettled()} ^ {d.group for d in redraw}
-        if missing:
+        if missing and not gone:
             raise LedgerError(f"the checkpoint and the ledger disagree on which prompts were in flight (groups "
                               f"{sorted(missing)[:10]}): ledger/ does not belong to this checkpoint")
         for draw in redraw:  # a checkpoint before they are drawn again must still hold their prompts
-            self.book.draws[draw.group].prompt = draw.prompt
+            if draw.group in self.book.draws:
+                self.book.draws[draw.group].prompt = draw.prompt
         return redraw
 
     def record(self, samples: Sequence[Sample], state: str, *, reason: str | None = None,
