@@ -43,7 +43,7 @@ KERNEL = "miles-kernel"
 
 FIRST_PARTY: tuple[Provider, ...] = (
     _row("core", KERNEL, command=("plugins", "config show")),
-    _row("train", KERNEL, command=("train", "replay", "rollout")),
+    _row("train", KERNEL, command=("train", "replay", "rollout", "ledger")),
     _row("view", KERNEL, command=("view",)),
     _row("data", KERNEL, data_source=("jsonl", "parquet", "hf_dataset", "arithmetic")),
     _row("executors", KERNEL, executor=("local",)),

@@ -1,6 +1,7 @@
-"""``miles replay`` and ``miles rollout``: a step of a run trained or scored again from its dumps,
-and generation without a trainer (registered by the built-in ``train`` plugin, beside
-``miles train``, whose run folders and start-up they share). docs/design/debugging.md."""
+"""``miles replay``, ``miles rollout`` and ``miles ledger``: a step of a run trained or scored again
+from its dumps, generation without a trainer, and what became of every prompt a run drew
+(registered by the built-in ``train`` plugin, beside ``miles train``, whose run folders and
+start-up they share). docs/design/debugging.md, docs/design/ledger.md."""
 
 from __future__ import annotations
 
@@ -122,3 +123,29 @@ REPLAY_COMMAND = CommandSpec("train or score a step of a run again from its dump
                              add_arguments=_replay_args, description=REPLAY)
 ROLLOUT_COMMAND = CommandSpec("generate and score without training (engines, router, no trainer)", _rollout,
                               add_arguments=_rollout_args, description=ROLLOUT)
+
+
+LEDGER = """\
+Summarise a run's sample ledger (<run>/ledger/): per data epoch, the prompts trained, filtered and
+dropped (by reason), recycled and aborted (by reason), still in flight, lost (drawn or due and
+never trained nor dropped with a reason) and duplicated (settled more than once). Prints JSON;
+exits 1 when any prompt was lost or duplicated. docs/design/ledger.md.
+
+  miles ledger runs/arithmetic
+"""
+
+
+def _ledger(args: argparse.Namespace, ctx: RunContext) -> int:
+    from miles.loop.ledger import summarize
+
+    report = summarize(Path(args.run_dir))
+    print(json.dumps(report, indent=2))
+    return 1 if report["lost"] or report["duplicated"] else 0
+
+
+def _ledger_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (<run.output_dir>/<run.name>)")
+
+
+LEDGER_COMMAND = CommandSpec("what became of every prompt a run drew: trained, dropped, lost, duplicated", _ledger,
+                             add_arguments=_ledger_args, description=LEDGER)

@@ -1,5 +1,6 @@
-"""Built-in plugin ``train``: the ``miles train`` command (the main job), and ``miles replay`` and
-``miles rollout`` (:mod:`miles.builtin.debugging`), which read and write the same run folders."""
+"""Built-in plugin ``train``: the ``miles train`` command (the main job), and ``miles replay``,
+``miles rollout`` and ``miles ledger`` (:mod:`miles.builtin.debugging`), which read and write the
+same run folders."""
 
 from __future__ import annotations
 
@@ -100,9 +101,10 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 @hookimpl
 def miles_register_commands(register: Register[CommandSpec]) -> None:
-    from miles.builtin.debugging import REPLAY_COMMAND, ROLLOUT_COMMAND
+    from miles.builtin.debugging import LEDGER_COMMAND, REPLAY_COMMAND, ROLLOUT_COMMAND
 
     register("train", CommandSpec("run RL training (the embedded default when no config is given)",
                                   _train, add_arguments=_args, description=DESCRIPTION))
     register("replay", REPLAY_COMMAND)
     register("rollout", ROLLOUT_COMMAND)
+    register("ledger", LEDGER_COMMAND)

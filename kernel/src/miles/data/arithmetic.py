@@ -136,15 +136,16 @@ class ArithmeticTask:
                 found.setdefault(problem.expression, problem)
         return list(found.values())
 
-    def _sample(self, problem: Problem, split: str) -> Sample:
+    def _sample(self, problem: Problem, split: str, **extra: Any) -> Sample:
         fields = {"prompt": self.options.instruction.format(expression=problem.expression), "label": problem.answer}
         record = self.spec.build(fields)
-        return record.to_sample(task="arithmetic", expression=problem.expression, split=split)
+        return record.to_sample(task="arithmetic", expression=problem.expression, split=split, **extra)
 
     # ------------------------------------------------------------------ DataSource
 
     def next_prompts(self, n: int) -> list[Sample]:
-        samples = [self._sample(self.training_problem(self.position + i), "train") for i in range(n)]
+        samples = [self._sample(self.training_problem(self.position + i), "train", data_index=self.position + i)
+                   for i in range(n)]
         self.position += n
         return samples
 

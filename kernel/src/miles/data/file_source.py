@@ -79,7 +79,7 @@ class FileSource:
         return len(self.records)
 
     def next_prompts(self, n: int) -> list[Sample]:
-        return [self.records[index].to_sample(data_epoch=epoch) for index, epoch in self.order.take(n)]
+        return [self.records[index].to_sample(data_epoch=epoch, data_index=index) for index, epoch in self.order.take(n)]
 
     def state_dict(self) -> dict[str, Any]:
         return {"order": self.order.state_dict()}

@@ -42,6 +42,8 @@ from typing import Literal
 
 from miles_contracts import Sample, Status
 
+from miles.loop.ledger import Ledger
+
 UnusedPolicy = Literal["recycle", "drop"]
 """What becomes of a group with an aborted sample (``rollout.unused_groups``)."""
 LatePolicy = Literal["train", "recycle"]
@@ -110,11 +112,12 @@ class GroupBuffer:
     :param unused: what happens to an aborted group.
     :param admit: the filter pipeline (None keeps everything).
     :param start_version: the weight version when the buffer starts (no group is stale before it moves).
+    :param ledger: the run's sample ledger, told what becomes of each group here (None: not recorded).
     """
 
     def __init__(self, capacity: int, *, max_staleness: int | None = None, late: LatePolicy = "train",
                  unused: UnusedPolicy = "recycle", admit: Admit | None = None, max_attempts: int = MAX_ATTEMPTS,
-                 start_version: int = 0) -> None:
+                 start_version: int = 0, ledger: Ledger | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"buffer capacity must be at least 1 group, got {capacity}")
         self.capacity = capacity
@@ -124,6 +127,7 @@ class GroupBuffer:
         self.admit = admit
         self.max_attempts = max_attempts
         self.start_version = start_version
+        self.ledger = ledger
         self._queue: deque[Group] = deque()
         self._waiting: list[Group] = []  # finished groups blocked in put
         self._recycled: deque[Group] = deque()
@@ -177,11 +181,14 @@ class GroupBuffer:
             if first is not None:
                 self.last_abort = f"{first.status.value}: {first.exit_detail or first.exit_reason}"[:300]
             self.reserved -= 1
+            aborted = next(s for s in group.samples if s.status is Status.ABORTED)
+            self._record(group, "aborted", aborted.exit_reason.value if aborted.exit_reason else "aborted")
             return await self._settled(self._set_aside(group, "aborted"))
         reason = self.admit(group.samples) if self.admit is not None else None
         if reason is not None:
             self.reserved -= 1
             self._counts[f"filtered_{reason}"] += 1
+            self._record(group, "filtered", reason)
             return await self._settled(f"filtered_{reason}")
         # among the waiting before the first await: the producer stopped counting it as being scored
         self._waiting.append(group)
@@ -198,6 +205,10 @@ class GroupBuffer:
         async with self._changed:  # a group is no longer in flight: a producer may start another
             self._changed.notify_all()
         return outcome
+
+    def recycled_groups(self) -> list[Group]:
+        """The groups waiting to be generated again, oldest first."""
+        return list(self._recycled)
 
     def next_recycled(self) -> Group | None:
         """A group to generate again, oldest first (None when there is none)."""
@@ -229,6 +240,7 @@ class GroupBuffer:
                         self.reserved -= 1
                         self._recycled.append(group.regenerated())
                         self._counts["late_recycled"] += 1
+                        self._record(group, "recycled", "late")
                     else:  # never thrown away for lateness: the correction weighs its old tokens
                         self._counts["late_trained"] += 1
                         batch.append(group)
@@ -282,9 +294,15 @@ class GroupBuffer:
         if self.unused == "recycle" and group.attempt < self.max_attempts:
             self._recycled.append(group.regenerated())
             outcome = f"{reason}_recycled"
+            self._record(group, "recycled", reason)
         else:
             outcome = f"{reason}_dropped"
             if self.unused == "recycle":
                 self._counts["attempts_exhausted"] += 1
+            self._record(group, "dropped", f"{reason}_attempts_exhausted" if self.unused == "recycle" else reason)
         self._counts[outcome] += 1
         return outcome
+
+    def _record(self, group: Group, state: str, reason: str) -> None:
+        if self.ledger is not None:
+            self.ledger.record(group.samples, state, reason=reason)

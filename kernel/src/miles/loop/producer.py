@@ -93,6 +93,7 @@ class RolloutWorkers:
         self.launched = 0  # groups started, recycled ones included
         self.pacing = LaunchPacing(rollout.prompts_per_step, config.weights.update_interval, rollout.max_staleness,
                                    start_step, buffer.start_version, config.run.steps)
+        self.running: dict[int, Group] = {}  # by group index: started, not yet handed to the buffer
 
     def start(self) -> None:
         self._main = asyncio.create_task(self._produce(), name="miles-rollout-producer")
@@ -122,9 +123,11 @@ class RolloutWorkers:
                 await self.buffer.wait_for_launch(lambda: self.scoring, lambda: self.pacing.limit(self.version()))
                 self.buffer.reserve()  # before the next await: the limit holds
                 group = self.buffer.next_recycled() or self._draw()
+                self.manager.record([group.samples], "in_flight")
                 group.launched_version = self.version()
                 self.in_flight += len(group.samples)
                 self.launched += 1
+                self.running[group.index] = group
                 task = asyncio.create_task(self._run(group), name=f"miles-rollout-group-{group.index}")
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -134,7 +137,7 @@ class RolloutWorkers:
             await self.buffer.fail(exc)
 
     def _draw(self) -> Group:
-        [samples] = self.manager.make_groups(self.manager.data.next_prompts(1), self.group_size)
+        [samples] = self.manager.draw_groups(1)
         return Group.fresh(samples)
 
     async def _run(self, group: Group) -> None:
@@ -144,9 +147,11 @@ class RolloutWorkers:
             try:
                 report = await score_samples(group.samples, self.manager.run)
                 self.reward_metrics.update(report.metrics())
+                self.manager.record([group.samples], "generated")
             finally:
                 self.scoring -= 1  # put() counts it among the waiting before it first awaits
             await self.buffer.put(group)
+            del self.running[group.index]
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # rewards, filters: a plugin bug stops the run (it would recur)

@@ -16,7 +16,7 @@ import dataclasses
 import hashlib
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +28,7 @@ from miles.data.source import source_metrics
 from miles.errors import MilesError
 from miles.filtering import apply_filters, over_sampler_for
 from miles.loop.episodes import episode_metrics, training_rows
+from miles.loop.ledger import Draw, Ledger, regroup
 from miles.loop.progress import RolloutProgress
 from miles.rewards import score_samples
 
@@ -87,10 +88,13 @@ class RolloutManager:
     :param ctx: the driver's run context (config, kernel).
     :param partial_rollout: generations a weight update aborts go on under the new weights
         (:attr:`GenerateContext.partial_rollout`); the loop mode decides.
+    :param ledger: the run's sample ledger, told what becomes of every training prompt drawn
+        (:mod:`miles.loop.ledger`); None records nothing (``miles rollout``, tests).
     """
 
     def __init__(self, ctx: RunContext, data: DataSource, engine: EngineClient, tokenizer: Any,
-                 session_url: str | None = None, *, partial_rollout: bool = False) -> None:
+                 session_url: str | None = None, *, partial_rollout: bool = False,
+                 ledger: Ledger | None = None) -> None:
         self.run = ctx
         self.config = ctx.config
         self.kernel = ctx.kernel
@@ -103,8 +107,10 @@ class RolloutManager:
         self.partial_rollout = partial_rollout
         self.over_sampler = over_sampler_for(ctx.config.rollout.over_sampling)
         self.captures = ctx.kernel.engine_captures(ctx)
+        self.ledger = ledger
         self._next_group = 0
         self._next_index = 0
+        self._redraw: deque[Draw] = deque()  # prompts in flight at the checkpoint a run resumed from
         # evaluation numbers its samples apart: an evaluation between two steps must not shift the
         # indices (the run.deterministic sampling seeds) of the training samples after it
         self._next_eval = [0, 0]  # group, index
@@ -120,7 +126,32 @@ class RolloutManager:
         self._next_eval = list(state.get("next_eval", [0, 0]))  # absent in checkpoints of before
         self.over_sampler.load_state_dict(state["over_sampler"])
 
+    def redraw(self, draws: Sequence[Draw]) -> None:
+        """Draw these again (with their ids) before any new prompt: they were in flight at the
+        checkpoint the run resumed from, past the data position it saved."""
+        self._redraw.extend(draws)
+
+    # ------------------------------------------------------------------ the ledger
+
+    def record(self, groups: Sequence[Sequence[Sample]], state: str, *, reason: str | None = None,
+               step: int | None = None) -> None:
+        """Tell the ledger (when there is one) that each of ``groups`` is now ``state``."""
+        if self.ledger is not None:
+            for group in groups:
+                self.ledger.record(group, state, reason=reason, step=step)
+
     # ------------------------------------------------------------------ training rollouts
+
+    def draw_groups(self, count: int) -> list[list[Sample]]:
+        """``count`` training prompt groups of ``rollout.samples_per_prompt`` samples: first the
+        prompts a resume must draw again, then new ones from the data source; recorded as drawn."""
+        again = [regroup(self._redraw.popleft()) for _ in range(min(count, len(self._redraw)))]
+        fresh = self.make_groups(self.data.next_prompts(count - len(again)), self.config.rollout.samples_per_prompt) \
+            if count > len(again) else []
+        self.record(again, "drawn", reason="resumed")
+        self.record(fresh, "drawn")
+        return again + fresh
+
 
     def sampling_params(self, *, evaluation: bool = False) -> SamplingParams:
         r = self.config.rollout
@@ -210,7 +241,7 @@ class RolloutManager:
             draw = self.over_sampler.groups_to_draw(wanted - len(kept))
             if draw == 0:
                 break
-            groups = self.make_groups(self.data.next_prompts(draw), r.samples_per_prompt)
+            groups = self.draw_groups(draw)
             samples = [s for g in groups for s in g]
             # the total grows by this round's samples: reported at once, with why (RolloutProgress.note)
             round_start = RolloutProgress(done=len(everything), total=len(everything) + len(samples), round=round_no,
@@ -218,8 +249,10 @@ class RolloutManager:
                                           groups_kept=len(kept))
             if progress is not None:
                 progress(round_start)
+            self.record(groups, "in_flight")
             await self.generate(samples, ctx, _reporter(progress, round_start))
             report = await score_samples(samples, self.run)
+            self.record(groups, "generated")
             reward_metrics.update(report.metrics())
             everything += samples
             generated_groups += len(groups)
@@ -227,18 +260,33 @@ class RolloutManager:
                 # nothing came back (the engines are gone or restarting): drawing more prompts would
                 # only abort them too, and teach the over-sampler a keep rate of 0
                 drops["all_aborted"] += len(groups)
+                self.record(groups, "dropped", reason="all_aborted")
                 break
-            survivors, dropped = apply_filters(groups, r.filters, self.kernel)
+            survivors = self._filter(groups, drops)
             self.over_sampler.observe(drawn=len(groups), kept=len(survivors))
-            kept += [list(group) for group in survivors]
-            drops.update(dropped)
+            kept += survivors
         surplus = max(0, len(kept) - wanted)
+        self.record(kept[wanted:], "dropped", reason="surplus")
         kept = kept[:wanted]
         metrics = rollout_metrics(everything, kept, drops, generated_groups, surplus, time.perf_counter() - start)
         metrics.update(reward_metrics)
         metrics.update(self.over_sampler.metrics())
         metrics.update(source_metrics(self.data))
         return StepRollout(kept, everything, metrics)
+
+    def _filter(self, groups: list[list[Sample]], drops: Counter[str]) -> list[list[Sample]]:
+        """The groups every ``rollout.filters`` keeps; each dropped one counted in ``drops`` and
+        recorded in the ledger under its reason (filters judge each group on its own)."""
+        survivors = []
+        for group in groups:
+            kept, dropped = apply_filters([group], self.config.rollout.filters, self.kernel)
+            if kept:
+                survivors.append(group)
+            else:
+                reason = next(iter(dropped))
+                drops[reason] += 1
+                self.record([group], "filtered", reason=reason)
+        return survivors
 
     # ------------------------------------------------------------------ evaluation
 

@@ -7,6 +7,8 @@
                                run.dump_tokens its tokens; ``batch_group`` on the episodes trained on)
     checkpoints/step_000004/   backend state + miles-state.json (written last: its presence marks
                                a complete checkpoint)
+    ledger/events.jsonl      what became of every prompt drawn (:mod:`miles.loop.ledger`), and
+    ledger/epochs.jsonl      the summaries of closed epochs
     hf/                      the final model as a Hugging Face folder (``run.export_hf``)
 
 Checkpoints are written every ``run.save_every`` steps and after the last step (``run.save_final``).

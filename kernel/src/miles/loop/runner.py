@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Sized
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from miles.kernel import Kernel
 from miles.loop.engine_memory import EngineMemory
 from miles.loop.interrupts import stop_requested
 from miles.loop.learner import Learner
+from miles.loop.ledger import Ledger
 from miles.loop.modes import loop_mode
 from miles.loop.progress import Progress
 from miles.loop.rollout import RolloutManager
@@ -64,6 +66,7 @@ class Run:
         self.trainer: TrainerGroup | None = None
         self.metrics_logger: MetricsLogger | None = None
         self.ops: StepOps | None = None
+        self.ledger: Ledger | None = None
         self._fatal: BaseException | None = None
         self._main: tuple[Any, Any] = (None, None)  # the event loop and task to stop from another thread
 
@@ -77,6 +80,8 @@ class Run:
             await self.mode.run(ops)
             if stop_requested():  # a cancellation was swallowed on the way: still an interruption
                 raise asyncio.CancelledError
+            if ops.rollouts.ledger is not None:
+                ops.rollouts.ledger.complete()  # raises if a prompt was left neither trained nor dropped
             self._export()
             status = "completed"
             trend = self.progress.reward_trend()
@@ -117,16 +122,18 @@ class Run:
         trainer.wait_ready()
         services.write_manifest()
         executor.supervise(self._on_death)
+        self.ledger = ledger = Ledger(self.run_dir, len(data) if isinstance(data, Sized) else None)
         rollouts = RolloutManager(ctx, data, HttpEngineClient(services.router_url), tokenizer, services.session_url,
-                                  partial_rollout=self.mode.partial_rollout(cfg))
+                                  partial_rollout=self.mode.partial_rollout(cfg), ledger=ledger)
         held_out = eval_prompts(ctx, cfg.eval.num_prompts, source=data) if cfg.eval.every else []
         self.ops = ops = StepOps(config=cfg, kernel=kernel, run_dir=self.run_dir, state=self.state,
                                  progress=self.progress, rollouts=rollouts, learner=Learner(cfg, kernel, trainer, pad),
                                  trainer=trainer, services=services, metrics=self.metrics_logger,
                                  eval_prompts=held_out,
                                  engine_memory=EngineMemory(cfg.resources.release_engine_memory, services))
-        if self.resume:
-            self._restore(ops)
+        checkpoint = self._restore(ops) if self.resume else None
+        # lines after the checkpoint are the crashed attempt's; what was in flight then is drawn again
+        rollouts.redraw(ledger.begin(checkpoint, self.state.step))
         if self.resume or cfg.weights.check:
             ops.sync_weights(bump=False)  # engines start from the base model; bring them to ours
         if not cfg.run.save_every and not cfg.run.save_final:
@@ -137,6 +144,8 @@ class Run:
         return ops
 
     def _stop(self) -> None:
+        if self.ledger is not None:
+            self.ledger.close()
         if self.trainer is not None:
             self.trainer.close()
         if self.executor is not None:
@@ -160,12 +169,13 @@ class Run:
         if moved:
             self.progress.message(f"moved {moved} metrics record(s) of steps that run again to {SUPERSEDED_FILE}")
 
-    def _restore(self, ops: StepOps) -> None:
+    def _restore(self, ops: StepOps) -> dict[str, Any] | None:
+        """Load the last checkpoint; its sample ledger part (None when there is no checkpoint)."""
         path = latest_checkpoint(self.run_dir)
         if path is None:
             self.progress.message(f"no complete checkpoint in {self.run_dir}; starting from step 0")
             self.resume = False
-            return
+            return None
         assert self.trainer is not None
         state = read_state(path)
         extra = self.trainer.load_checkpoint(path)
@@ -174,6 +184,8 @@ class Run:
         random.setstate(random_state_from_json(extra["python_random"]))
         self.state.step, self.state.version = int(state["step"]), int(state["weight_version"])
         self.progress.message(f"resumed from {path} (step {self.state.step}, weight version {self.state.version})")
+        ledger: dict[str, Any] = extra.get("ledger", {"seq": 0, "unsettled": [], "untracked": True})  # older checkpoints
+        return ledger
 
     # ------------------------------------------------------------------ faults
 

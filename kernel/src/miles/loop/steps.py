@@ -142,6 +142,18 @@ class StepOps:
             self.dump(step, (earlier or []) + rollout.all_samples)
             raise error
 
+    def record_batch(self, step: int, groups: Sequence[Sequence[Sample]]) -> None:
+        """The sample ledger: step ``step`` trains ``groups`` (a group without a trainable row is
+        dropped, ``untrainable``); then every data epoch that closed is checked (lost or duplicated
+        prompts stop the run with :class:`~miles.loop.ledger.LedgerError`)."""
+        ledger = self.rollouts.ledger
+        if ledger is None:
+            return
+        for summary in ledger.record_batch(step, groups):
+            self.progress.message(f"epoch {summary.epoch} closed: {summary.trained} prompt(s) trained, filtered "
+                                  f"{dict(summary.filtered) or 0}, dropped {dict(summary.dropped) or 0}; "
+                                  f"0 lost, 0 duplicated")
+
     def dump(self, step: int, samples: list[Sample], kind: str = "samples", *,
              trained: Sequence[Sequence[Sample]] = ()) -> float:
         """Write ``samples`` to the run folder (``<run>/<kind>/step_<n>.jsonl``), marking those of the
@@ -263,15 +275,21 @@ class StepOps:
 
     def checkpoint_state(self) -> dict[str, Any]:
         """The driver's part of a checkpoint, taken on the event loop (where data is drawn)."""
-        return {"data": self.rollouts.data.state_dict(), "rollout": self.rollouts.state_dict(),
-                "python_random": jsonable_random_state()}
+        state = {"data": self.rollouts.data.state_dict(), "rollout": self.rollouts.state_dict(),
+                 "python_random": jsonable_random_state()}
+        if self.rollouts.ledger is not None:  # the prompts drawn past the data position: drawn again on resume
+            state["ledger"] = self.rollouts.ledger.checkpoint_state()
+        return state
 
     async def save(self, state: dict[str, Any] | None = None) -> float:
         """Checkpoint step ``state.step``: the driver's state (``state``, else taken now, on the event
         loop where prompts are drawn), the trainer's save off the loop (a one_step_off or
         fully_async rollout goes on meanwhile). The seconds it took."""
         state = state if state is not None else self.checkpoint_state()
-        return await asyncio.to_thread(self._write_checkpoint, state)
+        seconds = await asyncio.to_thread(self._write_checkpoint, state)
+        if self.rollouts.ledger is not None:  # back on the event loop, the checkpoint complete
+            self.rollouts.ledger.compact(state["ledger"])
+        return seconds
 
     def _write_checkpoint(self, extra: dict[str, Any]) -> float:
         start = time.perf_counter()

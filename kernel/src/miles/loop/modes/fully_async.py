@@ -47,12 +47,14 @@ async def run(ops: StepOps) -> None:
     state = ops.state
     buffer = GroupBuffer(rollout.buffer_groups or 2 * rollout.prompts_per_step, max_staleness=rollout.max_staleness,
                          late=rollout.late_groups, unused=rollout.unused_groups,
-                         admit=filter_pipeline(rollout.filters, ops.kernel), start_version=state.version)
+                         admit=filter_pipeline(rollout.filters, ops.kernel), start_version=state.version,
+                         ledger=ops.rollouts.ledger)
     workers = RolloutWorkers(ops.rollouts, buffer, version=lambda: state.version, start_step=state.step)
     evaluation = BackgroundEvaluation(ops)
     await ops.wait_engines(router=True)
     workers.start()
     last_take = time.perf_counter()
+    completed = False
     try:
         while not ops.finished and not stop_requested():  # a swallowed cancellation still stops
             step = ops.next_step()
@@ -65,6 +67,7 @@ async def run(ops: StepOps) -> None:
             finally:
                 stop.set()
                 await watcher
+            ops.record_batch(step, [g.samples for g in groups])
             now = time.perf_counter()
             batch = StepRollout([g.samples for g in groups], [s for g in groups for s in g.samples])
             batch.metrics = batch_metrics(groups, buffer, state.version, waited=now - started, interval=now - last_take)
@@ -85,11 +88,17 @@ async def run(ops: StepOps) -> None:
             if ops.checkpoint_due(step):
                 metrics["time/checkpoint"] = await ops.save()
             ops.log(step, metrics)
+        completed = ops.finished
     finally:
         await evaluation.cancel()
         leftovers = await workers.stop()
         if leftovers:  # finished but never trained on: kept with the run's samples
             ops.dump(state.step, [s for g in leftovers for s in g.samples], kind="unconsumed")
+        if completed:
+            # what the workers held, drawn but never trained: the run is over (a resume with more
+            # steps draws them again: the last checkpoint lists them, and these lines come after it)
+            held = {g.index: g for g in (*leftovers, *workers.running.values(), *buffer.recycled_groups())}
+            ops.rollouts.record([g.samples for g in held.values()], "dropped", reason="run_completed")
 
 
 async def _resync_restarted_engines(ops: StepOps, stop: asyncio.Event, every: float = 2.0) -> None:

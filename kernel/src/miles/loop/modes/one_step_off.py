@@ -46,6 +46,7 @@ async def run(ops: StepOps) -> None:
         step = ops.next_step()
         rollout = await ops.rollout_step(step, pending, before_retry=deferred.push)
         pending = None
+        ops.record_batch(step, rollout.groups)  # before the checkpoint's state is taken
         metrics = dict(rollout.metrics)
         metrics.update(deferred.push())  # the previous update waited for this rollout to finish
         saved_state: dict[str, Any] | None = None

@@ -21,6 +21,7 @@ async def run(ops: StepOps) -> None:
     while not ops.finished and not stop_requested():
         step = ops.next_step()
         rollout = await ops.rollout_step(step)
+        ops.record_batch(step, rollout.groups)
         metrics = dict(rollout.metrics)
         metrics["time/dump"] = ops.dump(step, rollout.all_samples, trained=rollout.groups)
         metrics.update(await ops.release_engine_memory())  # the engines idle until the next rollout
