@@ -34,3 +34,36 @@ def test_the_step_loop_modules_use_only_the_public_step_operations() -> None:
     for mode in MODES.values():
         source = inspect.getsource(inspect.getmodule(mode.run))
         assert "miles.loop.runner" not in source and "._" not in source.replace("self._", ""), mode.name
+
+
+def test_the_resync_watcher_gives_a_restarted_engine_the_weights_while_the_trainer_waits() -> None:
+    """fully_async's watcher on its own (its end-to-end trigger, a lone engine restarted while the
+    trainer waits with nothing to train, is rare under launch pacing): a run whose engines are
+    stale gets them synced within a period, once per period, and the watcher ends with the run.
+    The run here is a stand-in with the two members the watcher reads (StepOps needs a trainer)."""
+    import asyncio
+
+    from miles.loop.modes.fully_async import _resync_restarted_engines
+
+    class Run:
+        def __init__(self) -> None:
+            self.stale_engines = ["engine-0"]
+            self.synced = 0
+
+        def resync_restarted_engines(self) -> None:
+            self.synced += 1
+            self.stale_engines = []
+
+    async def scenario() -> int:
+        run, stop = Run(), asyncio.Event()
+        watcher = asyncio.create_task(_resync_restarted_engines(run, stop, every=0.01))  # type: ignore[arg-type]
+        for _ in range(500):
+            if run.synced:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # more periods: nothing stale, nothing synced again
+        stop.set()
+        await asyncio.wait_for(watcher, 5)
+        return run.synced
+
+    assert asyncio.run(scenario()) == 1
