@@ -138,7 +138,9 @@ def test_fully_async_workers_record_every_group_and_a_completed_run_settles_the_
     report = summarize(tmp_path / "run")
     assert report["trained"] == 6 and (report["lost"], report["duplicated"]) == (0, 0)
     closed = [e for e in report["epochs"] if e["closed"]]
-    assert [(e["trained"], e["filtered"]) for e in closed[:3]] == [(2, {"zero_std": 2})] * 3
+    # launch pacing draws no more than the 3 steps train: the third epoch's prompts are all drawn,
+    # but it closes only once the source moves past it, which it need not do here
+    assert len(closed) >= 2 and [(e["trained"], e["filtered"]) for e in closed[:2]] == [(2, {"zero_std": 2})] * 2
     # the epochs drawn while the last batches trained: every prompt trained, filtered or dropped once
     assert all(e["trained"] + sum(e["filtered"].values()) + sum(e["dropped"].values()) == RECORDS for e in closed)
     assert set().union(*(e["dropped"] for e in closed[3:])) <= {"run_completed"}
