@@ -39,7 +39,9 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(device).eval()
+    # safetensors only: a weights folder is read as data, never unpickled (docs/design/security.md)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype), use_safetensors=True)
+    model = model.to(device).eval()
     lines = [json.loads(x) for x in (args.run_dir / "samples" / f"step_{args.step:06d}.jsonl").read_text().splitlines()]
     gaps: dict[str, list[float]] = defaultdict(list)
     rows_by: Counter[str] = Counter()

@@ -109,14 +109,26 @@ def prune_checkpoints(run_dir: Path, keep: int) -> tuple[list[Path], list[Path]]
     return removed, failed
 
 
+def dump_path(run_dir: Path, step: int, kind: str = "samples") -> Path:
+    """Where step ``step``'s dump of ``kind`` is (what :func:`dump_samples` writes)."""
+    return run_dir / kind / f"step_{step:06d}.jsonl"
+
+
+def dumped_steps(run_dir: Path, kind: str = "samples") -> list[int]:
+    """The steps that have a dump of ``kind``, in order."""
+    folder = run_dir / kind
+    if not folder.is_dir():
+        return []
+    return sorted(int(s) for s in (p.stem.removeprefix("step_") for p in folder.glob("step_*.jsonl")) if s.isdigit())
+
+
 def dump_samples(run_dir: Path, step: int, samples: list[Sample], kind: str = "samples", *, tokens: bool = False,
                  trained: Sequence[Sequence[Sample]] = ()) -> Path:
     """Write ``samples`` to ``<run>/<kind>/step_<n>.jsonl``, one episode a line. ``trained``: the
     groups the step's batch was built from, in batch order; each of their episodes' lines gets
     ``batch_group`` (the group's position), which ``miles replay`` rebuilds the batch from."""
-    folder = run_dir / kind
-    folder.mkdir(exist_ok=True)
-    path = folder / f"step_{step:06d}.jsonl"
+    path = dump_path(run_dir, step, kind)
+    path.parent.mkdir(exist_ok=True)
     position = {id(s): n for n, group in enumerate(trained) for s in group}
     with path.open("w") as f:
         for s in samples:

@@ -18,20 +18,16 @@ from miles_contracts import Branch, ExitReason, Sample, Status
 
 from miles.errors import MilesError
 from miles.loop.episodes import training_rows
+from miles.loop.run_dir import dump_path, dumped_steps
 
 TOKEN_FIELDS = ("tokens", "loss_mask", "rollout_logprobs")
-
-
-def dump_path(run_dir: Path, step: int, kind: str = "samples") -> Path:
-    return run_dir / kind / f"step_{step:06d}.jsonl"
 
 
 def dumped_lines(run_dir: Path, step: int) -> list[dict[str, Any]]:
     """The JSON lines of step ``step``'s dump."""
     path = dump_path(run_dir, step)
     if not path.is_file():
-        steps = sorted(int(p.stem.removeprefix("step_")) for p in (run_dir / "samples").glob("step_*.jsonl")
-                       if p.stem.removeprefix("step_").isdigit()) if (run_dir / "samples").is_dir() else []
+        steps = dumped_steps(run_dir)
         have = f"it has steps {steps[0]}..{steps[-1]}" if steps else "it has no step dumps"
         raise MilesError(f"{path} does not exist: {run_dir} has no dump of step {step} ({have})")
     lines = []

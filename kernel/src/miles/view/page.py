@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from miles.errors import MilesError
+from miles.loop.run_dir import dumped_steps
 from miles.view.curves import curves_html
 from miles.view.episode import branch_rows, episode_html
-from miles.view.run_folder import StepDump, choose_steps, dumped_steps, model_name, read_metrics, read_step
+from miles.view.run_folder import StepDump, choose_steps, model_name, read_metrics, read_step
 from miles.view.tokens import Decoder, IdDecoder, load_decoder
 
 

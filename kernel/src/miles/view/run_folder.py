@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.errors import MilesError
-
-SAMPLES_FOLDER = "samples"
+from miles.loop.run_dir import dump_path
 
 
 @dataclass(slots=True)
@@ -26,18 +25,9 @@ class StepDump:
     unreadable: int = 0
 
 
-def dumped_steps(run_dir: Path) -> list[int]:
-    """The steps that have a sample dump, in order."""
-    folder = run_dir / SAMPLES_FOLDER
-    if not folder.is_dir():
-        return []
-    steps = [p.stem.removeprefix("step_") for p in folder.glob("step_*.jsonl")]
-    return sorted(int(s) for s in steps if s.isdigit())
-
-
 def read_step(run_dir: Path, step: int) -> StepDump:
     dump = StepDump(step)
-    path = run_dir / SAMPLES_FOLDER / f"step_{step:06d}.jsonl"
+    path = dump_path(run_dir, step)
     with path.open(encoding="utf-8", errors="replace") as handle:
         for line in handle:
             if not line.strip():
