@@ -169,3 +169,20 @@ def test_the_step_dump_keeps_every_branch_of_an_episode(fresh_kernels: None, tmp
     assert [(b["branch"]["cause"], b["branch"]["role"], b["reward"]) for b in first["branches"]] == [
         ("compaction", "solver", 1.0), ("retry", "solver", 1.0), ("subagent", "critic", 0.0)]
     assert first["branches"][0]["tokens"] == [*PROMPT, 20, 21, 40, 41, 42] and first["branches"][0]["loss_mask"] == [0, 1, 1]
+
+
+def test_forks_are_counted_from_the_graph_even_where_a_branch_trains_nothing() -> None:
+    """A retried attempt is not trained by default, so it has no row; the episode's graph (what the
+    agentic generator records in ``metadata["episode"]``) still counts it as a fork."""
+    from miles.loop.episodes import episode_metrics
+
+    episode = Sample(tokens=[1, 2, 3], response_length=1, loss_mask=[1], rollout_logprobs=[0.0], reward=1.0,
+                     status=Status.COMPLETED, metadata={"episode": {"forks": {"retry": 1, "compaction": 2}}},
+                     branch=Branch(episode_id="e", branch_id=0))
+    episode.branches = [_branch(episode, 2, [1, 2, 3, 4], [0, 1], cause="compaction")]
+    metrics = episode_metrics([episode])
+    assert (metrics["rollout/forks_retry"], metrics["rollout/forks_compaction"]) == (1.0, 2.0)
+    assert metrics["rollout/retried_branches"] == 1.0 and metrics["rollout/episode_rows_mean"] == 2.0
+    del episode.metadata["episode"]  # no graph recorded: the rows' own causes
+    rows_only = episode_metrics([episode])
+    assert rows_only.get("rollout/forks_retry") is None and rows_only["rollout/forks_compaction"] == 1.0

@@ -36,8 +36,10 @@ def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:
     - ``rollout/role/<role>/rows``: rows of that role, and ``.../reward_mean`` the mean over
       episodes of the role's reward in the episode (an episode counts once per role, however many
       branches the role has in it: the same count group normalisation uses);
-    - ``rollout/forks_<cause>``: branches by why they forked (``Branch.cause``, roots not counted);
-    - ``rollout/retried_branches``: abandoned attempts (``Branch.retried``);
+    - ``rollout/forks_<cause>``: branches by why they forked (the graph's count in
+      ``metadata["episode"]["forks"]`` when the generator recorded one, else the rows' ``Branch.cause``;
+      roots not counted);
+    - ``rollout/retried_branches``: abandoned attempts (trained or not);
     - ``rollout/episode_limit``: episodes stopped by a per-episode limit (``ExitReason.EPISODE_LIMIT``).
     """
     if not has_branches(samples):
@@ -51,15 +53,23 @@ def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:
         rows = episode.rows()
         total_rows += len(rows)
         per_role: defaultdict[str, list[float]] = defaultdict(list)
+        # the graph's own count when the generator recorded one: a branch that trains nothing (a
+        # retried attempt, by default) has no row but was still a fork
+        graph = episode.metadata.get("episode")
+        recorded = graph.get("forks") if isinstance(graph, dict) else None
+        counted = isinstance(recorded, dict)
+        if isinstance(recorded, dict):
+            forks.update({str(cause): int(n) for cause, n in recorded.items()})
+            retried += int(recorded.get("retry", 0))
         for row in rows:
             if row.branch is None:
                 continue
             role_rows[row.branch.role] += 1
             if row.reward is not None and math.isfinite(row.reward):
                 per_role[row.branch.role].append(row.reward)
-            if row.branch.cause != "root":
+            if not counted and row.branch.cause != "root":
                 forks[row.branch.cause] += 1
-            retried += row.branch.retried
+            retried += not counted and row.branch.retried
         for role, rewards in per_role.items():
             role_rewards[role].append(sum(rewards) / len(rewards))
     metrics = {
