@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from miles import hookimpl
 from miles.cli.main import main
 from miles.config import MilesConfig
 from miles.context import context_for
+from miles.data.errors import DataError
 from miles.data.source import open_data_source
 from miles.kernel import Kernel
 from miles.loop.buffer import GroupBuffer
@@ -53,7 +55,8 @@ class Answers:
 
 
 def _manager(tmp_path: Path, *, mode: str = "sync", filters: tuple[str, ...] = (), run_dir: Path | None = None,
-             ledger: Ledger | None = None) -> RolloutManager:
+             ledger: Ledger | None = None, samples_per_prompt: int = 2, on_error: str = "skip",
+             source: str = "jsonl") -> RolloutManager:
     data = tmp_path / "prompts.jsonl"
     if not data.exists():
         data.write_text("".join(json.dumps({"prompt": f"question {i}", "label": str(i)}) + "\n" for i in range(RECORDS)))
@@ -61,10 +64,12 @@ def _manager(tmp_path: Path, *, mode: str = "sync", filters: tuple[str, ...] = (
     kernel = Kernel.load(PluginSelection(enable=("core", "data", "filters", "generators", "rewards")))
     kernel.register_plugin(Answers(), "answers")
     config = MilesConfig(run=RunSection(mode=mode),
-                         rollout=RolloutSection(generator="answer", prompts_per_step=2, samples_per_prompt=2,
-                                                concurrency=4, filters=list(filters)),
+                         rollout=RolloutSection(generator="answer", prompts_per_step=2,
+                                                samples_per_prompt=samples_per_prompt, concurrency=4,
+                                                filters=list(filters)),
                          reward=RewardSection(name="even_records_vary"),
-                         data=DataSection(source="jsonl", path=str(data), seed=3))
+                         data=DataSection(source=source, path=str(data) if source == "jsonl" else None, seed=3,
+                                          on_error=on_error))
     ctx = context_for(config, kernel=kernel)
     source = open_data_source(ctx)
     ledger = ledger if ledger is not None else Ledger(run_dir or tmp_path / "run", RECORDS)
@@ -275,8 +280,6 @@ def test_a_damaged_ledger_is_refused_with_the_line_that_is_wrong(tmp_path: Path,
 def test_a_resume_whose_ledger_was_deleted_still_draws_what_was_in_flight(fresh_kernels: None, tmp_path: Path) -> None:
     """A run folder copied without ledger/: the resume does not refuse, draws the checkpoint's
     in-flight prompts again, and marks what came before as untracked."""
-    import shutil
-
     (tmp_path / "run").mkdir()
     first = _manager(tmp_path)
     assert first.ledger is not None
@@ -288,3 +291,100 @@ def test_a_resume_whose_ledger_was_deleted_still_draws_what_was_in_flight(fresh_
     again = Ledger(tmp_path / "run", RECORDS)
     assert [d.group for d in again.begin(checkpoint, 1)] == [0, 1]
     assert json.loads((tmp_path / "run" / LEDGER_DIR / EVENTS_FILE).read_text().splitlines()[0])["untracked"]
+
+
+def _checkpoint_with_two_in_flight(tmp_path: Path) -> dict:
+    """A run that drew three prompts, trained one and checkpointed: two are to be drawn again."""
+    (tmp_path / "run").mkdir()
+    first = _manager(tmp_path)
+    assert first.ledger is not None
+    first.ledger.begin(None, 0)
+    groups = _generated(first, first.draw_groups(3))
+    first.ledger.record_batch(1, groups[:1])
+    checkpoint = {"data": first.data.state_dict(), "rollout": first.state_dict(), "ledger": first.ledger.checkpoint_state()}
+    first.ledger.close()
+    return checkpoint
+
+
+def _resumed(tmp_path: Path, checkpoint: dict, **settings: object) -> RolloutManager:
+    resumed = _manager(tmp_path, ledger=Ledger(tmp_path / "run", RECORDS), **settings)  # type: ignore[arg-type]
+    resumed.data.load_state_dict(checkpoint["data"])
+    resumed.load_state_dict(checkpoint["rollout"])
+    assert resumed.ledger is not None
+    resumed.redraw(resumed.ledger.begin(checkpoint["ledger"], 1))
+    return resumed
+
+
+def test_prompts_drawn_again_on_resume_pass_the_row_settings_check(fresh_kernels: None, tmp_path: Path) -> None:
+    """The checkpoint's copy of a prompt in flight is checked like a data row: one whose settings
+    this run refuses stops the resume naming it (data.on_error=fail), or is dropped with reason
+    invalid_settings (skip); the other is drawn again as before, nothing lost."""
+    checkpoint = _checkpoint_with_two_in_flight(tmp_path)
+    bad = checkpoint["ledger"]["unsettled"][0]
+    bad["prompt"]["metadata"]["settings"] = {"bogus": 1}
+    with pytest.raises(DataError, match=rf"group {bad['group']} .*settings.bogus: not a setting"):
+        _resumed(tmp_path, checkpoint, on_error="fail")
+    shutil.rmtree(tmp_path / "run" / LEDGER_DIR)  # the refused resume wrote its start line; begin again
+    (tmp_path / "run").rmdir()
+    checkpoint = _checkpoint_with_two_in_flight(tmp_path)
+    checkpoint["ledger"]["unsettled"][0]["prompt"]["metadata"]["settings"] = {"bogus": 1}
+    resumed = _resumed(tmp_path, checkpoint)
+    again = _generated(resumed, resumed.draw_groups(3))
+    assert again[0][0].group_index == checkpoint["ledger"]["unsettled"][1]["group"]  # the valid one, first
+    assert resumed.ledger is not None
+    resumed.ledger.record_batch(2, again)
+    epoch = summarize(tmp_path / "run")["epochs"][0]
+    assert epoch["dropped"] == {"invalid_settings": 1} and (epoch["lost"], epoch["duplicated"]) == (0, 0)
+
+
+def test_a_samples_per_prompt_override_on_resume_applies_to_redrawn_groups(fresh_kernels: None, tmp_path: Path) -> None:
+    """Resumed with rollout.samples_per_prompt 3 (was 2): the redrawn groups have three samples,
+    their first two ids kept and the third a fresh id; a checkpoint after lists the new ids;
+    resumed with 1, a group keeps its first id."""
+    checkpoint = _checkpoint_with_two_in_flight(tmp_path)
+    before = [d["samples"] for d in checkpoint["ledger"]["unsettled"]]
+    resumed = _resumed(tmp_path, checkpoint, samples_per_prompt=3)
+    again = resumed.draw_groups(2)
+    ids = [[s.index for s in g] for g in again]
+    assert [i[:2] for i in ids] == before and all(len(i) == 3 for i in ids)
+    fresh = [i[2] for i in ids]
+    assert len(set(fresh)) == 2 and min(fresh) >= checkpoint["rollout"]["next_index"]
+    assert resumed.ledger is not None
+    assert [d["samples"] for d in resumed.ledger.checkpoint_state()["unsettled"]] == ids
+    resumed.ledger.close()
+    smaller = _resumed(tmp_path, checkpoint, samples_per_prompt=1)
+    assert [[s.index for s in g] for g in smaller.draw_groups(2)] == [b[:1] for b in before]
+
+
+def test_an_endless_source_keeps_its_events_file_bounded_and_a_lost_group_fails_the_next_checkpoint(
+        fresh_kernels: None, tmp_path: Path) -> None:
+    """``arithmetic`` never closes an epoch: each checkpoint folds the settled draws into running
+    counts (open_epoch.json), so the events file does not grow with the run while the report
+    still counts every prompt, also after a resume. A draw that nobody holds at a checkpoint is
+    reported lost there, not at the end of the run."""
+    run = tmp_path / "run"
+    run.mkdir()
+    manager = _manager(tmp_path, source="arithmetic", ledger=Ledger(run, None))
+    ledger = manager.ledger
+    assert ledger is not None
+    ledger.begin(None, 0)
+    sizes = []
+    for step in range(1, 31):
+        ledger.record_batch(step, _generated(manager, manager.draw_groups(2)))
+        ledger.compact(ledger.checkpoint_state(held=set()))
+        sizes.append((run / LEDGER_DIR / EVENTS_FILE).stat().st_size)
+    assert max(sizes[10:]) <= max(sizes[:10])  # bounded: does not grow with the groups drawn
+    report = summarize(run)
+    assert (report["trained"], report["lost"], report["duplicated"], len(report["epochs"])) == (60, 0, 0, 1)
+    checkpoint = ledger.checkpoint_state(held=set())
+    positions = manager.data.state_dict(), manager.state_dict()
+    ledger.close()
+    again = Ledger(run, None)
+    assert again.begin(checkpoint, 30) == [] and summarize(run)["trained"] == 60
+    resumed = _manager(tmp_path, source="arithmetic", ledger=again)
+    resumed.data.load_state_dict(positions[0])
+    resumed.load_state_dict(positions[1])
+    [held, dropped] = resumed.draw_groups(2)
+    with pytest.raises(LedgerError, match=rf"1 prompt group\(s\) in flight .* held by no part of the loop .*"
+                                          rf"\[{dropped[0].group_index}\]"):
+        again.checkpoint_state(held={held[0].group_index})

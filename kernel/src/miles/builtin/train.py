@@ -1,4 +1,4 @@
-"""Built-in plugin ``train``: the ``miles train`` command (the main job), and ``miles replay``,
+"""Built-in plugin ``train``: the ``miles train`` command (the main job), ``miles chaos`` (:mod:`miles.chaos`), and ``miles replay``,
 ``miles rollout`` and ``miles ledger`` (:mod:`miles.builtin.debugging`), which read and write the
 same run folders."""
 
@@ -102,9 +102,11 @@ def _args(p: argparse.ArgumentParser) -> None:
 @hookimpl
 def miles_register_commands(register: Register[CommandSpec]) -> None:
     from miles.builtin.debugging import LEDGER_COMMAND, REPLAY_COMMAND, ROLLOUT_COMMAND
+    from miles.chaos.command import CHAOS_COMMAND
 
     register("train", CommandSpec("run RL training (the embedded default when no config is given)",
                                   _train, add_arguments=_args, description=DESCRIPTION))
     register("replay", REPLAY_COMMAND)
     register("rollout", ROLLOUT_COMMAND)
     register("ledger", LEDGER_COMMAND)
+    register("chaos", CHAOS_COMMAND)

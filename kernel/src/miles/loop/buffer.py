@@ -206,6 +206,10 @@ class GroupBuffer:
             self._changed.notify_all()
         return outcome
 
+    def holding(self) -> set[int]:
+        """The indices of the groups in the buffer: queued, waiting for room, waiting to be recycled."""
+        return {g.index for g in (*self._queue, *self._waiting, *self._recycled)}
+
     def recycled_groups(self) -> list[Group]:
         """The groups waiting to be generated again, oldest first."""
         return list(self._recycled)

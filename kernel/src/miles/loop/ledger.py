@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ from miles.loop.episodes import training_rows
 LEDGER_DIR = "ledger"
 EVENTS_FILE = "events.jsonl"
 EPOCHS_FILE = "epochs.jsonl"
+OPEN_FILE = "open_epoch.json"
 
 STATES = ("drawn", "in_flight", "generated", "aborted", "recycled", "filtered", "trained", "dropped")
 FINAL = frozenset({"trained", "filtered", "dropped"})
@@ -98,6 +99,16 @@ class EpochSummary:
     duplicated: int = 0
     closed: bool = False
 
+    def add(self, other: EpochSummary) -> None:
+        """Count ``other``'s prompts too (a fold of settled draws of the same open epoch)."""
+        self.drawn += other.drawn
+        self.trained += other.trained
+        self.redrawn += other.redrawn
+        self.duplicated += other.duplicated
+        for mine, theirs in ((self.filtered, other.filtered), (self.dropped, other.dropped),
+                             (self.recycled, other.recycled), (self.aborted, other.aborted)):
+            mine.update(theirs)
+
     def to_json(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "prompts": self.prompts, "drawn": self.drawn, "trained": self.trained,
                 "filtered": dict(self.filtered), "dropped": dict(self.dropped), "recycled": dict(self.recycled),
@@ -126,6 +137,10 @@ class Book:
         self.ended: str | None = None  # the status of a run that ended (None: running, or killed)
         self.checked: set[int] = set()  # epochs the loop closed and checked
         self.first_full_epoch: int | None = 0  # epochs before it were partly drawn before the ledger existed
+        # an endless source's epoch never closes: the draws settled before a checkpoint are folded
+        # into these running counts (ledger/open_epoch.json) and leave the events file
+        self.folded: dict[int, EpochSummary] = {}
+        self.last_folded: set[int] = set()  # groups the latest fold took (their lines may still be on disk)
 
     # ------------------------------------------------------------------ reading lines
 
@@ -159,6 +174,7 @@ class Book:
                 return
             if draw is not None:
                 draw.redrawn += 1
+                draw.samples = list(line["samples"])  # a resume may have resized the group
             else:
                 self.draws[group] = Draw(group, list(line["samples"]), int(line["epoch"]), line.get("data_index"))
                 if self.first_full_epoch is None:  # the epoch a resume without a ledger landed in was partly untracked
@@ -182,7 +198,7 @@ class Book:
     # ------------------------------------------------------------------ epochs
 
     def epochs(self) -> list[int]:
-        return sorted({d.epoch for d in self.draws.values()} | set(self.closed))
+        return sorted({d.epoch for d in self.draws.values()} | set(self.closed) | set(self.folded))
 
     def summary(self, epoch: int) -> EpochSummary:
         """Epoch ``epoch`` as it stands (the stored summary once it was compacted)."""
@@ -190,6 +206,8 @@ class Book:
             return self.closed[epoch]
         draws = [d for d in self.draws.values() if d.epoch == epoch]
         out = EpochSummary(epoch, self.epoch_size, drawn=len(draws))
+        if epoch in self.folded:
+            out.add(self.folded[epoch])
         finals: Counter[int] = Counter()
         for draw in draws:
             finals[draw.key] += draw.finals
@@ -242,6 +260,7 @@ def read_book(folder: Path) -> Book:
     book = Book()
     epochs_path, events_path = folder / EPOCHS_FILE, folder / EVENTS_FILE
     summarised: set[int] = set()  # groups of epochs already in epochs.jsonl
+    _read_folds(folder / OPEN_FILE, book)
     for path, line in [*_records(epochs_path), *_records(events_path)]:
         try:
             if path == epochs_path:
@@ -251,13 +270,26 @@ def read_book(folder: Path) -> Book:
             # a compaction that stopped between its two writes left lines of an epoch already summarised
             if line.get("state") == "drawn" and int(line["epoch"]) in book.closed:
                 summarised.add(int(line["group"]))
-            if "event" not in line and int(line["group"]) in summarised:
+            if "event" not in line and (int(line["group"]) in summarised or int(line["group"]) in book.last_folded):
                 continue
             book.apply(line)
         except (KeyError, TypeError, ValueError) as exc:  # a field missing or of the wrong kind
             raise LedgerError(f"{path}: {str(line)[:200]} is not a ledger line ({exc!r}); the ledger was edited "
                               f"or damaged") from None
     return book
+
+
+def _read_folds(path: Path, book: Book) -> None:
+    """``open_epoch.json``: the running counts of open epochs' settled draws (endless sources)."""
+    if not path.is_file():
+        return
+    try:
+        data = bounded_json.loads(path.read_text())
+        book.folded = {int(row["epoch"]): EpochSummary.from_json(row) for row in data["epochs"]}
+        book.last_folded = {int(g) for g in data["groups"]}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise LedgerError(f"{path}: not the ledger's open-epoch counts ({exc!r}); the ledger was edited or "
+                          f"damaged") from None
 
 
 def _records(path: Path) -> list[tuple[Path, dict[str, Any]]]:
@@ -344,11 +376,22 @@ class Ledger:
             if draw.prompt is None:
                 draw.prompt = {"prompt": first.prompt, "label": first.label, "metadata": first.metadata}
 
-    def checkpoint_state(self) -> dict[str, Any]:
+    def checkpoint_state(self, held: Collection[int] | None = None) -> dict[str, Any]:
         """The ledger's part of a checkpoint: where it stands and the draws in flight (to draw again
-        on resume). Every line it counts is on disk when it returns."""
+        on resume). Every line it counts is on disk when it returns.
+
+        ``held``: the groups the loop holds now (generating, scoring, queued, waiting to be
+        recycled or redrawn). A draw unsettled and held by nobody is lost, and an endless source
+        would otherwise show it only when the run completes: it raises :class:`LedgerError` here,
+        at the checkpoint after it was lost."""
         self._file.flush()
         os.fsync(self._file.fileno())
+        if held is not None:
+            lost = sorted(d.group for d in self.book.unsettled() if d.group not in held)
+            if lost:
+                raise LedgerError(f"sample ledger: {len(lost)} prompt group(s) in flight by the ledger are held by no "
+                                  f"part of the loop at a checkpoint ({lost[:10]}): lost; a "
+                                  f"bug in the loop (`miles ledger RUN_DIR` prints the summary)")
         return {"seq": self.seq, "unsettled": [
             {"group": d.group, "samples": d.samples, "epoch": d.epoch, "data_index": d.data_index, "prompt": d.prompt}
             for d in self.book.unsettled()]}
@@ -381,7 +424,8 @@ class Ledger:
         covers go to epochs.jsonl, and events.jsonl keeps only the lines still needed."""
         upto = int(checkpoint["seq"])
         done = {e for e in self.book.checked - set(self.book.closed) if self._last_seq_of(e) <= upto}
-        if not done and len(self.book.live) == self._lines_on_disk:
+        folded = self._fold(upto) if self.epoch_size is None else set()
+        if not done and not folded and len(self.book.live) == self._lines_on_disk:
             return
         if done:
             with (self.folder / EPOCHS_FILE).open("a") as epochs:
@@ -390,7 +434,8 @@ class Ledger:
                     epochs.write(json.dumps(self.book.closed[epoch].to_json()) + "\n")
                 epochs.flush()
                 os.fsync(epochs.fileno())
-        keep = [line for line in self.book.live if not self._in_epochs(line, done)]
+        keep = [line for line in self.book.live if not self._in_epochs(line, done)
+                and not ("event" not in line and int(line["group"]) in folded)]
         tmp = self.folder / (EVENTS_FILE + ".tmp")
         with tmp.open("w") as out:
             out.writelines(json.dumps(line) + "\n" for line in keep)
@@ -403,6 +448,35 @@ class Ledger:
         for group in [g for g, d in self.book.draws.items() if d.epoch in done]:
             del self.book.draws[group]
         self._lines_on_disk = len(keep)
+
+    def _fold(self, upto: int) -> set[int]:
+        """An endless source's open epoch: fold the draws settled with every line at or before
+        ``upto`` (a complete checkpoint: no resume reaches back past it) into running counts,
+        written to open_epoch.json before the events file loses their lines. Their groups."""
+        last_seq: dict[int, int] = {}
+        for line in self.book.live:
+            if "event" not in line:
+                last_seq[int(line["group"])] = int(line["seq"])
+        fold = {g for g, d in self.book.draws.items() if d.settled and last_seq.get(g, 0) <= upto}
+        if not fold:
+            return set()
+        book = self.book
+        for epoch in {book.draws[g].epoch for g in fold}:
+            counted = Book()  # the folded draws of this epoch, counted the way summary() counts
+            counted.live = [line for line in book.live if "event" not in line and int(line["group"]) in fold
+                            and book.draws[int(line["group"])].epoch == epoch]
+            counted.draws = {g: book.draws[g] for g in fold if book.draws[g].epoch == epoch}
+            part = counted.summary(epoch)
+            book.folded.setdefault(epoch, EpochSummary(epoch, None)).add(part)
+        for group in fold:
+            del book.draws[group]
+        book.last_folded = fold
+        tmp = self.folder / (OPEN_FILE + ".tmp")
+        tmp.write_text(json.dumps({"epochs": [s.to_json() for s in book.folded.values()], "groups": sorted(fold)}))
+        with tmp.open() as f:
+            os.fsync(f.fileno())
+        tmp.replace(self.folder / OPEN_FILE)
+        return fold
 
     def close(self) -> None:
         self._file.close()

@@ -24,12 +24,14 @@ from typing import Any
 from miles_contracts import DataSource, EngineClient, ExitReason, GenerateContext, RunContext, Sample, Status
 from miles_contracts.wire.engine import SamplingParams
 
+from miles.data.row_settings import RowSettings
 from miles.data.source import source_metrics
 from miles.errors import MilesError
 from miles.filtering import apply_filters, over_sampler_for
 from miles.loop.episodes import episode_metrics, training_rows
 from miles.loop.ledger import Draw, Ledger, regroup
 from miles.loop.progress import RolloutProgress
+from miles.loop.redraw import INVALID_SETTINGS, check_redraws, resized
 from miles.rewards import score_samples
 
 MAX_ROUNDS = 4  # over-sampling rounds before a step trains on fewer groups than asked
@@ -128,10 +130,21 @@ class RolloutManager:
 
     def redraw(self, draws: Sequence[Draw]) -> None:
         """Draw these again (with their ids) before any new prompt: they were in flight at the
-        checkpoint the run resumed from, past the data position it saved."""
-        self._redraw.extend(draws)
+        checkpoint the run resumed from, past the data position it saved. Their settings are
+        checked as the data source checks a row's (:mod:`miles.loop.redraw`)."""
+        if not draws:
+            return
+        valid, invalid = check_redraws(draws, RowSettings(self.run), self.config.data.on_error)
+        for group in map(regroup, invalid):  # data.on_error: skip
+            self.record([group], "drawn", reason="resumed")
+            self.record([group], "dropped", reason=INVALID_SETTINGS)
+        self._redraw.extend(valid)
 
     # ------------------------------------------------------------------ the ledger
+
+    def redraw_groups(self) -> set[int]:
+        """The groups a resume must still draw again (held here until then)."""
+        return {d.group for d in self._redraw}
 
     def record(self, groups: Sequence[Sequence[Sample]], state: str, *, reason: str | None = None,
                step: int | None = None) -> None:
@@ -145,7 +158,11 @@ class RolloutManager:
     def draw_groups(self, count: int) -> list[list[Sample]]:
         """``count`` training prompt groups of ``rollout.samples_per_prompt`` samples: first the
         prompts a resume must draw again, then new ones from the data source; recorded as drawn."""
-        again = [regroup(self._redraw.popleft()) for _ in range(min(count, len(self._redraw)))]
+        again = []
+        for _ in range(min(count, len(self._redraw))):  # at the group size the run has now
+            group, self._next_index = resized(regroup(self._redraw.popleft()), self.config.rollout.samples_per_prompt,
+                                              self._next_index)
+            again.append(group)
         fresh = self.make_groups(self.data.next_prompts(count - len(again)), self.config.rollout.samples_per_prompt) \
             if count > len(again) else []
         self.record(again, "drawn", reason="resumed")

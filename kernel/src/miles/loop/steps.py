@@ -73,6 +73,9 @@ class StepOps:
         self._eval_prompts = eval_prompts
         self._engine_memory = engine_memory
         self._rollout_ended: float | None = None  # perf_counter() when the last rollout's generation ended
+        # the prompt groups the mode holds between steps (fully_async's workers and buffer); a sync
+        # or one_step_off checkpoint is taken when only a resume's redraws are pending
+        self.held_groups: Callable[[], set[int]] = lambda: self.rollouts.redraw_groups()
 
     # ------------------------------------------------------------------ steps
 
@@ -278,7 +281,7 @@ class StepOps:
         state = {"data": self.rollouts.data.state_dict(), "rollout": self.rollouts.state_dict(),
                  "python_random": jsonable_random_state()}
         if self.rollouts.ledger is not None:  # the prompts drawn past the data position: drawn again on resume
-            state["ledger"] = self.rollouts.ledger.checkpoint_state()
+            state["ledger"] = self.rollouts.ledger.checkpoint_state(self.held_groups())
         return state
 
     async def save(self, state: dict[str, Any] | None = None) -> float:

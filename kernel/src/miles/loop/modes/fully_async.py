@@ -51,6 +51,8 @@ async def run(ops: StepOps) -> None:
                          ledger=ops.rollouts.ledger)
     workers = RolloutWorkers(ops.rollouts, buffer, version=lambda: state.version, start_step=state.step)
     evaluation = BackgroundEvaluation(ops)
+    # what a checkpoint may find in flight: a ledger draw held by none of these is lost
+    ops.held_groups = lambda: set(workers.running) | buffer.holding() | ops.rollouts.redraw_groups()
     await ops.wait_engines(router=True)
     workers.start()
     last_take = time.perf_counter()

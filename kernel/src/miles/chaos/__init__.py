@@ -1,0 +1,1 @@
+"""Fault injection: ``miles chaos`` kills a real run's processes and checks its sample ledger."""
