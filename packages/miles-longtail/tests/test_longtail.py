@@ -56,3 +56,28 @@ def test_the_report_times_steps_after_the_warm_up_and_compares_with_sync() -> No
     assert table["sync"]["speedup_vs_sync"] == 1.0
     with pytest.raises(ValueError, match="at least 2 logged steps"):
         run_summary(_rows([1.0]))
+
+
+def test_the_report_compares_trained_response_lengths_with_sync_by_ks_distance(tmp_path) -> None:
+    """The KS distance of two length samples (read from a run's step sample files, trained rows
+    only) is the largest gap of their distribution functions; identical ones give 0, and the 5 %
+    noise level shrinks with the sample sizes."""
+    import json
+
+    from miles_longtail.report import ks_distance, ks_noise, trained_lengths
+
+    samples = tmp_path / "run" / "samples"
+    samples.mkdir(parents=True)
+    rows = [{"response_tokens": 5, "batch_group": 0}, {"response_tokens": 9, "batch_group": 1},
+            {"response_tokens": 40}]  # the last one was generated but never trained
+    (samples / "step_000001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert trained_lengths(tmp_path / "run") == [5, 9]
+    assert ks_distance([1, 2, 3, 4], [1, 2, 3, 4]) == 0.0
+    assert ks_distance([1, 2, 3, 4], [3, 4, 5, 6]) == 0.5  # F_a(2)=0.5, F_b(2)=0
+    assert ks_distance([1, 2], [10, 20]) == 1.0
+    assert ks_noise(100, 100) == pytest.approx(0.192, abs=1e-3) and ks_noise(1000, 1000) < ks_noise(100, 100)
+    sync = {**run_summary(_rows([100.0, 110.0, 120.0])), "trained_lengths": [1, 2, 3, 4]}
+    late = {**run_summary(_rows([50.0, 53.0, 56.0])), "trained_lengths": [3, 4, 5, 6]}
+    table = compare({"sync": [sync], "fully_async": [late]})
+    assert table["fully_async"]["ks_length_vs_sync"] == 0.5 and table["sync"]["ks_length_vs_sync"] == 0.0
+    assert table["fully_async"]["trained_length"] == {"median": 4.5, "min": 3, "max": 6}

@@ -160,6 +160,7 @@ class Chaos:
 
     def _recover(self, attempt: _Attempt, target: Target, mark: int, old_pid: object) -> str:
         deadline = time.monotonic() + self.plan.recovery_timeout
+        replaced = False
         while time.monotonic() < deadline:
             code = attempt.process.poll()
             if code is not None:
@@ -168,7 +169,9 @@ class Chaos:
                 self._wait_children_gone(target)
                 self._start(resume=True)
                 return RESUME
-            if _trained_since(self.plan.run_dir, mark) and self._replaced(target, old_pid):
+            if not replaced and self._replaced(target, old_pid):
+                replaced, mark = True, _ledger_seq(self.plan.run_dir)  # progress counts from the new process on
+            if replaced and _trained_since(self.plan.run_dir, mark):
                 return SELF
             time.sleep(_POLL)
         self.failures.append(f"{target.name} ({target.kind}) killed: the run neither progressed nor exited within "

@@ -5,10 +5,21 @@ Step 1 is the warm-up -- it also fills the pipeline the later steps overlap with
 span is steps 2..N: ``time_to_steps_s`` is the wall time from the end of step 1 to the end of
 step N, ``samples_per_s`` the samples trained in those steps over that time. A mode's speedup is
 sync's ``time_to_steps_s`` over its own, per repeat, and of the medians.
+
+Whether a mode trains on what sync would: the response lengths of the samples each step trained
+(``<run>/samples/step_*.jsonl``, rows with a ``batch_group``), pooled over a mode's repeats, against
+sync's, as the two-sample Kolmogorov-Smirnov distance (the largest gap between the two empirical
+distribution functions: 0 for the same distribution, 1 for disjoint ones). Discarding late groups
+biases it toward short responses (a long rollout is the one that comes back late); the issue's goal
+is <= 0.02. With few samples the distance of two draws of one distribution is itself large (about
+1.36 * sqrt((n + m) / (n m)) at the 5 % level), so ``ks_noise_5pct`` is reported beside it.
 """
 
 from __future__ import annotations
 
+import bisect
+import json
+import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,6 +54,30 @@ def run_summary(rows: Rows) -> dict[str, Any]:
     }
 
 
+def trained_lengths(run_dir: Path) -> list[int]:
+    """Response lengths (tokens) of every sample the run trained, from its step sample files."""
+    lengths = []
+    for path in sorted((run_dir / "samples").glob("step_*.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line) if line.strip() else {}
+            if row.get("batch_group") is not None:
+                lengths.append(int(row.get("response_tokens", 0)))
+    return lengths
+
+
+def ks_distance(a: Sequence[float], b: Sequence[float]) -> float:
+    """The two-sample Kolmogorov-Smirnov statistic: max over x of |F_a(x) - F_b(x)|."""
+    if not a or not b:
+        return float("nan")
+    xs, ys = sorted(a), sorted(b)
+    return max(abs(bisect.bisect_right(xs, v) / len(xs) - bisect.bisect_right(ys, v) / len(ys)) for v in xs + ys)
+
+
+def ks_noise(n: int, m: int) -> float:
+    """The KS distance two samples of sizes n and m of one distribution exceed 5 % of the time."""
+    return 1.358 * math.sqrt((n + m) / (n * m)) if n and m else float("nan")
+
+
 def _spread(values: Sequence[float]) -> dict[str, float]:
     """Median and the range of ``values`` (``{}`` when there are none)."""
     if not values:
@@ -64,12 +99,24 @@ def compare(runs: dict[str, list[dict[str, Any]]], baseline: str = "sync") -> di
             "train_s_median": _spread([s["train_s"]["median"] for s in summaries if s["train_s"]]),
             "wait_batch_s_median": _spread([s["wait_batch_s"]["median"] for s in summaries if s["wait_batch_s"]]),
         }
+        lengths = [n for s in summaries for n in s.get("trained_lengths", [])]
+        entry["trained_length"] = _spread(lengths)
+        entry["final_reward"] = _spread([_final_reward(s) for s in summaries])
         if base:
             base_times = [s["time_to_steps_s"] for s in base]
             entry["speedup_vs_" + baseline] = statistics.median(base_times) / statistics.median(times)
             entry["speedup_per_repeat"] = [b / t for b, t in zip(base_times, times, strict=False)]
+            base_lengths = [n for s in base for n in s.get("trained_lengths", [])]
+            entry["ks_length_vs_" + baseline] = ks_distance(lengths, base_lengths)
+            entry["ks_noise_5pct"] = ks_noise(len(lengths), len(base_lengths))
         out[mode] = entry
     return out
+
+
+def _final_reward(summary: dict[str, Any], last: int = 3) -> float:
+    """The mean rollout reward of a run's last ``last`` steps (one step's batch is noisy)."""
+    rewards = [r for r in summary["rewards"][-last:] if r is not None]
+    return statistics.fmean(rewards) if rewards else float("nan")
 
 
 def plot(runs: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None:
