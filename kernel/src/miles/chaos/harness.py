@@ -70,7 +70,7 @@ class Injection:
     pid: int
     at: float  # seconds since the chaos run began
     recovery: str = ""
-    seconds: float = 0.0  # from the kill to the recovery observed
+    seconds: float = 0.0  # from the kill until the run (resumed if need be) trained a step again
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "name": self.name, "pid": self.pid, "at": round(self.at, 2),
@@ -155,6 +155,8 @@ class Chaos:
         self.injections.append(injection)
         killed_at = time.monotonic()
         injection.recovery = self._recover(attempt, target, mark, before.get(target.name))
+        if injection.recovery != SELF:  # recovered once the resumed run trains a step
+            self._wait_for_targets(self.attempts[-1])
         injection.seconds = time.monotonic() - killed_at
         self.say(f"  -> recovered: {injection.recovery} after {injection.seconds:.1f} s")
 
