@@ -218,6 +218,8 @@ class Chaos:
     # ------------------------------------------------------------------ processes
 
     def _start(self, *, resume: bool, extra: list[str] | None = None) -> None:
+        if self.attempts:  # the attempt before has ended (or is ending on its parent-death signal)
+            self.attempts[-1].log.close()
         n = len(self.attempts)
         path = self.plan.run_dir / "chaos" / f"attempt-{n:03d}.log"
         if resume:
