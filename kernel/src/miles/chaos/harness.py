@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -92,7 +93,7 @@ class _Attempt:
 class Chaos:
     plan: ChaosPlan
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
-    say: Any = field(default=lambda text: print(f"miles chaos: {text}", file=sys.stderr, flush=True))
+    say: Callable[[str], None] = field(default=lambda text: print(f"miles chaos: {text}", file=sys.stderr, flush=True))
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.plan.seed)

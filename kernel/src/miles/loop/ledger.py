@@ -35,27 +35,22 @@ import json
 import os
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from miles_contracts import Sample
 
 from miles import bounded_json
-from miles.errors import MilesError
 from miles.loop.episodes import training_rows
+from miles.loop.ledger_summary import OPEN_FILE, EpochSummary, LedgerError, read_folds, write_folds
 
 LEDGER_DIR = "ledger"
 EVENTS_FILE = "events.jsonl"
 EPOCHS_FILE = "epochs.jsonl"
-OPEN_FILE = "open_epoch.json"
 
 STATES = ("drawn", "in_flight", "generated", "aborted", "recycled", "filtered", "trained", "dropped")
 FINAL = frozenset({"trained", "filtered", "dropped"})
-
-
-class LedgerError(MilesError):
-    """The ledger says a prompt was lost or trained twice (a bug in the loop), or cannot be read."""
 
 
 @dataclass(slots=True)
@@ -81,47 +76,6 @@ class Draw:
     def key(self) -> int:
         """The prompt within its epoch: its data index, or (a source that gives none) its group."""
         return self.data_index if self.data_index is not None else -1 - self.group
-
-
-@dataclass
-class EpochSummary:
-    epoch: int
-    prompts: int | None  # the source's size (None: not known)
-    drawn: int = 0
-    trained: int = 0
-    filtered: Counter[str] = field(default_factory=Counter)
-    dropped: Counter[str] = field(default_factory=Counter)
-    recycled: Counter[str] = field(default_factory=Counter)
-    aborted: Counter[str] = field(default_factory=Counter)
-    in_flight: int = 0
-    redrawn: int = 0
-    lost: int = 0
-    duplicated: int = 0
-    closed: bool = False
-
-    def add(self, other: EpochSummary) -> None:
-        """Count ``other``'s prompts too (a fold of settled draws of the same open epoch)."""
-        self.drawn += other.drawn
-        self.trained += other.trained
-        self.redrawn += other.redrawn
-        self.duplicated += other.duplicated
-        for mine, theirs in ((self.filtered, other.filtered), (self.dropped, other.dropped),
-                             (self.recycled, other.recycled), (self.aborted, other.aborted)):
-            mine.update(theirs)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "prompts": self.prompts, "drawn": self.drawn, "trained": self.trained,
-                "filtered": dict(self.filtered), "dropped": dict(self.dropped), "recycled": dict(self.recycled),
-                "aborted": dict(self.aborted), "in_flight": self.in_flight, "redrawn": self.redrawn, "lost": self.lost,
-                "duplicated": self.duplicated, "closed": self.closed}
-
-    @classmethod
-    def from_json(cls, row: Mapping[str, Any]) -> EpochSummary:
-        return cls(int(row["epoch"]), row.get("prompts"), int(row.get("drawn", 0)), int(row["trained"]),
-                   Counter(row.get("filtered", {})), Counter(row.get("dropped", {})), Counter(row.get("recycled", {})),
-                   Counter(row.get("aborted", {})), int(row.get("in_flight", 0)), int(row.get("redrawn", 0)),
-                   int(row["lost"]),
-                   int(row["duplicated"]), bool(row.get("closed", True)))
 
 
 class Book:
@@ -260,7 +214,7 @@ def read_book(folder: Path) -> Book:
     book = Book()
     epochs_path, events_path = folder / EPOCHS_FILE, folder / EVENTS_FILE
     summarised: set[int] = set()  # groups of epochs already in epochs.jsonl
-    _read_folds(folder / OPEN_FILE, book)
+    book.folded, book.last_folded = read_folds(folder / OPEN_FILE)
     for path, line in [*_records(epochs_path), *_records(events_path)]:
         try:
             if path == epochs_path:
@@ -277,19 +231,6 @@ def read_book(folder: Path) -> Book:
             raise LedgerError(f"{path}: {str(line)[:200]} is not a ledger line ({exc!r}); the ledger was edited "
                               f"or damaged") from None
     return book
-
-
-def _read_folds(path: Path, book: Book) -> None:
-    """``open_epoch.json``: the running counts of open epochs' settled draws (endless sources)."""
-    if not path.is_file():
-        return
-    try:
-        data = bounded_json.loads(path.read_text())
-        book.folded = {int(row["epoch"]): EpochSummary.from_json(row) for row in data["epochs"]}
-        book.last_folded = {int(g) for g in data["groups"]}
-    except (KeyError, TypeError, ValueError) as exc:
-        raise LedgerError(f"{path}: not the ledger's open-epoch counts ({exc!r}); the ledger was edited or "
-                          f"damaged") from None
 
 
 def _records(path: Path) -> list[tuple[Path, dict[str, Any]]]:
@@ -471,11 +412,7 @@ class Ledger:
         for group in fold:
             del book.draws[group]
         book.last_folded = fold
-        tmp = self.folder / (OPEN_FILE + ".tmp")
-        tmp.write_text(json.dumps({"epochs": [s.to_json() for s in book.folded.values()], "groups": sorted(fold)}))
-        with tmp.open() as f:
-            os.fsync(f.fileno())
-        tmp.replace(self.folder / OPEN_FILE)
+        write_folds(self.folder / OPEN_FILE, book.folded, fold)
         return fold
 
     def close(self) -> None:
