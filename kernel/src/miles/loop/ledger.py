@@ -26,7 +26,10 @@ those with more; the loop checks every epoch as it closes and fails the run if e
 **Size.** A closed epoch whose lines all precede a complete checkpoint (no resume can reach back
 into it) is compacted after that checkpoint: its summary is appended to ``epochs.jsonl``, then
 ``events.jsonl`` is rewritten without its lines (and without the lines a resume voided). The
-events file holds the open epochs only; the summaries grow by one line per epoch.
+events file holds the open epochs only; the summaries grow by one line per epoch. An endless
+source's epoch never closes: at each checkpoint its settled draws are folded into running counts
+(``ledger/open_epoch.json``, :meth:`Ledger._fold`) and leave the events file, and a draw the loop
+no longer holds is reported lost at that checkpoint (:meth:`Ledger.checkpoint_state`).
 """
 
 from __future__ import annotations
