@@ -25,7 +25,8 @@ def tiny_model() -> Path:
 @pytest.mark.slow
 def test_ten_random_kills_of_a_fully_async_run_lose_and_repeat_no_prompt(tiny_model: Path, tmp_path: Path) -> None:
     """Seeded so that the kills fall on several kinds (trainer rank, engine, router, reward worker,
-    driver): a killed rank or driver is resumed, the others are restarted by the run itself. The
+    driver): a killed rank or driver is resumed (at most two of them: each resume is a full
+    start-up), the others are restarted by the run itself. The
     command's own verdict reads the ledger (0 lost, 0 duplicated in every epoch); the test reads
     it again with ``miles ledger``."""
     args = [f"model.name={tiny_model}", f"run.output_dir={tmp_path}", "run.name=chaos", "data.source=arithmetic",
@@ -33,13 +34,13 @@ def test_ten_random_kills_of_a_fully_async_run_lose_and_repeat_no_prompt(tiny_mo
             "reward.name=math", "run.mode=fully_async", "algorithm.correction=tis", "run.steps=6", "run.save_every=1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     out = subprocess.run([sys.executable, "-m", "miles.cli.main", "chaos", *args, "--injections", "10", "--seed", "3",
-                          "--gap", "0.5,2", "--recovery-timeout", "180", "--timeout", "1500"],
-                         capture_output=True, text=True, timeout=1600, cwd=ROOT, env=env)
+                          "--gap", "0.5,2", "--max-resumes", "2", "--recovery-timeout", "180",
+                          "--timeout", "540"], capture_output=True, text=True, timeout=570, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads(out.stdout)
     assert report["passed"] and report["injections"]["done"] == 10
     assert len(report["injections"]["by_kind"]) >= 3, report["injections"]
-    assert report["recoveries"]["hung"] == 0 and report["recoveries"]["resume"] >= 1
+    assert report["recoveries"]["hung"] == 0 and 1 <= report["recoveries"]["resume"] <= 2
     assert (report["ledger"]["lost"], report["ledger"]["duplicated"]) == (0, 0)
     assert "sandbox" in report["kinds_absent"]  # this run has none; the report says so
     ledger = subprocess.run([sys.executable, "-m", "miles.cli.main", "ledger", str(tmp_path / "chaos")],

@@ -44,7 +44,7 @@ def _chaos(args: argparse.Namespace, ctx: RunContext) -> int:
         raise MilesError(f"--gap takes LOW,HIGH seconds (e.g. 1,6), got {args.gap!r}") from exc
     plan = ChaosPlan(config_path, (*overrides, f"run.name={name}"), run_dir, args.injections, seed=args.seed,
                      kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()), gap=gap,
-                     recovery_timeout=args.recovery_timeout, timeout=args.timeout)
+                     recovery_timeout=args.recovery_timeout, timeout=args.timeout, max_resumes=args.max_resumes)
     report = run_chaos(plan)
     text = json.dumps(report, indent=2)
     print(text)
@@ -66,6 +66,9 @@ def _chaos_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recovery-timeout", type=float, default=180.0,
                    help="seconds the run may take to progress again after a kill (default 180)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole chaos run (default 3600)")
+    p.add_argument("--max-resumes", type=int, metavar="N",
+                   help="at most N kills of kinds that end the driver (trainer ranks, the driver); after them only "
+                        "rollout kinds are chosen (each resume costs a full start-up: a time budget for short runs)")
     p.add_argument("--out", metavar="FILE", help="also write the JSON report here")
 
 

@@ -62,6 +62,7 @@ class ChaosPlan:
     recovery_timeout: float = 180.0
     timeout: float = 3600.0
     extend_steps: int = 4
+    max_resumes: int | None = None  # kills of kinds that end the driver (trainer, driver); then rollout kinds only
 
 
 @dataclass
@@ -134,6 +135,9 @@ class Chaos:
             time.sleep(_POLL)
         targets = [t for t in discover(self.plan.run_dir, attempt.process.pid) if t.kind in self.plan.kinds]
         self.seen_kinds |= {t.kind for t in targets}
+        fatal = sum(i.kind not in ROLLOUT_KINDS for i in self.injections)
+        if self.plan.max_resumes is not None and fatal >= self.plan.max_resumes:
+            targets = [t for t in targets if t.kind in ROLLOUT_KINDS]  # the budget of resumes is spent
         kinds = kinds_present(targets)
         if not kinds:
             return
