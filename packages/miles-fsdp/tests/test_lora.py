@@ -15,10 +15,16 @@ LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_pr
 
 
 def _trainable_batch(model_dir, backend=None, sign: float = 1.0, **kwargs):
+    """A test batch whose every response token has advantage ``sign`` (+ old log-probs of ``backend``)."""
     batch = make_test_batch(model_dir, **kwargs)
-    advantages = torch.where(batch.loss_mask > 0, torch.full_like(batch.loss_mask, sign), torch.zeros_like(batch.loss_mask))
-    old = backend.compute_logprobs(batch) if backend is not None else None
-    return replace(batch, advantages=advantages, old_logprobs=old)
+    batch = replace(batch, advantages=sign * batch.loss_mask)
+    return replace(batch, old_logprobs=backend.compute_logprobs(batch)) if backend is not None else batch
+
+
+def _trained(backend, batches):
+    for batch in batches:
+        backend.train_step(batch)
+    return backend
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:
@@ -66,14 +72,9 @@ def test_checkpoint_holds_adapters_only_and_resume_is_bitwise(tiny_dense, backen
     options = dict(lora=LoRASpec(**LORA, dropout=0.1), lr=1e-2, lr_schedule="cosine", warmup_steps=1, steps=4,
                    micro_batch_tokens=20)
     batches = [_trainable_batch(tiny_dense, sign=s, seed=i) for i, s in enumerate([1.0, -1.0, 1.0, -1.0])]
-    straight = backend_factory(tiny_dense, **options)
-    for batch in batches:
-        straight.train_step(batch)
+    straight = _trained(backend_factory(tiny_dense, **options), batches)
     want = list(straight.named_weights())
-
-    first = backend_factory(tiny_dense, **options)
-    for batch in batches[:2]:
-        first.train_step(batch)
+    first = _trained(backend_factory(tiny_dense, **options), batches[:2])
     first.save_checkpoint(tmp_path / "ckpt", {})
     first.close()
     stored = sum(f.stat().st_size for f in (tmp_path / "ckpt").glob("*.distcp"))
@@ -82,9 +83,7 @@ def test_checkpoint_holds_adapters_only_and_resume_is_bitwise(tiny_dense, backen
 
     resumed = backend_factory(tiny_dense, **options)
     resumed.load_checkpoint(tmp_path / "ckpt")
-    for batch in batches[2:]:
-        resumed.train_step(batch)
-    got = list(resumed.named_weights())
+    got = list(_trained(resumed, batches[2:]).named_weights())
     assert [n for n, _ in got] == [n for n, _ in want]
     for (name, a), (_, b) in zip(got, want, strict=True):
         assert torch.equal(a, b), f"{name} differs after resuming"
