@@ -8,6 +8,7 @@ from miles_contracts.batch import AdvantageResult, TrainBatch
 from miles_contracts.capture import CapturedPiece, CaptureError, CaptureSpec, EngineCapture, check_tiling
 from miles_contracts.cluster import Endpoint, Node, ServiceLaunch
 from miles_contracts.context import Process, RunContext
+from miles_contracts.lora import LoRASpec
 from miles_contracts.moe import MoeLayerMap
 from miles_contracts.protocols import (
     AdvantageEstimator,
@@ -73,6 +74,7 @@ __all__ = [
     "AgentFn",
     "AgentSpec",
     "AlgorithmParams",
+    "LoRASpec",
     "CaptureError",
     "CaptureSpec",
     "CapturedPiece",

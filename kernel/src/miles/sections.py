@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from miles_contracts import AlgorithmParams
+from miles_contracts import AlgorithmParams, LoRASpec
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
@@ -223,6 +223,10 @@ class TrainSection(Section):
     critic_lr: float = Field(default=1e-5, gt=0)
     teacher_model: str | None = Field(
         default=None, description="teacher for on-policy distillation (a model name or folder; same tokenizer)",
+    )
+    lora: LoRASpec | None = Field(
+        default=None, description="train low-rank adapters on a frozen base instead of every weight; engines then "
+        "receive the adapters only (docs/design/lora.md). null = full fine-tune",
     )
 
 

@@ -295,3 +295,11 @@ def test_the_executor_starts_and_restarts_an_sglang_engine(tmp_path, monkeypatch
     text = log.read_text()
     assert text.count("api_key='[redacted]'") == 2 and token not in text  # both starts printed it
     assert stat.S_IMODE(log.stat().st_mode) == 0o600 and stat.S_IMODE(log.parent.stat().st_mode) == 0o700
+
+
+def test_lora_runs_refuse_sglang_engines_until_adapter_sync_exists():
+    kernel = Kernel.load()
+    cfg = build_config({"rollout": {"engine": "sglang"}, "train": {"lora": {"rank": 8}}}, kernel=kernel)
+    launch = ServiceLaunch(cfg, "/runs/r/config.yaml", "/m", Endpoint("127.0.0.1", 5), gpus=1, run_dir="/runs/r")
+    with pytest.raises(ValueError, match="train.lora.*rollout.engine: embedded"):
+        SGLangService({}).command(launch)

@@ -204,6 +204,7 @@ class StepOps:
             "time/sync_transport": report.seconds,  # the transport's push; the rest: state gather, calls
             "time/sync_paused": report.paused_seconds,  # the part of it during which engines did not generate
             "weights/version": float(version),
+            "weights/sync_bytes": float(report.num_bytes),  # adapters only under train.lora
             "weights/engines_restarted": float(len(restarted)),
             "time/wait_engines": waited,
         }

@@ -31,7 +31,7 @@ class WeightChecker:
         self._snapshot: dict[str, torch.Tensor] | None = None
 
     def snapshot(self) -> None:
-        self._snapshot = {name: tensor.detach().to("cpu", copy=True) for name, tensor in self.store.checkpoint.items()}
+        self._snapshot = {name: tensor.detach().to("cpu", copy=True) for name, tensor in self.store.synced.items()}
 
     def reset_tensors(self) -> int:
         return self.store.fill_noise(int.from_bytes(os.urandom(8), "little") >> 1)
@@ -41,13 +41,13 @@ class WeightChecker:
 
         if self._snapshot is None:
             raise WeightCheckFailed("no snapshot to compare with; send {\"action\": \"snapshot\"} first")
-        differ = [name for name, tensor in self.store.checkpoint.items()
+        differ = [name for name, tensor in self.store.synced.items()
                   if not _same_bits(tensor, self._snapshot.get(name, torch.empty(0)))]
         if differ:
             shown = ", ".join(differ[:8]) + (f", ... ({len(differ) - 8} more)" if len(differ) > 8 else "")
-            raise WeightCheckFailed(f"check tensor equality failed: {len(differ)} of {len(self.store.checkpoint)} "
+            raise WeightCheckFailed(f"check tensor equality failed: {len(differ)} of {len(self.store.synced)} "
                                     f"tensors differ from the snapshot: {shown}")
-        return len(self.store.checkpoint)
+        return len(self.store.synced)
 
     def checksum(self) -> dict[str, Any]:
         """SGLang's answer shape: one entry per rank (the embedded engine has one)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from miles_contracts.lora import LoRASpec
 from pydantic import Field, ValidationError
 
 from miles_engine.options import EngineSection
@@ -36,6 +37,9 @@ class EngineConfig(EngineSection):
         the packed oneDNN path, decode attention row by row, new requests prefilled one at a time:
         slower); elsewhere the engine logs that only the seeds apply. See
         ``docs/design/reproducibility.md``.
+    :ivar lora: adapters the engine serves unmerged on its base (``train.lora`` of the run, so
+        trainer and engine agree); weight updates then carry adapter tensors only, and check mode
+        covers those (:mod:`miles_engine.lora`).
     """
 
     model_path: str
@@ -43,6 +47,7 @@ class EngineConfig(EngineSection):
                         description="auto (CUDA when present), cpu, cuda or cuda:N")
     dtype: DType = "auto"
     enable_deterministic_inference: bool = False
+    lora: LoRASpec | None = None
 
 
 def engine_config(model_path: str | Path, **options: Any) -> EngineConfig:
@@ -56,13 +61,13 @@ def engine_config(model_path: str | Path, **options: Any) -> EngineConfig:
 
 def engine_config_of(config: MilesConfig, model_path: str | Path, *, run_dir: str | Path | None = None) -> EngineConfig:
     """The settings of the engine a run (or ``miles serve engine``) starts: the ``engine`` section,
-    ``model.device`` / ``model.dtype``, ``run.deterministic``; the run's folder (where the disk
+    ``model.device`` / ``model.dtype``, ``run.deterministic``, ``train.lora``; the run's folder (where the disk
     transport writes) is a weight folder too."""
     options = config.section("engine", EngineSection).model_dump()
     if run_dir:
         options["weight_dir"] = [*options["weight_dir"], str(run_dir)]
     return engine_config(model_path, device=config.model.device, dtype=config.model.dtype,
-                         enable_deterministic_inference=config.run.deterministic, **options)
+                         enable_deterministic_inference=config.run.deterministic, lora=config.train.lora, **options)
 
 
 def _describe(error: Any) -> str:

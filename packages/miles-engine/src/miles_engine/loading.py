@@ -62,6 +62,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
     per_row = config.enable_deterministic_inference
     attn = attention.register(per_row=per_row) if device.type == "cpu" else "sdpa"
     model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype, attn_implementation=attn)
+    if config.lora is not None:  # before moving: the adapters are created next to the base weights
+        from miles_engine.lora import attach_lora
+
+        attach_lora(model, config.lora)
     model.to(device)  # type: ignore[arg-type]  # transformers' @wraps(nn.Module.to) hides the real signature
     model.eval()
     model.requires_grad_(False)

@@ -11,7 +11,8 @@ is built. Also accepted: the runtime names of the fused tensors as a whole, and 
 (``lm_head.weight`` when the head shares the input embedding), which load into the tensor they
 share.
 
-**Checksums and noise cover each stored byte once.** :meth:`WeightStore.checksums` reports every
+**Checksums and noise cover each synced byte once.** (With LoRA adapters attached
+(:mod:`miles_engine.lora`) a sync carries the adapter tensors only, and so do checksums and noise.) :meth:`WeightStore.checksums` reports every
 checkpoint name once and never a tied alias (its bytes are its partner's), which is what a trainer
 sends: a tied head travels once, under the embedding's name. A tie the config declares but whose
 tensors do not share storage is kept by copying after each update and noise fill.
@@ -164,6 +165,12 @@ class WeightStore:
             self.targets[alias] = self.stored[source]
             self._owner[alias] = source
         self.changed: set[int] = set()  # see take_changed
+        # With LoRA the base is loaded once and never synced: check mode covers what a sync sends
+        from miles_engine.lora import is_adapter_tensor
+
+        adapters = {name for name in self.checkpoint if is_adapter_tensor(name)}
+        self.synced: dict[str, torch.Tensor] = {n: t for n, t in self.checkpoint.items() if not adapters or n in adapters}
+        self.noised: dict[str, torch.Tensor] = {n: t for n, t in self.stored.items() if not adapters or n in adapters}
 
     # ------------------------------------------------------------------ updates
 
@@ -249,12 +256,12 @@ class WeightStore:
     # ------------------------------------------------------------------ check mode
 
     def checksums(self) -> dict[str, str]:
-        """SHA-256 of each checkpoint tensor's raw bytes (contiguous, row-major, own dtype), by
+        """SHA-256 of each synced checkpoint tensor's raw bytes (contiguous, row-major, own dtype), by
         name; tied aliases are not listed (their bytes are their partner's)."""
         import torch
 
         out = {}
-        for name, tensor in self.checkpoint.items():
+        for name, tensor in self.synced.items():
             raw = tensor.contiguous().reshape(-1).view(torch.uint8).cpu()
             out[name] = hashlib.sha256(raw.numpy().data).hexdigest()  # .data: the buffer, typed (no copy)
         return out
@@ -267,7 +274,7 @@ class WeightStore:
         generator = noise_generator(seed)
         seen: set[int] = set()
         with torch.no_grad():
-            for tensor in self.stored.values():
+            for tensor in self.noised.values():
                 if tensor.data_ptr() in seen or not tensor.is_floating_point():
                     continue
                 seen.add(tensor.data_ptr())

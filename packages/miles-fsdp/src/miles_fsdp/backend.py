@@ -22,10 +22,18 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from miles.trainer.collectives import sum_over_ranks
 from miles_algorithms.sdpa import sdpa_preference
+from miles_engine.lora import adapters_disabled
 
 from miles_fsdp.checkpoint import TrainedModule, load_checkpoint, save_checkpoint
 from miles_fsdp.config import FSDPSection
 from miles_fsdp.distributed import all_reduce_sum, release_distributed, setup_distributed
+from miles_fsdp.lora import (
+    adapter_state,
+    attach_adapters,
+    merged_weights,
+    wrapped_weight_names,
+    write_peft_adapter,
+)
 from miles_fsdp.models import (
     PolicyModel,
     ValueModel,
@@ -37,6 +45,8 @@ from miles_fsdp.models import (
 from miles_fsdp.optim import LRMultiplier, build_optimizer, build_scheduler
 from miles_fsdp.passes import PassRunner, attention_pair_cost
 from miles_fsdp.weights import export_hf, gather_named_weights
+
+LORA_EXPORT_DIR = "lora_adapter"  # export_hf's PEFT adapter, beside (not inside) the merged weights
 
 if TYPE_CHECKING:
     from miles.config import MilesConfig
@@ -82,14 +92,19 @@ class FSDPBackend:
         if actor is None:
             self.model_dir = self.kernel.resolve_model(config.model.name)
             actor = load_causal_lm(self.model_dir, attn)
-        reference = copy.deepcopy(actor) if config.train.use_reference and self.model_dir is None else None
+        # LoRA: the reference is the actor with its adapters off (no second copy)
+        self.lora = config.train.lora
+        copy_reference = config.train.use_reference and self.model_dir is None and self.lora is None
+        reference = copy.deepcopy(actor) if copy_reference else None
+        if self.lora is not None:
+            attach_adapters(actor, self.lora, self.precision)
         self.hf_config: dict[str, Any] = actor.config.to_dict()
         self.bridge = self.kernel.find_model_bridge(self.hf_config)
 
         train = config.train
         self.actor = self._shard(PolicyModel(actor), trainable=True)
         self.ref: PolicyModel | None = None
-        if train.use_reference:
+        if train.use_reference and self.lora is None:
             if reference is None:
                 assert self.model_dir is not None  # an in-memory actor's reference is its copy
                 reference = load_causal_lm(self.model_dir, attn)
@@ -137,7 +152,8 @@ class FSDPBackend:
             module.parameters(), lr=lr, betas=train.betas, weight_decay=train.weight_decay, fused=fused,
         )
         scheduler = build_scheduler(optimizer, LRMultiplier(train.lr_schedule, train.warmup_steps, total_steps))
-        return TrainedModule(name, module, optimizer, scheduler)
+        # with LoRA the frozen base is re-read from its source; checkpoints hold the adapters
+        return TrainedModule(name, module, optimizer, scheduler, trained_only=self.lora is not None and name == "actor")
 
     def _temperature(self) -> float:
         if self.options.logprob_temperature is not None:
@@ -155,6 +171,10 @@ class FSDPBackend:
         self, batch: TrainBatch, *, model: Literal["actor", "ref", "teacher"] = "actor", with_entropy: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``([B, T] log-probs, [B, T] entropy of the full next-token distribution or None)``."""
+        if model == "ref" and self.lora is not None and self.config.train.use_reference:
+            with adapters_disabled(self.actor):
+                outputs = self.runner.score(_PHASES[model], self.actor, batch, with_entropy=with_entropy)
+            return outputs[0], (outputs[1] if with_entropy else None)
         module = self._scoring_module(model)
         outputs = self.runner.score(_PHASES[model], module, batch, with_entropy=with_entropy)
         return outputs[0], (outputs[1] if with_entropy else None)
@@ -210,15 +230,39 @@ class FSDPBackend:
 
     def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Full actor weights with HF names, one tensor at a time (collective: iterate to the end on every rank).
+        With ``train.lora``: the adapter tensors only (``...lora_A.weight``, ``...lora_B.weight``),
+        which is all an engine serving the same base needs.
 
         :param dtype: of the yielded tensors; default the compute dtype (bf16 on CUDA, fp32 on CPU),
             which is what an engine serves.
         """
+        if self.lora is not None:
+            return adapter_state(self.actor.hf, dtype or self.precision.compute)
         return gather_named_weights(self.actor.hf, dtype or self.precision.compute)
 
     def export_hf(self, path: Path) -> None:
-        """An HF folder of the actor (dtype of the source checkpoint), tokenizer files copied along."""
-        export_hf(self.actor.hf, Path(path), source_dir=self.model_dir, dtype=self._export_dtype(), dist_ctx=self.dist)
+        """An HF folder of the actor (dtype of the source checkpoint), tokenizer files copied along.
+        With ``train.lora``: the adapters merged into the base there, and the adapter alone in
+        PEFT's format in ``<path>/lora_adapter`` (a subfolder: transformers would otherwise take
+        the merged folder for an adapter and load it onto its base)."""
+        path, dtype = Path(path), self._export_dtype()
+        if self.lora is None:
+            export_hf(self.actor.hf, path, source_dir=self.model_dir, dtype=dtype, dist_ctx=self.dist)
+            return
+        merged = merged_weights(gather_named_weights(self.actor.hf, dtype), wrapped_weight_names(self.actor.hf),
+                                self.lora.scaling)
+        export_hf(self.actor.hf, path, source_dir=self.model_dir, dtype=dtype, dist_ctx=self.dist, weights=merged)
+        self.export_adapter(path / LORA_EXPORT_DIR)
+
+    def export_adapter(self, path: Path) -> None:
+        """The LoRA adapter in PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``,
+        fp32): ``peft.PeftModel.from_pretrained(base, path)`` loads it. Collective; rank 0 writes."""
+        if self.lora is None:
+            raise RuntimeError("this backend trains full weights; set train.lora to train (and export) an adapter")
+        tensors = dict(adapter_state(self.actor.hf, torch.float32))
+        if self.dist.is_main:
+            base = str(self.model_dir) if self.model_dir is not None else None
+            write_peft_adapter(Path(path), tensors, self.lora, base)
 
     def _export_dtype(self) -> torch.dtype:
         """The dtype the source checkpoint was stored in (weights are held in fp32 while training)."""

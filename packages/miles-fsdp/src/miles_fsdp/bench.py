@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 if TYPE_CHECKING:
-    from miles_contracts import RunContext
+    from miles_contracts import LoRASpec, RunContext
     from transformers import PreTrainedModel
 
 Device = Literal["auto", "cpu", "cuda"]  # ModelSection.device, --device
@@ -186,8 +186,10 @@ def measure_cpu_peak_tflops(size: int = 1024, repeats: int = 5) -> float:
 
 
 def run_miles(preset: str, batch, *, ctx: RunContext, device: Device, options: dict[str, Any], gradient_checkpointing: bool,
-              micro_batch_tokens: int, warmup: int, steps: int, profile_to: Path | None = None) -> dict[str, Any]:
-    """The fsdp backend's step on the preset's random model, built in memory (no checkpoint)."""
+              micro_batch_tokens: int, warmup: int, steps: int, profile_to: Path | None = None,
+              lora: LoRASpec | None = None) -> dict[str, Any]:
+    """The fsdp backend's step on the preset's random model, built in memory (no checkpoint);
+    with ``lora``, adapters on the frozen base (``train.lora``)."""
     from miles.config import MilesConfig
     from miles.sections import ModelSection, RunSection, TrainSection
 
@@ -197,7 +199,8 @@ def run_miles(preset: str, batch, *, ctx: RunContext, device: Device, options: d
     config = MilesConfig(
         model=ModelSection(device=device),
         run=RunSection(steps=warmup + steps + 1),
-        train=TrainSection(lr=1e-6, micro_batch_tokens=micro_batch_tokens, gradient_checkpointing=gradient_checkpointing),
+        train=TrainSection(lr=1e-6, micro_batch_tokens=micro_batch_tokens, gradient_checkpointing=gradient_checkpointing,
+                           lora=lora),
         extra={"fsdp": FSDPSection(**options)},
     )
     from miles.trainer.device import pick_device
@@ -280,14 +283,16 @@ def run_benchmark(
     *, ctx: RunContext, preset: str, seq_lens: list[int], tokens_per_step: int, warmup: int, steps: int, device: Device,
     gradient_checkpointing: bool, options: dict[str, Any], baseline: bool, peak_tflops: float | None,
     micro_batch_tokens: int | None = None, backend: str = "fsdp", section: str | None = None, work_dir: Any = None,
-    profile_dir: Path | None = None, length_spread: float = 0.0,
+    profile_dir: Path | None = None, length_spread: float = 0.0, lora: LoRASpec | None = None,
 ) -> dict[str, Any]:
     """Every sequence length: the backend's step and (optionally) the baseline; returns the JSON report.
 
     :param ctx: the context of the process measuring (``miles bench train``'s): its kernel provides
         the backends; each is built with the benchmark's own config (``ctx.with_config``).
     :param backend: other than ``fsdp``, built through ``ctx.kernel``'s train-backend registry with
-        ``options`` as its config ``section`` (e.g. ``megatron`` with ``{"tensor_parallel": 2}``)."""
+        ``options`` as its config ``section`` (e.g. ``megatron`` with ``{"tensor_parallel": 2}``).
+    :param lora: also measure the fsdp step with these adapters on a frozen base (``miles_lora``),
+        and the full / LoRA ratios of step time and peak memory."""
     from miles.trainer.device import pick_device
 
     dev = pick_device(device)
@@ -342,6 +347,14 @@ def run_benchmark(
                                    gradient_checkpointing=gradient_checkpointing, micro_batch_tokens=budget,
                                    warmup=warmup, steps=steps, work_dir=work_dir, profile_to=profile_to)
         entry["miles"] = _rates(miles, tokens, flops, peak_tflops, devices)
+        if lora is not None and backend == "fsdp":
+            adapted = run_miles(preset, batch, ctx=ctx, device=device, options=options, lora=lora,
+                                gradient_checkpointing=gradient_checkpointing, micro_batch_tokens=budget, warmup=warmup,
+                                steps=steps)
+            entry["miles_lora"] = {**adapted, "rank": lora.rank, "target_modules": lora.target_modules}
+            entry["lora_step_speedup"] = miles["step_s"] / adapted["step_s"]
+            if miles["peak_memory_gb"] and adapted["peak_memory_gb"]:
+                entry["lora_peak_memory_ratio"] = miles["peak_memory_gb"] / adapted["peak_memory_gb"]
         if baseline:
             plain = run_baseline(preset, batch, device=dev, gradient_checkpointing=gradient_checkpointing,
                                  warmup=warmup, steps=steps)

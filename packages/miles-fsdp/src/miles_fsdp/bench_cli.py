@@ -7,7 +7,7 @@ from pathlib import Path
 
 from miles.cli import emit_json
 from miles.errors import MilesError
-from miles_contracts import CommandSpec, RunContext
+from miles_contracts import CommandSpec, LoRASpec, RunContext
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,6 +31,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="attention kernels in order of preference, comma-separated: cudnn, flash, efficient, math")
     p.add_argument("--logprob-chunk", type=int, default=4096, help="positions per log-prob chunk")
     p.add_argument("--no-baseline", action="store_true", help="skip the plain transformers baseline")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="also measure the step with LoRA adapters of this rank on every projection (train.lora)")
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="train.micro_batch_tokens (default: the sequence length, one row per micro-batch)")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak; default 989 on CUDA, measured on CPU")
@@ -85,6 +87,12 @@ def _section_options(args: argparse.Namespace, ctx: RunContext) -> dict:
     return options
 
 
+def _lora(rank: int) -> LoRASpec | None:
+    if rank < 0:
+        raise MilesError(f"--lora-rank must be 0 (off) or a positive rank, got {rank}")
+    return LoRASpec(rank=rank, alpha=2.0 * rank) if rank else None
+
+
 def _run(args: argparse.Namespace, ctx: RunContext) -> int:
     from miles_fsdp.bench import PRESETS, run_benchmark
 
@@ -107,7 +115,7 @@ def _run(args: argparse.Namespace, ctx: RunContext) -> int:
         options=_fsdp_options(args) if fsdp else _section_options(args, ctx), baseline=not args.no_baseline,
         peak_tflops=args.peak_tflops, micro_batch_tokens=args.micro_batch_tokens, backend=args.backend,
         section=None if fsdp else args.backend, work_dir=args.work_dir, profile_dir=args.profile,
-        length_spread=args.length_spread,
+        length_spread=args.length_spread, lora=_lora(args.lora_rank),
     )
     import os
 

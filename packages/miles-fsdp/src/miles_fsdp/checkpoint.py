@@ -37,12 +37,33 @@ EXTRA_FILE = "extra_state.json"
 
 @dataclass(slots=True)
 class TrainedModule:
-    """A module with its optimiser and scheduler, saved under ``name``."""
+    """A module with its optimiser and scheduler, saved under ``name``. ``trained_only``: save and
+    load the parameters that train (LoRA adapters), not the frozen ones, which are re-read from
+    the model they came from."""
 
     name: str
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    trained_only: bool = False
+
+    def state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer,
+                                            options=StateDictOptions(ignore_frozen_params=self.trained_only))
+        if self.trained_only:  # a tied alias of a frozen weight (lm_head) slips through ignore_frozen_params
+            trained = {name for name, p in self.module.named_parameters() if p.requires_grad}
+            model_sd = {name: value for name, value in model_sd.items() if name in trained}
+        return model_sd, optim_sd
+
+    def set_state_dicts(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        # strict=False with trained_only: the frozen keys are absent from the checkpoint on purpose
+        options = StateDictOptions(ignore_frozen_params=self.trained_only, strict=not self.trained_only)
+        set_state_dict(self.module, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=options)
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -96,7 +117,6 @@ def save_checkpoint(path: Path, modules: list[TrainedModule], step: int, extra_s
     first and written last, so a save that dies half-way is never loaded as complete.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     path = Path(path)
     extra_json = _json_or_error(extra_state)  # fail before touching anything
@@ -108,9 +128,7 @@ def save_checkpoint(path: Path, modules: list[TrainedModule], step: int, extra_s
 
     state: dict[str, Any] = {}
     for m in modules:
-        model_sd, optim_sd = get_state_dict(m.module, m.optimizer)
-        state[m.name] = model_sd
-        state[f"{m.name}_optim"] = optim_sd
+        state[m.name], state[f"{m.name}_optim"] = m.state_dicts()
     dcp.save(state, checkpoint_id=str(path))
 
     (path / "rng").mkdir(exist_ok=True)
@@ -135,7 +153,6 @@ def save_checkpoint(path: Path, modules: list[TrainedModule], step: int, extra_s
 def load_checkpoint(path: Path, modules: list[TrainedModule], dist_ctx: DistContext) -> tuple[int, int, dict[str, Any]]:
     """Collective. Restores modules, optimisers, schedulers and RNG; returns ``(step, skipped_steps, extra_state)``."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     path = Path(path)
     state_file = path / STATE_FILE
@@ -155,14 +172,12 @@ def load_checkpoint(path: Path, modules: list[TrainedModule], dist_ctx: DistCont
 
     state: dict[str, Any] = {}
     for m in modules:
-        model_sd, optim_sd = get_state_dict(m.module, m.optimizer)
-        state[m.name] = model_sd
-        state[f"{m.name}_optim"] = optim_sd
+        state[m.name], state[f"{m.name}_optim"] = m.state_dicts()
     # through the checks of safe_checkpoint: a folder given to --resume may come from anywhere
     with refusals_surface():
         dcp.load(state, storage_reader=SafeFileSystemReader.checked(path), planner=SafeLoadPlanner())
     for m in modules:
-        set_state_dict(m.module, m.optimizer, model_state_dict=state[m.name], optim_state_dict=state[f"{m.name}_optim"])
+        m.set_state_dicts(state[m.name], state[f"{m.name}_optim"])
         m.scheduler.load_state_dict(trainer_state["schedulers"][m.name])
 
     rng_file = path / "rng" / f"rank_{dist_ctx.rank}.pt"

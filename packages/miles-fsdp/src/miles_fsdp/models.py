@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from miles_fsdp.logprobs import token_logprobs
+from miles_fsdp.lora import train_only_adapters
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -191,6 +192,8 @@ def prepare_and_shard(
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     module.requires_grad_(trainable)
+    if trainable:
+        train_only_adapters(module)  # with LoRA adapters, the base stays frozen
     hf = module.hf if isinstance(module, PolicyModel) else module.base
     if gradient_checkpointing and trainable:
         enable_activation_checkpointing(hf)

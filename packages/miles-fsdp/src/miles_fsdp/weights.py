@@ -84,12 +84,14 @@ def _config_dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def export_hf(hf: PreTrainedModel, path: Path, *, source_dir: Path | None, dtype: torch.dtype, dist_ctx: DistContext) -> None:
+def export_hf(hf: PreTrainedModel, path: Path, *, source_dir: Path | None, dtype: torch.dtype, dist_ctx: DistContext,
+              weights: Iterator[tuple[str, torch.Tensor]] | None = None) -> None:
     """Write ``hf`` as an HF checkpoint folder loadable by ``AutoModelForCausalLM.from_pretrained``.
 
     Collective (every rank gathers); rank 0 writes: safetensors shards (with an index when more
     than one), ``config.json`` with the exported dtype, and every non-weight file of ``source_dir``
-    (tokenizer, chat template, generation config).
+    (tokenizer, chat template, generation config). ``weights``: what to write instead of the
+    gathered weights of ``hf`` (e.g. with LoRA adapters merged in); same collective contract.
     """
     from safetensors.torch import save_file
 
@@ -101,7 +103,7 @@ def export_hf(hf: PreTrainedModel, path: Path, *, source_dir: Path | None, dtype
                 old.unlink()
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, tensor in gather_named_weights(hf, dtype):
+    for name, tensor in weights if weights is not None else gather_named_weights(hf, dtype):
         if not dist_ctx.is_main:
             continue
         nbytes = tensor.numel() * tensor.element_size()

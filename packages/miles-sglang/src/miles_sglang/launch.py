@@ -194,6 +194,9 @@ class SGLangService:
 
         config = launch.config
         section = config.section("sglang", SGLangSection)
+        if config.train.lora is not None:  # weight syncs would send adapter tensors SGLang's model lacks
+            raise ValueError("train.lora: Miles does not sync LoRA adapters to SGLang engines yet (its "
+                             "/load_lora_adapter route is not wired); use rollout.engine: embedded, or train full weights")
         if launch.gpus and launch.gpus != gpus_needed(section):
             raise ValueError(f"an SGLang engine with tp_size={section.tp_size} and dp_size={section.dp_size} runs on "
                              f"{gpus_needed(section)} GPUs, but placement gives it {launch.gpus}; set "

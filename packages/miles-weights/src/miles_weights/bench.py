@@ -5,6 +5,7 @@ device, against the memory-copy limit measured in the same run on the same byte 
 
     miles bench weights                                   # SmolLM2-135M; CPU, plus CUDA when present
     miles bench weights --devices cuda --random-model 8b  # a random 7.5 B Llama on the GPU(s)
+    miles bench weights --lora-rank 32                    # also: adapter-only syncs vs full, same run
 
 The trainer is this process: it holds the model's tensors (fp32 on CPU, bf16 on CUDA) and pushes
 them with each registered transport into ``embedded`` engines started as child processes. The first
@@ -14,6 +15,10 @@ every bucket, flush, version bump, continue. Baselines: ``memcpy`` (CPU to CPU),
 (one GPU to itself), ``p2p_copy`` (GPU 0 to GPU 1). On CUDA, disk and shared_memory (CUDA IPC) use
 an engine on the trainer's GPU; broadcast (NCCL) needs the engine on a second GPU, because NCCL
 refuses two ranks on one device, and is skipped with a note when there is only one.
+
+With ``--lora-rank R`` each transport is measured a second time, pushing only LoRA adapters of
+rank R on every attention and MLP projection (what a ``train.lora`` run syncs) into engines that
+serve them unmerged; the result gives bytes and seconds per sync of both, and full / LoRA ratios.
 
 ``broadcast`` is measured in each layout of ``--broadcast-formats``: ``broadcast`` is the default
 (``flattened_bucket``, one collective per bucket), ``broadcast/per_tensor`` one collective per tensor.
@@ -47,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The bench's flags; those standing for config keys take their defaults, choices and help from
     the sections that declare the keys."""
     p.add_argument("--model", default="smollm2-135m-instruct", help="catalog name or model folder")
-    p.add_argument("--random-model", choices=("1b", "8b"), help="instead: a random-weight Llama of this size (built once)")
+    p.add_argument("--random-model", choices=("0.6b", "1b", "8b"), help="instead: a random-weight Llama of this size (built once)")
     p.add_argument("--transports", default=None,
                    help=f"comma-separated registered transports (default: {', '.join(TRANSPORTS)}, and mooncake "
                    "when miles-mooncake is installed)")
@@ -59,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bucket-mb", type=int, default=default_of(WeightsSection, "bucket_mb"),
                    help=flag_help("weights.bucket_mb", WeightsSection, "bucket_mb", " (MiB per bucket)"))
     p.add_argument("--repeats", type=int, default=5, help="timed pushes per transport")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="also measure adapter-only syncs of this LoRA rank (q/k/v/o/gate/up/down projections)")
     p.add_argument("--work-dir", type=Path, default=None, help="engine logs and disk-transport files (default: a temp dir)")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON to this file")
 
@@ -72,6 +79,8 @@ def run(args: argparse.Namespace, ctx: RunContext) -> int:
 
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
+    if args.lora_rank < 0:
+        raise SystemExit("--lora-rank must be 0 (off) or a positive rank")
     try:
         TransportOptions(bucket_mb=args.bucket_mb)  # the bounds weights.bucket_mb has in a run
     except ValueError as exc:
@@ -146,7 +155,7 @@ def _bench_device(ctx: RunContext, device: str, transports: list[tuple[str, str,
 
     from miles_weights.bench_baselines import copy_gbps
     from miles_weights.bench_models import load_tensors
-    from miles_weights.launch import EngineLaunch, running_engines
+    from miles_weights.launch import EngineLaunch
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     trainer = "cpu" if device == "cpu" else "cuda:0"
@@ -168,6 +177,46 @@ def _bench_device(ctx: RunContext, device: str, transports: list[tuple[str, str,
     out: dict[str, Any] = {"device": device, "dtype": dtype_name, "num_tensors": len(tensors), "num_bytes": num_bytes,
                            "baselines_gbps": baselines, "transports": {}}
     work_dir.mkdir(parents=True, exist_ok=True)
+    out["transports"] = _bench_engines(ctx, transports, model_dir, launches, tensors, baselines, work_dir, args, versions)
+    if args.lora_rank:
+        out["lora"] = _bench_lora(ctx, transports, model_dir, launches, tensors, baselines, out, work_dir, args, versions)
+    return out
+
+
+def _bench_lora(ctx: RunContext, transports: list[tuple[str, str, dict[str, Any]]], model_dir: Path,
+                launches: list[Any], full: list, baselines: dict[str, float], measured_full: dict[str, Any],
+                work_dir: Path, args: argparse.Namespace, versions: count) -> dict[str, Any]:
+    """The same transports pushing adapters only, into engines that serve them; ratios to the full sync."""
+    from dataclasses import replace
+
+    from miles_contracts import LoRASpec
+
+    from miles_weights.bench_models import adapter_tensors
+
+    spec = LoRASpec(rank=args.lora_rank, alpha=2.0 * args.lora_rank)
+    adapters = adapter_tensors(full, spec)
+    num_bytes = sum(t.numel() * t.element_size() for _, t in adapters)
+    lora_launches = [replace(launch, lora=spec.model_dump()) for launch in launches]
+    measured = _bench_engines(ctx, transports, model_dir, lora_launches, adapters, baselines, work_dir / "lora", args,
+                              versions)
+    for label, result in measured.items():
+        full_result = measured_full["transports"].get(label, {})
+        if "seconds_median" in result and "seconds_median" in full_result:
+            result["seconds_ratio_full_over_lora"] = full_result["seconds_median"] / result["seconds_median"]
+    return {"rank": spec.rank, "target_modules": spec.target_modules, "num_tensors": len(adapters),
+            "num_bytes": num_bytes, "bytes_ratio_full_over_lora": measured_full["num_bytes"] / num_bytes,
+            "transports": measured}
+
+
+def _bench_engines(ctx: RunContext, transports: list[tuple[str, str, dict[str, Any]]], model_dir: Path,
+                   launches: list[Any], tensors: list, baselines: dict[str, float], work_dir: Path,
+                   args: argparse.Namespace, versions: count) -> dict[str, Any]:
+    """Start ``launches`` on ``model_dir`` and measure every transport pushing ``tensors`` into them."""
+    from miles_weights.launch import running_engines
+
+    device = "cpu" if launches[0].device == "cpu" else "cuda"
+    out: dict[str, Any] = {"transports": {}}
+    work_dir.mkdir(parents=True, exist_ok=True)
     # the engine service of the command's kernel; the disk transport writes in work_dir
     with running_engines(model_dir, launches, work_dir, kernel=ctx.kernel) as engines:
         urls = engines.urls
@@ -188,7 +237,7 @@ def _bench_device(ctx: RunContext, device: str, transports: list[tuple[str, str,
             measured["baseline"] = baseline
             measured["ratio_to_baseline"] = measured["gbps_best"] / baselines[baseline]
             out["transports"][label] = measured
-    return out
+    return out["transports"]
 
 
 def _measure(ctx: RunContext, name: str, overrides: dict[str, Any], target: str, tensors: list, work_dir: Path,

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+    from miles_contracts import LoRASpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +24,8 @@ class LlamaShape:
 
 
 RANDOM_MODELS = {
+    # Qwen3-0.6B's layer sizes as a Llama (its head_dim is 128, here hidden / heads = 64: q/o are half as wide)
+    "0.6b": LlamaShape(hidden=1024, intermediate=3072, layers=28, heads=16, kv_heads=8),
     "1b": LlamaShape(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8),   # ~1.1 B params
     "8b": LlamaShape(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8),  # ~7.5 B params
 }
@@ -40,6 +43,24 @@ def load_tensors(model_dir: Path, dtype: torch.dtype, device: str) -> list[tuple
                 out.append((name, handle.get_tensor(name).to(dtype=dtype, device=device).contiguous()))
     if not out:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    return out
+
+
+def adapter_tensors(full: list[tuple[str, torch.Tensor]], spec: LoRASpec) -> list[tuple[str, torch.Tensor]]:
+    """Random LoRA adapters (``lora_A [r, in]``, ``lora_B [out, r]``) for every 2-D weight of
+    ``full`` whose module is one of ``spec.target_modules``: what a ``train.lora`` run syncs."""
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    out = []
+    for name, tensor in full:
+        module = name.removesuffix(".weight")
+        if tensor.dim() != 2 or module == name or module.rpartition(".")[2] not in spec.target_modules:
+            continue
+        rows, cols = tensor.shape
+        for suffix, dims in (("lora_A", (spec.rank, cols)), ("lora_B", (rows, spec.rank))):
+            random = torch.randn(dims, generator=generator) * 0.02
+            out.append((f"{module}.{suffix}.weight", random.to(dtype=tensor.dtype, device=tensor.device)))
     return out
 
 

@@ -22,13 +22,15 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class EngineLaunch:
-    """One engine to start: device, dtype, extra environment (``CUDA_VISIBLE_DEVICES``) and engine
-    options (keys of the ``engine`` config section, e.g. ``kv_cache_gb``)."""
+    """One engine to start: device, dtype, extra environment (``CUDA_VISIBLE_DEVICES``), engine
+    options (keys of the ``engine`` config section, e.g. ``kv_cache_gb``) and the LoRA adapters
+    it serves (``train.lora`` of a run, as a mapping of :class:`miles_contracts.LoRASpec`'s keys)."""
 
     device: str = "cpu"
     dtype: str = "auto"
     env: Mapping[str, str] = field(default_factory=dict)
     options: Mapping[str, Any] = field(default_factory=dict)
+    lora: Mapping[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -75,8 +77,11 @@ def running_engines(model_path: str | Path, launches: list[EngineLaunch], work_d
     urls = []
     try:
         for index, launch in enumerate(launches):
-            config = build_config({"model": {"device": launch.device, "dtype": launch.dtype},
-                                   section: _options(launch.options, section_model, weight_dirs)}, kernel=kernel)
+            sections = {"model": {"device": launch.device, "dtype": launch.dtype},
+                        section: _options(launch.options, section_model, weight_dirs)}
+            if launch.lora is not None:
+                sections["train"] = {"lora": dict(launch.lora)}
+            config = build_config(sections, kernel=kernel)
             config_path = work_dir.resolve() / f"engine-{index}.yaml"
             config_path.write_text(config.to_yaml())
 
