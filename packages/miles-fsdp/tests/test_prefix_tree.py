@@ -188,3 +188,5 @@ def test_forcing_the_tree_on_a_kernel_without_masks_is_a_config_error() -> None:
     with pytest.raises(ValidationError, match="prefix_tree"):
         FSDPSection(prefix_tree="sometimes")
     FSDPSection(prefix_tree="auto", attn_implementation="flash_attention_2")  # auto: simply never a tree
+    # YAML reads a bare `on` / `off` as a boolean
+    assert FSDPSection(prefix_tree=True).prefix_tree == "on" and FSDPSection(prefix_tree=False).prefix_tree == "off"

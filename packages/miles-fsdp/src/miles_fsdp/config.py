@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 from miles_algorithms.sdpa import SdpaBackend
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # attention implementations that take an arbitrary mask (flash-attention kernels take none);
 # here, not in prefix_tree, so reading the config never imports torch
@@ -75,6 +75,12 @@ class FSDPSection(BaseModel):
     reduce_dtype: Literal["float32", "bfloat16"] = Field(
         default="float32", description="dtype of gradient reduce-scatter under bf16 compute",
     )
+
+    @field_validator("prefix_tree", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: object) -> object:
+        # YAML 1.1 reads a bare on/off as a boolean: `prefix_tree: on` means "on", not True
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _tree_needs_a_masked_attention(self) -> FSDPSection:

@@ -13,7 +13,7 @@ packed and padded paths give the same log-probs (tested).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from miles_algorithms.planning import (
     RankPlan,
@@ -67,7 +67,7 @@ class ModelInputs:
         """Tokens the model computes (padding excluded)."""
         if self.attention_mask is None or self.seen_positions is not None:
             return int(self.input_ids.numel())
-        return int(self.attention_mask.sum())
+        return int(cast("torch.Tensor", self.attention_mask).sum())  # the padded layout's [b, t] mask
 
     def token_positions(self) -> torch.Tensor:
         """``[N]`` flat index ``b * t + col`` into the micro-batch of each token the model sees, in
@@ -81,8 +81,9 @@ class ModelInputs:
             starts = self.cu_seqlens if self.cu_seqlens is not None else torch.tensor([0, self.input_ids.shape[-1]])
             lengths = (starts[1:] - starts[:-1]).tolist()
             return torch.cat([torch.arange(n) + row * t for row, n in enumerate(lengths)]).to(self.input_ids.device)
-        flat = torch.arange(b * t, device=self.attention_mask.device)
-        return torch.where(self.attention_mask.reshape(-1) > 0, flat, torch.full_like(flat, -1))
+        padding = cast("torch.Tensor", self.attention_mask)  # the padded layout's [b, t] mask
+        flat = torch.arange(b * t, device=padding.device)
+        return torch.where(padding.reshape(-1) > 0, flat, torch.full_like(flat, -1))
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """``[K]`` per-wanted-token values -> ``[b, t]`` (zero elsewhere); keeps autograd."""

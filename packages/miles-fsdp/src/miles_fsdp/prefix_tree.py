@@ -163,7 +163,8 @@ def tree_inputs(micro: TrainBatch, tree: PrefixTree, *, attention: str, device: 
     return ModelInputs(
         input_ids=dev(tree.tokens[None, :]), position_ids=dev(tree.depth[None, :]), attention_mask=mask,
         hidden_index=dev(tree.node_index[rows, cols - 1]), target_ids=dev(micro.tokens[rows, cols]),
-        rows=dev(rows), cols=dev(cols), shape=tuple(micro.tokens.shape), seen_positions=dev(tree.owner),
+        rows=dev(rows), cols=dev(cols), shape=(micro.tokens.shape[0], micro.tokens.shape[1]),
+        seen_positions=dev(tree.owner),
     )
 
 
