@@ -190,3 +190,35 @@ def test_forcing_the_tree_on_a_kernel_without_masks_is_a_config_error() -> None:
     FSDPSection(prefix_tree="auto", attn_implementation="flash_attention_2")  # auto: simply never a tree
     # YAML reads a bare `on` / `off` as a boolean
     assert FSDPSection(prefix_tree=True).prefix_tree == "on" and FSDPSection(prefix_tree=False).prefix_tree == "off"
+
+
+# ----------------------------------------------------------------------------- the GPU kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["sdpa", "flex_attention"])
+def test_tree_on_cuda_equals_the_flat_rows_in_fp32(tiny_dense, make_config, attention: str) -> None:
+    """The CUDA forms of the tree mask (dense under sdpa; flex_attention's block-sparse BlockMask,
+    which has no CPU backward) train what the flat rows train, fp32 so rounding stays small."""
+    from dataclasses import replace
+
+    from miles.context import context_for
+    from miles.sections import ModelSection
+    from miles_contracts import Process
+    from miles_fsdp.backend import FSDPBackend
+
+    batch = branched_episodes()
+    results = []
+    for fsdp in ({"prefix_tree": "on", "attn_implementation": attention, "compile": False},
+                 {"prefix_tree": "off", "packing": False, "compile": False}):
+        config = make_config(tiny_dense, fsdp=fsdp, micro_batch_tokens=10_000, algorithm={"entropy_coef": 0.01})
+        config = replace(config, model=ModelSection(name=str(tiny_dense), device="cuda", dtype="float32"))
+        backend = FSDPBackend(context_for(config, Process.trainer_rank(0)))
+        try:
+            results.append(_loss_and_gradients(backend, batch))
+        finally:
+            backend.close()
+    (tree_loss, tree_grads), (flat_loss, flat_grads) = results
+    assert tree_loss == pytest.approx(flat_loss, rel=1e-5)
+    for name, want in flat_grads.items():
+        assert float((tree_grads[name] - want).norm() / want.norm()) <= 1e-4, name

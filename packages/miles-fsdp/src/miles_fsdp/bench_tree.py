@@ -165,6 +165,20 @@ def _measure(preset: str, batch: TrainBatch, *, ctx: RunContext, device: Device,
         _free(dev)
 
 
+def _auto_decisions(batch: TrainBatch, preset: str, attentions: list[str]) -> dict[str, bool]:
+    """What ``fsdp.prefix_tree: auto`` would choose for the batch as one micro-batch, per attention kernel."""
+    from miles_fsdp.bench import PRESETS
+    from miles_fsdp.packing import row_lengths
+    from miles_fsdp.passes import attention_pair_cost, layout_costs, worth_packing
+    from miles_fsdp.prefix_tree import TreePolicy, build_prefix_tree
+
+    pair_cost = attention_pair_cost(PRESETS[preset])
+    padded, packed = layout_costs(batch.attention_mask, pair_cost)
+    flat = packed if worth_packing(batch.attention_mask, pair_cost) else padded
+    tree = build_prefix_tree(batch.tokens, row_lengths(batch.attention_mask))
+    return {attention: TreePolicy("auto", attention, pair_cost).pays(tree, flat) for attention in attentions}
+
+
 def run_tree_benchmark(*, ctx: RunContext, preset: str, device: Device, options: dict[str, Any], attentions: list[str],
                        warmup: int, repeats: int, scale: float, workloads: list[str]) -> dict[str, Any]:
     """The JSON report of ``miles bench train --tree`` (see the module docstring)."""
@@ -194,7 +208,8 @@ def run_tree_benchmark(*, ctx: RunContext, preset: str, device: Device, options:
         # one micro-batch holds the whole batch: the planner splits rows by flat tokens, blind to prefixes
         budget = int(lengths.sum())
         entry: dict[str, Any] = {"rows": batch.size, "flat_tokens": budget, "row_lengths": lengths.tolist(),
-                                 "trained_tokens": int(batch.loss_mask.sum()), "micro_batch_tokens": budget}
+                                 "trained_tokens": int(batch.loss_mask.sum()), "micro_batch_tokens": budget,
+                                 "auto_takes_tree": _auto_decisions(batch, preset, attentions)}
         flat = _measure(preset, batch, ctx=ctx, device=device, options={**options, "prefix_tree": "off"},
                         micro_batch_tokens=budget, warmup=warmup, repeats=repeats)
         entry["flat"] = flat
