@@ -321,3 +321,21 @@ def test_an_engine_that_restarted_while_released_gets_the_weights_and_no_resume(
     assert [m["weights/engines_restarted"] for m in metrics] == [0.0, 1.0, 0.0]
     assert all(m["weights/check_passed"] == 1.0 and "time/release" in m and "time/resume" in m for m in metrics)
     assert {tuple(s["weight_versions"]) for s in _samples(run, 3)} == {(2,)}
+
+
+@pytest.mark.slow
+def test_prefix_tree_training_logs_the_loss_of_flat_rows(tiny_model: Path, tmp_path: Path, vowel_reward: str) -> None:
+    """fsdp.prefix_tree: on (each group's 4 samples share their prompt: one tree per micro-batch)
+    trains the same step as off: the same samples (deterministic engine), the same loss and gradient."""
+    seeded = ("run.deterministic=true", "run.steps=1", "run.save_final=false", "reward.name=remote",
+              f"reward.remote_url={vowel_reward}")
+    runs = {}
+    for mode in ("on", "off"):
+        out = _train(*_args(tiny_model, tmp_path, f"tree-{mode}", *seeded, f"fsdp.prefix_tree={mode}"))
+        assert out.returncode == 0, out.stdout + out.stderr
+        runs[mode] = _metrics(tmp_path / f"tree-{mode}")[0]
+    tokens = lambda mode: [s["tokens"] for s in _samples(tmp_path / f"tree-{mode}", 1)]  # noqa: E731
+    assert tokens("on") == tokens("off")
+    for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/entropy"):
+        assert runs["on"][key] == pytest.approx(runs["off"][key], rel=1e-5, abs=1e-7), key
+    assert runs["off"]["train/grad_norm"] > 0

@@ -116,3 +116,37 @@ def test_another_backend_is_built_by_the_given_kernel_with_its_section(tmp_path)
     assert config.train.backend == "idle" and config.section("idle", IdleSection).depth == 3
     assert (tmp_path / "tiny-rank0" / "config.json").is_file() and config.model.name == str(tmp_path / "tiny-rank0")
     assert report["idle_options"] == {"depth": 3} and report["results"][0]["miles"]["backend"] == "idle"
+
+
+def test_bench_train_tree_counts_computed_tokens_and_keeps_the_loss() -> None:
+    from miles.context import context_for
+    from miles_fsdp.bench_tree import run_tree_benchmark
+
+    report = run_tree_benchmark(ctx=context_for(), preset="tiny", device="cpu", options={"compile": False},
+                                attentions=["sdpa"], warmup=1, repeats=3, scale=1 / 64, workloads=["grpo"])
+    grpo = report["workloads"]["grpo"]
+    # 32-token prompt + 8 completions of 4: the flat rows compute 8 x 36, the tree 32 + 8 x 4 (fewer
+    # when two random completions happen to start alike)
+    assert grpo["flat"]["computed_tokens"] == grpo["flat_tokens"] == 288
+    tree = grpo["tree_sdpa"]
+    assert 32 + 8 <= tree["computed_tokens"] <= 64 and tree["tokens_ratio"] == pytest.approx(288 / tree["computed_tokens"])
+    assert tree["tree_micro_batches"] == tree["micro_batches"] == 1 and grpo["flat"]["tree_micro_batches"] == 0
+    assert len(tree["step_s"]) == 3 and tree["step_s_min"] <= tree["step_s_median"] <= tree["step_s_max"]
+    assert tree["loss_relative_difference"] <= 1e-6
+    assert tree["first_step_grad_norm"] == pytest.approx(grpo["flat"]["first_step_grad_norm"], rel=1e-5)
+
+
+def test_episode_rows_share_the_system_prompt_and_train_only_answers() -> None:
+    from miles_fsdp.bench_tree import EpisodeShape, episodes_batch
+    from miles_fsdp.prefix_tree import build_prefix_tree
+
+    shape = EpisodeShape(episodes=2, system=6, task=3, answer=2, tool=4, turns=4, compact_every=2, summary=2,
+                         sub_agent_system=5, sub_agent_turns=1)
+    batch = episodes_batch(100, shape)
+    lengths = batch.attention_mask.sum(1).tolist()
+    # per episode: two compaction epochs (the second restarts from a summary) and a sub-agent row
+    assert lengths == [9 + 2 * 6, 9 + 2 + 2 * 6, 8 + 6] * 2
+    assert int(batch.loss_mask.sum()) == 2 * (4 * 2 + 1 * 2)
+    tree = build_prefix_tree(batch.tokens, lengths)
+    # shared: system + task by the four epoch rows, task-led sub-agent rows by each other
+    assert tree.num_nodes == sum(lengths) - 3 * 9 - 8

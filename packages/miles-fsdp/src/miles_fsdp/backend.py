@@ -44,6 +44,7 @@ from miles_fsdp.models import (
 )
 from miles_fsdp.optim import LRMultiplier, build_optimizer, build_scheduler
 from miles_fsdp.passes import PassRunner, attention_pair_cost
+from miles_fsdp.prefix_tree import TreePolicy
 from miles_fsdp.weights import export_hf, gather_named_weights
 
 LORA_EXPORT_DIR = "lora_adapter"  # export_hf's PEFT adapter, beside (not inside) the merged weights
@@ -132,6 +133,7 @@ class FSDPBackend:
             compile_head=self.compiled if self.options.compile_head is None else self.options.compile_head,
             attention=sdpa_preference(self.options.sdpa_backends, self.dist.device.type),
             pair_cost=attention_pair_cost(self.hf_config),
+            prefix_tree=TreePolicy(self.options.prefix_tree, attn, attention_pair_cost(self.hf_config)),
         )
         self.optimizer_steps = 0
         self.skipped_steps = 0

@@ -47,6 +47,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True, rms_norm_eps=1e-5,
         max_position_embeddings=131072, rope_theta=500_000.0,
     ),
+    "smollm2-135m": dict(
+        model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        max_position_embeddings=8192, rope_theta=100_000.0,
+    ),
     "tiny": dict(
         model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, vocab_size=1024, tie_word_embeddings=True, rms_norm_eps=1e-5,

@@ -11,7 +11,7 @@ from miles_contracts import CommandSpec, LoRASpec, RunContext
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="qwen3-0.6b", help="random-weight preset: qwen3-0.6b, llama-1b, tiny")
+    p.add_argument("--model", default="qwen3-0.6b", help="random-weight preset: qwen3-0.6b, llama-1b, smollm2-135m, tiny")
     p.add_argument("--tiny", action="store_true", help="CPU-sized run: tiny model, 128/256-token sequences, 2 steps")
     p.add_argument("--seq-lens", default="4096,16384", help="comma-separated tokens per sequence")
     p.add_argument("--tokens-per-step", type=int, default=65536, help="tokens per optimiser step (rows = this / seq len)")
@@ -41,6 +41,16 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an option of the backend's config section, e.g. --option tensor_parallel=2 (repeatable)")
     p.add_argument("--work-dir", type=Path, default=None, help="where a non-fsdp backend's random checkpoint is written")
     p.add_argument("--output", type=Path, default=None, help="also write the JSON here")
+    tree = p.add_argument_group("prefix trees (--tree)")
+    tree.add_argument("--tree", action="store_true",
+                      help="flat rows vs prefix trees on a GRPO group and on branched agent episodes "
+                           "(--steps = timed repeats, >= 3); with --tiny: the tiny model at 1/8 of the lengths")
+    tree.add_argument("--tree-attention", default=None,
+                      help="attention implementations to run the trees with, comma-separated (sdpa, flex_attention); "
+                           "default sdpa,flex_attention on CUDA, sdpa on CPU (flex has no CPU backward)")
+    tree.add_argument("--tree-scale", type=float, default=None,
+                      help="multiply every workload length by this (default 1: a 2K-token prompt + 8 x 256)")
+    tree.add_argument("--tree-workloads", default="grpo,episodes", help="comma-separated: grpo, episodes")
     p.add_argument("--profile", type=Path, default=None, metavar="DIR",
                    help="after the timed steps, one more under torch.profiler per length: op tables to DIR")
 
@@ -53,6 +63,11 @@ def _fsdp_options(args: argparse.Namespace) -> dict:
         options["compile_head"] = True
     if args.sdpa_backends:
         options["sdpa_backends"] = [name.strip() for name in args.sdpa_backends.split(",") if name.strip()]
+    _fsdp_options_valid(options, "benchmark options")
+    return options
+
+
+def _fsdp_options_valid(options: dict, what: str) -> None:
     from pydantic import ValidationError
 
     from miles_fsdp.config import FSDPSection
@@ -61,8 +76,7 @@ def _fsdp_options(args: argparse.Namespace) -> dict:
         FSDPSection(**options)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise MilesError(f"bad benchmark options: {problems}") from None
-    return options
+        raise MilesError(f"bad {what}: {problems}") from None
 
 
 def _section_options(args: argparse.Namespace, ctx: RunContext) -> dict:
@@ -93,9 +107,42 @@ def _lora(rank: int) -> LoRASpec | None:
     return LoRASpec(rank=rank, alpha=2.0 * rank) if rank else None
 
 
+
+def _run_tree(args: argparse.Namespace, ctx: RunContext) -> int:
+    from miles_fsdp.bench_tree import run_tree_benchmark
+
+    if args.tiny:
+        args.model, args.steps, args.warmup = "tiny", max(args.steps, 3), 1
+    scale = args.tree_scale if args.tree_scale is not None else (0.125 if args.tiny else 1.0)
+    if not 0.0 < scale <= 4.0:
+        raise MilesError(f"--tree-scale must be in (0, 4], got {scale}")
+    workloads = [w.strip() for w in args.tree_workloads.split(",") if w.strip()]
+    unknown = sorted(set(workloads) - {"grpo", "episodes"})
+    if unknown or not workloads:
+        raise MilesError(f"--tree-workloads: unknown {unknown or 'empty list'}; choose from grpo, episodes")
+    from miles.trainer.device import pick_device
+
+    cuda = pick_device(args.device).type == "cuda"
+    attentions = ([a.strip() for a in args.tree_attention.split(",") if a.strip()] if args.tree_attention
+                  else ["sdpa", "flex_attention"] if cuda else ["sdpa"])
+    options = _fsdp_options(args)
+    for attention in attentions:
+        _fsdp_options_valid({**options, "prefix_tree": "on", "attn_implementation": attention}, "--tree-attention")
+    if args.steps < 3:
+        raise MilesError(f"--tree times >= 3 repeats: --steps {args.steps} is too few")
+    report = run_tree_benchmark(ctx=ctx, preset=args.model, device=args.device, options=options, attentions=attentions,
+                                warmup=max(1, args.warmup), repeats=args.steps, scale=scale, workloads=workloads)
+    emit_json(report, args.output)
+    return 0
+
+
 def _run(args: argparse.Namespace, ctx: RunContext) -> int:
     from miles_fsdp.bench import PRESETS, run_benchmark
 
+    if args.model not in PRESETS and not args.tiny:
+        raise MilesError(f"unknown --model {args.model!r}; presets: {', '.join(PRESETS)}")
+    if args.tree:
+        return _run_tree(args, ctx)
     if args.tiny:
         args.model, args.seq_lens, args.tokens_per_step, args.steps, args.warmup = "tiny", "128,256", 512, 2, 1
     if args.model not in PRESETS:

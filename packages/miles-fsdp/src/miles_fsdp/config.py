@@ -10,7 +10,11 @@ from __future__ import annotations
 from typing import Literal
 
 from miles_algorithms.sdpa import SdpaBackend
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# attention implementations that take an arbitrary mask (flash-attention kernels take none);
+# here, not in prefix_tree, so reading the config never imports torch
+TREE_ATTENTION = ("sdpa", "flex_attention")
 
 
 class FSDPSection(BaseModel):
@@ -36,7 +40,15 @@ class FSDPSection(BaseModel):
     reshard_after_forward: bool = Field(
         default=True, description="free gathered layer weights after forward (less memory, one more all-gather)",
     )
-    attn_implementation: str = Field(default="sdpa", description="transformers attention implementation")
+    attn_implementation: str = Field(
+        default="sdpa", description="transformers attention implementation (flex_attention: block-sparse prefix trees)",
+    )
+    prefix_tree: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="run the rows of a micro-batch that share a prefix (a GRPO group's prompt, an episode's "
+                    "branches) as one tree, the prefix computed once: auto = when the cost model says it is 10% "
+                    "cheaper (needs attn_implementation sdpa or flex_attention), on = always, off = never",
+    )
     compile: bool | None = Field(
         default=None,
         description="torch.compile each decoder layer; null = on for CUDA (about 2x the eager step, see "
@@ -63,3 +75,18 @@ class FSDPSection(BaseModel):
     reduce_dtype: Literal["float32", "bfloat16"] = Field(
         default="float32", description="dtype of gradient reduce-scatter under bf16 compute",
     )
+
+    @field_validator("prefix_tree", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: object) -> object:
+        # YAML 1.1 reads a bare on/off as a boolean: `prefix_tree: on` means "on", not True
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _tree_needs_a_masked_attention(self) -> FSDPSection:
+        if self.prefix_tree == "on" and self.attn_implementation not in TREE_ATTENTION:
+            raise ValueError(
+                f"fsdp.prefix_tree: on needs fsdp.attn_implementation in {list(TREE_ATTENTION)} (a kernel that takes "
+                f"a tree mask), got {self.attn_implementation!r}; set one of those or fsdp.prefix_tree: auto/off"
+            )
+        return self

@@ -13,7 +13,7 @@ packed and padded paths give the same log-probs (tested).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from miles_algorithms.planning import (
     RankPlan,
@@ -26,6 +26,7 @@ from miles_algorithms.planning import (
 if TYPE_CHECKING:
     import torch
     from miles_contracts import TrainBatch
+    from torch.nn.attention.flex_attention import BlockMask
 
 __all__ = ["ModelInputs", "RankPlan", "build_inputs", "dummy_inputs", "pack_by_budget", "plan_micro_batches",
            "row_lengths", "split_rows_evenly"]
@@ -37,7 +38,8 @@ class ModelInputs:
 
     :ivar input_ids: ``[1, N]`` packed tokens, or ``[b, t]`` padded rows.
     :ivar position_ids: same shape; restarts at 0 for each packed row.
-    :ivar attention_mask: ``[b, t]`` for the padded layout, None when packed.
+    :ivar attention_mask: ``[b, t]`` for the padded layout, None when packed; for a prefix tree
+        (:mod:`miles_fsdp.prefix_tree`) the tree mask, ``[1, 1, N, N]`` or a flex ``BlockMask``.
     :ivar hidden_index: ``[K]`` flat index into the ``[*, H]`` hidden states (flattened over the
         leading dims) of the position that predicts each wanted token.
     :ivar target_ids: ``[K]`` the wanted tokens.
@@ -45,34 +47,43 @@ class ModelInputs:
     :ivar cols: ``[K]`` column ``t`` of each wanted token (its position in its row).
     :ivar shape: ``(b, t)`` of the micro-batch, for scattering results back to ``[b, t]``.
     :ivar cu_seqlens: ``[b + 1]`` start offsets of packed rows (packed layout only), for plugins.
+    :ivar seen_positions: ``[N]`` what :meth:`token_positions` returns, when the layout sets it (a
+        prefix tree: a node shared by several rows maps to the first of them).
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    attention_mask: torch.Tensor | None
+    attention_mask: torch.Tensor | BlockMask | None
     hidden_index: torch.Tensor
     target_ids: torch.Tensor
     rows: torch.Tensor
     cols: torch.Tensor
     shape: tuple[int, int]
     cu_seqlens: torch.Tensor | None = None
+    seen_positions: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
-        return int(self.input_ids.numel()) if self.attention_mask is None else int(self.attention_mask.sum())
+        """Tokens the model computes (padding excluded)."""
+        if self.attention_mask is None or self.seen_positions is not None:
+            return int(self.input_ids.numel())
+        return int(cast("torch.Tensor", self.attention_mask).sum())  # the padded layout's [b, t] mask
 
     def token_positions(self) -> torch.Tensor:
         """``[N]`` flat index ``b * t + col`` into the micro-batch of each token the model sees, in
         the order it sees them; -1 for padding (``ForwardContext.state["token_positions"]``)."""
         import torch
 
+        if self.seen_positions is not None:
+            return self.seen_positions
         b, t = self.shape
         if self.attention_mask is None:  # packed: rows one after the other, no padding
             starts = self.cu_seqlens if self.cu_seqlens is not None else torch.tensor([0, self.input_ids.shape[-1]])
             lengths = (starts[1:] - starts[:-1]).tolist()
             return torch.cat([torch.arange(n) + row * t for row, n in enumerate(lengths)]).to(self.input_ids.device)
-        flat = torch.arange(b * t, device=self.attention_mask.device)
-        return torch.where(self.attention_mask.reshape(-1) > 0, flat, torch.full_like(flat, -1))
+        padding = cast("torch.Tensor", self.attention_mask)  # the padded layout's [b, t] mask
+        flat = torch.arange(b * t, device=padding.device)
+        return torch.where(padding.reshape(-1) > 0, flat, torch.full_like(flat, -1))
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """``[K]`` per-wanted-token values -> ``[b, t]`` (zero elsewhere); keeps autograd."""

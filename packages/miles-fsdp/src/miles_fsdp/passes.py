@@ -24,6 +24,7 @@ from miles_contracts import ForwardContext, TrainBatch
 from miles_fsdp.distributed import DistContext, all_reduce_sum
 from miles_fsdp.models import PolicyModel, ValueModel
 from miles_fsdp.packing import ModelInputs, build_inputs, dummy_inputs, plan_micro_batches, row_lengths
+from miles_fsdp.prefix_tree import TreePolicy
 
 if TYPE_CHECKING:
     from miles.kernel import Kernel
@@ -78,13 +79,18 @@ def worth_packing(attention_mask: torch.Tensor, pair_cost: float = DEFAULT_PAIR_
     always do, and one long row with a few short ones packs. ``pair_cost`` is
     :func:`attention_pair_cost` of the model.
     """
-    rows, width = attention_mask.shape
-    if rows < 2:
+    if attention_mask.shape[0] < 2:
         return False
-    n = float(attention_mask.sum())
-    padded = rows * width * (1.0 + pair_cost * width)
-    packed = n * (1.0 + pair_cost * n)
+    padded, packed = layout_costs(attention_mask, pair_cost)
     return packed < (1.0 - PACKING_MIN_GAIN) * padded
+
+
+def layout_costs(attention_mask: torch.Tensor, pair_cost: float = DEFAULT_PAIR_COST) -> tuple[float, float]:
+    """``(padded, packed)`` cost of a micro-batch's rows, in tokens of matrix multiplies plus
+    attended pairs times ``pair_cost`` (see :func:`worth_packing`)."""
+    rows, width = attention_mask.shape
+    n = float(attention_mask.sum())
+    return rows * width * (1.0 + pair_cost * width), n * (1.0 + pair_cost * n)
 
 
 @dataclass(slots=True)
@@ -102,6 +108,7 @@ class PassRunner:
     compile_head: bool = False
     pair_cost: float = DEFAULT_PAIR_COST
     attention: Callable[[], contextlib.AbstractContextManager] = field(default=contextlib.nullcontext)
+    prefix_tree: TreePolicy | None = None  # None: rows always run flat
 
     # ------------------------------------------------------------------ plumbing
 
@@ -117,7 +124,14 @@ class PassRunner:
             return _dummy_batch().to(self.dist.device), dummy_inputs(self.dist.device), True
         micro = batch.select(rows)
         # inputs are planned on the host copy (no device syncs), then moved
-        inputs = build_inputs(micro, packed=self.packing and worth_packing(micro.attention_mask, self.pair_cost), device=self.dist.device)
+        packed = self.packing and worth_packing(micro.attention_mask, self.pair_cost)
+        inputs = None
+        if self.prefix_tree is not None:
+            padded_cost, packed_cost = layout_costs(micro.attention_mask, self.pair_cost)
+            inputs = self.prefix_tree.inputs(micro, row_lengths(micro.attention_mask),
+                                             packed_cost if packed else padded_cost, self.dist.device)
+        if inputs is None:
+            inputs = build_inputs(micro, packed=packed, device=self.dist.device)
         return micro.to(self.dist.device), inputs, False
 
     def forward(self, phase: str, module: torch.nn.Module, micro: TrainBatch, inputs: ModelInputs,
