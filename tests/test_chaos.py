@@ -35,7 +35,7 @@ def test_ten_random_kills_of_a_fully_async_run_lose_and_repeat_no_prompt(tiny_mo
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     out = subprocess.run([sys.executable, "-m", "miles.cli.main", "chaos", *args, "--injections", "10", "--seed", "3",
                           "--gap", "0.5,2", "--max-resumes", "2", "--recovery-timeout", "180",
-                          "--timeout", "540"], capture_output=True, text=True, timeout=570, cwd=ROOT, env=env)
+                          "--timeout", "480"], capture_output=True, text=True, timeout=540, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads(out.stdout)
     assert report["passed"] and report["injections"]["done"] == 10

@@ -166,7 +166,8 @@ class Chaos:
         self.say(f"  -> recovered: {injection.recovery} after {injection.seconds:.1f} s")
 
     def _recover(self, attempt: _Attempt, target: Target, mark: int, old_pid: object) -> str:
-        deadline = time.monotonic() + self.plan.recovery_timeout
+        # within the whole run's budget too: a recovery that outlasts it is reported, not waited for
+        deadline = min(time.monotonic() + self.plan.recovery_timeout, self.started + self.plan.timeout)
         replaced = False
         while time.monotonic() < deadline:
             code = attempt.process.poll()
