@@ -14,6 +14,7 @@ configuration reports the median, every run, and the spread ((max - min) / media
         --vllm-python /work/venvs/vllm/bin/python --out docs/benchmarks/engine-cpu.json
     miles bench engine --model .benchcfg --random-weights --systems embedded sglang \\
         --sglang-python python3 --sglang-env PYTHONPATH=/tmp/sg --concurrency 1 32 128 256
+    miles bench engine --sessions --turns 50 --user-tokens 80 --answer-tokens 80   # prefix cache on vs off
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 
 from miles.cli import emit_json
 
+from miles_engine.bench import sessions
 from miles_engine.bench.systems import EmbeddedSystem, GenerateSystem, Measured, SGLangSystem, VLLMSystem
 from miles_engine.bench.workload import Workload, build_workload
 
@@ -59,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="use random weights built from the model folder's config.json and tokenizer (no weight "
                              "files needed; the same speed): for machines that cannot pull the model")
     parser.add_argument("--out", help="also write the JSON here")
+    sessions.add_arguments(parser)
 
 
 def _at_least_three(text: str) -> int:
@@ -80,6 +83,14 @@ def run(args: argparse.Namespace) -> int:
     if args.random_weights:
         model_path = _random_copy(model_path, resolve_dtype(args.dtype, device))
     dtype = resolve_dtype(args.dtype, device)
+    if args.sessions:
+        report = {"benchmark": "engine-sessions", "model": args.model, "random_weights": args.random_weights,
+                  "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                  "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
+                  "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+                  **sessions.run_sessions(args, model_path, len(AutoTokenizer.from_pretrained(model_path)))}
+        emit_json(report, args.out)
+        return 0
     workload = build_workload(AutoTokenizer.from_pretrained(model_path), args.max_new_tokens)
     report: dict[str, Any] = {
         "benchmark": "engine", "model": args.model, "model_path": model_path, "random_weights": args.random_weights,
