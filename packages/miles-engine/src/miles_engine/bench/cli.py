@@ -84,12 +84,13 @@ def run(args: argparse.Namespace) -> int:
         model_path = _random_copy(model_path, resolve_dtype(args.dtype, device))
     dtype = resolve_dtype(args.dtype, device)
     if args.sessions:
-        report = {"benchmark": "engine-sessions", "model": args.model, "random_weights": args.random_weights,
+        emit_json({"benchmark": "engine-sessions", "model": args.model, "random_weights": args.random_weights,
                   "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                   "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
                   "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-                  **sessions.run_sessions(args, model_path, len(AutoTokenizer.from_pretrained(model_path)))}
-        emit_json(report, args.out)
+                  **sessions.run_sessions(args, model_path, len(AutoTokenizer.from_pretrained(model_path)),
+                                          _sglang(args, model_path, dtype, device) if "sglang" in args.systems else None)},
+                  args.out)
         return 0
     workload = build_workload(AutoTokenizer.from_pretrained(model_path), args.max_new_tokens)
     report: dict[str, Any] = {
@@ -137,8 +138,8 @@ def run(args: argparse.Namespace) -> int:
         if device.type != "cuda":
             report["systems"]["sglang"] = {"skipped": "SGLang runs on CUDA only"}
         else:
-            sglang = SGLangSystem(args.sglang_python, model_path, dtype=str(dtype).removeprefix("torch."),
-                                  env=_pairs(args.sglang_env), attention_backend=args.sglang_attention_backend)
+            sglang = _sglang(args, model_path, dtype, device)
+            assert sglang is not None  # on CUDA
             runs["sglang"] = sglang.run_all(workload, args.concurrency, args.repeats)
             report["sglang"] = sglang.info
     for name, by_concurrency in runs.items():
@@ -207,6 +208,13 @@ def _roofline(system: EmbeddedSystem, runs: dict[int, Measured], workload: Workl
             entry["fraction_of_roofline"] = round(achieved / (peak * 1e12), 4)
         out["by_concurrency"][str(c)] = entry
     return out
+
+
+def _sglang(args: argparse.Namespace, model_path: str, dtype: Any, device: Any) -> SGLangSystem | None:
+    if device.type != "cuda":
+        return None
+    return SGLangSystem(args.sglang_python, model_path, dtype=str(dtype).removeprefix("torch."),
+                        env=_pairs(args.sglang_env), attention_backend=args.sglang_attention_backend)
 
 
 def _pairs(items: list[str]) -> dict[str, str]:

@@ -11,7 +11,9 @@ latency (submit to answer) and its prefill time (time to first token).
 
 It prints JSON: per arm and turn the medians over repeats, and at the last turn the ratios
 plain / cached of prefilled tokens, turn latency and prefill time (median over repeats, with the
-spread of the per-repeat ratios).
+spread of the per-repeat ratios). With ``--systems sglang`` on CUDA, SGLang plays the same
+sessions (the same random user tokens) with its radix cache on and off
+(:mod:`miles_engine.bench.sglang_sessions_runner`): the reference, ``sglang_last_turn``.
 
 Sizes: 50 turns of 80 + 80 tokens end at 8000 tokens, inside SmolLM2-135M's 8192-token context
 (200-token turns would need 10,000); a CPU run uses fewer, smaller turns (label it).
@@ -27,7 +29,10 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from miles_engine.bench.systems import SGLangSystem
 
 ARMS = ("cached", "plain")
 
@@ -48,7 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--answer-tokens", type=int, default=80, help="--sessions: tokens answered per turn")
 
 
-def run_sessions(args: argparse.Namespace, model_path: str, vocab_size: int) -> dict[str, Any]:
+def run_sessions(args: argparse.Namespace, model_path: str, vocab_size: int,
+                 sglang: SGLangSystem | None = None) -> dict[str, Any]:
+    """Both embedded arms (and SGLang with its radix cache on and off, given ``sglang``)."""
     from miles_engine.engine import Engine
 
     needed = args.turns * (args.user_tokens + args.answer_tokens) + 1
@@ -70,10 +77,20 @@ def run_sessions(args: argparse.Namespace, model_path: str, vocab_size: int) -> 
     finally:
         for engine in engines.values():
             engine.shutdown()
-    return {"turns": args.turns, "user_tokens": args.user_tokens, "answer_tokens": args.answer_tokens,
-            "tokens_at_last_turn": needed - args.answer_tokens, "repeats": args.repeats,
-            "arms": {arm: _per_turn(runs[arm]) for arm in ARMS}, "last_turn": _last_turn(runs),
-            "radix_cache": cache_info}
+    report: dict[str, Any] = {
+        "turns": args.turns, "user_tokens": args.user_tokens, "answer_tokens": args.answer_tokens,
+        "tokens_at_last_turn": needed - args.answer_tokens, "repeats": args.repeats,
+        "last_turn": _last_turn(runs["plain"], runs["cached"]), "radix_cache": cache_info}
+    if sglang is not None:
+        job = {"turns": args.turns, "user_tokens": args.user_tokens, "answer_tokens": args.answer_tokens,
+               "repeats": args.repeats, "vocab_size": vocab_size}
+        for arm, disabled in (("sglang_radix", False), ("sglang_plain", True)):
+            answer = sglang.run_job("sglang_sessions_runner.py", {**job, "disable_radix_cache": disabled})
+            runs[arm] = [SessionRun(r["latency_s"], [], r["prefill_tokens"], r["cached_tokens"]) for r in answer["runs"]]
+            report[f"{arm}_startup_s"], report["sglang_version"] = answer["startup_s"], answer["version"]
+        report["sglang_last_turn"] = _last_turn(runs["sglang_plain"], runs["sglang_radix"])
+    report["arms"] = {arm: _per_turn(arm_runs) for arm, arm_runs in runs.items()}
+    return report
 
 
 def _play(engine: Any, args: argparse.Namespace, vocab_size: int, *, seed: int) -> SessionRun:
@@ -115,23 +132,24 @@ def _play(engine: Any, args: argparse.Namespace, vocab_size: int, *, seed: int) 
 
 def _per_turn(runs: list[SessionRun]) -> dict[str, list[float]]:
     def median(values: list[list[float]] | list[list[int]]) -> list[float]:
-        return [round(statistics.median(turn), 5) for turn in zip(*values, strict=True)]
+        return [round(statistics.median(turn), 5) for turn in zip(*values, strict=True)] if values[0] else []
 
     return {"latency_s_median": median([r.latency_s for r in runs]),
-            "prefill_s_median": median([r.prefill_s for r in runs]),
+            "prefill_s_median": median([r.prefill_s for r in runs]),  # empty for SGLang (not measured)
             "prefill_tokens_median": median([r.prefill_tokens for r in runs]),
             "cached_tokens_median": median([r.cached_tokens for r in runs])}
 
 
-def _last_turn(runs: dict[str, list[SessionRun]]) -> dict[str, Any]:
+def _last_turn(plain: list[SessionRun], cached: list[SessionRun]) -> dict[str, Any]:
     """Plain / cached at the last turn: per repeat, then median and spread ((max - min) / median)."""
     out: dict[str, Any] = {}
     for key in ("prefill_tokens", "latency_s", "prefill_s"):
-        ratios = [getattr(p, key)[-1] / max(getattr(c, key)[-1], 1e-9)
-                  for p, c in zip(runs["plain"], runs["cached"], strict=True)]
+        if not getattr(plain[0], key):
+            continue
+        ratios = [getattr(p, key)[-1] / max(getattr(c, key)[-1], 1e-9) for p, c in zip(plain, cached, strict=True)]
         middle = statistics.median(ratios)
         out[f"{key}_plain_over_cached"] = {"median": round(middle, 3), "runs": [round(r, 3) for r in ratios],
                                            "spread_pct": round(100 * (max(ratios) - min(ratios)) / middle, 1)}
-        for arm in ARMS:
-            out[f"{key}_{arm}_median"] = round(statistics.median(getattr(r, key)[-1] for r in runs[arm]), 5)
+        for arm, arm_runs in (("plain", plain), ("cached", cached)):
+            out[f"{key}_{arm}_median"] = round(statistics.median(getattr(r, key)[-1] for r in arm_runs), 5)
     return out
