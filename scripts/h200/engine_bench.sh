@@ -8,6 +8,9 @@
 #   system warms up at each concurrency, then 3 timed runs. ~4 min (the eager engine and `generate`
 #   at ~70 ms a decode step are most of it).
 # c8: the embedded engine and `generate` at 8 concurrent requests only (~1 min).
+# sessions: `--sessions`, 50-turn sessions of 80 + 80 tokens (8,000 at turn 50, inside SmolLM2's
+#   8192-token context), the embedded engine with and without its radix prefix cache
+#   (docs/benchmarks/prefix-cache.md; ~2-3 min).
 set -u
 source scripts/h200/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -16,6 +19,7 @@ for variant in "$@"; do
   case $variant in
     main) args=(--systems embedded embedded_eager generate --concurrency 1 32 128) ;;
     c8) args=(--systems embedded generate --concurrency 8) ;;
+    sessions) args=(--sessions --turns 50 --user-tokens 80 --answer-tokens 80) ;;
     *) echo "unknown variant $variant"; exit 2 ;;
   esac
   start=$SECONDS
@@ -29,6 +33,9 @@ try:
     report = json.load(open(sys.argv[1]))
 except OSError:
     sys.exit("  no JSON: see the log under $OUT")
+if "last_turn" in report:  # --sessions
+    print(json.dumps(report["last_turn"], indent=1))
+    sys.exit(0)
 for name, by_c in report["systems"].items():
     for c, s in by_c.items():
         runs = ", ".join(f"{r:.0f}" for r in s["tokens_per_s_runs"])

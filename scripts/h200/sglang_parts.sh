@@ -24,6 +24,9 @@
 #   bench           `miles bench engine`: SGLang, the embedded engine and transformers `generate`, same GPU,
 #                   model, prompts (also the embedded-vs-generate numbers of engine.md)
 #                   (docs/benchmarks/engine.md; ~4 min)
+#   sessions        `miles bench engine --sessions`: 50-turn sessions (80 + 80 tokens a turn), the embedded
+#                   engine and SGLang each with their radix cache on and off, same sessions
+#                   (docs/benchmarks/prefix-cache.md; ~5 min, two SGLang start-ups of it)
 set -u
 source scripts/h200/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -147,6 +150,14 @@ PY
       echo "bench: exit $? in $((SECONDS - start)) s"
       grep -E 'tok/s' "$OUT/bench.log" | tail -12
       python3 -c "import json; r = json.load(open('$OUT/engine-sglang-h200.json')); print(json.dumps(r['ratios']))" ;;
+    sessions)
+      need_sglang
+      start=$SECONDS
+      CUDA_VISIBLE_DEVICES=0 timeout 580 miles bench engine --model .benchcfg --random-weights --device cuda \
+        --sessions --turns 50 --user-tokens 80 --answer-tokens 80 --repeats 3 --systems sglang \
+        --sglang-python python3 --sglang-env "${SG_ENV[@]}" --out "$OUT/prefix-cache-h200.json" >"$OUT/sessions.log" 2>&1
+      echo "sessions: exit $? in $((SECONDS - start)) s"
+      python3 -c "import json; r = json.load(open('$OUT/prefix-cache-h200.json')); print(json.dumps({k: r.get(k) for k in ('last_turn', 'sglang_last_turn')}, indent=1))" ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done

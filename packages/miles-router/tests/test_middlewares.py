@@ -97,7 +97,7 @@ def test_metrics_counts_requests_tokens_and_latency_per_worker(engines: list[Sta
         snapshot = client.get("/metrics").json()
         total = snapshot["metrics"]["total"]
         assert (total["requests"], total["errors"], total["aborts"]) == (6, 1, 1)
-        assert total["tokens"] == {"prompt": 1 + 2 + 3 + 4, "completion": 8}
+        assert total["tokens"] == {"prompt": 1 + 2 + 3 + 4, "completion": 8, "cached": 0}
         assert total["finish_reasons"] == {"length": 4, "abort": 1}
         latency = total["latency_s"]
         assert latency["count"] == 6 and latency["p50"] <= latency["p90"] <= latency["p99"]

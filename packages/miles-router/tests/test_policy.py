@@ -238,7 +238,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 SECTION = RouterSection(middlewares=["metrics", "access_log"], middleware_options={"access_log": {"path": "x"}},
                         health_interval=0.25, failure_threshold=2, health_timeout=1.5, request_timeout=60,
-                        max_attempts=4, affinity_capacity=10, check_weight_version=False, forward_client="httpx")
+                        max_attempts=4, affinity_capacity=10, check_weight_version=False, forward_client="httpx",
+                        policy="cache_aware", prefix_max_imbalance=3)
 
 
 def test_router_command_hands_the_router_its_config_file(tmp_path) -> None:
@@ -255,12 +256,14 @@ def test_every_setting_has_a_flag_derived_from_the_section() -> None:
     flags = ["--middleware", "metrics", "--middleware", "access_log", "--middleware-options",
              json.dumps(SECTION.middleware_options), "--health-interval", "0.25", "--failure-threshold", "2",
              "--health-timeout", "1.5", "--request-timeout", "60", "--max-attempts", "4", "--affinity-capacity", "10",
-             "--no-check-weight-version", "--forward-client", "httpx"]
+             "--no-check-weight-version", "--forward-client", "httpx", "--policy", "cache_aware",
+             "--prefix-max-imbalance", "3"]
     assert section_from_args(_parse(flags)) == SECTION
     assert set(RouterSection.model_fields) == {"middlewares", "middleware_options", "health_interval",
                                                 "failure_threshold", "health_timeout", "request_timeout",
                                                 "max_attempts", "affinity_capacity", "check_weight_version",
-                                                "forward_client"}  # a new setting: add its flag above
+                                                "forward_client", "policy", "prefix_max_imbalance"}
+    # a new setting: add its flag above
 
 
 def test_bad_settings_fail_with_every_problem_listed(capsys: pytest.CaptureFixture[str]) -> None:

@@ -178,7 +178,7 @@ class Engine:
     def _response(self, seq: Sequence) -> GenerateResponse:
         meta = MetaInfo(
             id=seq.rid, finish_reason=seq.finish, prompt_tokens=len(seq.prompt_ids),
-            completion_tokens=len(seq.output_ids), cached_tokens=0, weight_version=seq.weight_version,
+            completion_tokens=len(seq.output_ids), cached_tokens=seq.cached_tokens, weight_version=seq.weight_version,
             e2e_latency=time.perf_counter() - seq.created,
         )
         if seq.return_logprob:
@@ -254,6 +254,7 @@ class Engine:
     def server_info(self) -> dict[str, Any]:
         """Engine settings and batching statistics (``GET /get_server_info``)."""
         cache = self.scheduler.runner.cache
+        prefix = self.scheduler.runner.prefix
         return {
             "engine": "miles-embedded", "tp_size": 1, "weight_version": self.weight_version,
             "paused": self.paused, "memory_released": sorted(self.scheduler.memory.released),
@@ -262,6 +263,7 @@ class Engine:
             "kv_cache_bytes": cache.nbytes, "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting), "stats": self.scheduler.stats.as_dict(),
             "cuda_graphs": self._graph_info(),
+            "radix_cache": prefix.info() if prefix is not None else {"enabled": False},
             "uptime_s": round(time.time() - self.started_at, 3),
         }
 

@@ -60,6 +60,8 @@ class MemoryOccupation:
             self._kv_capacity = (runner.cache.slots, runner.cache.length)
             runner.cache.k = runner.cache.v = None  # even a kept allocation (graphs are dropped below)
             runner.cache.slots = runner.cache.length = 0
+            if runner.prefix is not None:  # cached prefixes go too (the next rollout has new weights anyway)
+                runner.prefix.drop_memory()
         if "weights" in wanted and "weights" not in self.released:
             self._weights = [(storage, _host_copy(storage)) for storage in _weight_storages(runner.model)]
             for storage, _ in self._weights:

@@ -37,6 +37,13 @@ class EngineSection(BaseModel):
         linear weights in memory; see ``cpu_linear.py``).
     :ivar disable_cuda_graph: run decode steps eagerly on CUDA; by default each decode step is a
         replayed CUDA graph (see ``cuda_graphs.py``; not used for MoE models recording routes).
+    :ivar disable_radix_cache: prefill every request in full. By default (unset) the KV of requests'
+        token prefixes is kept and a request that starts with one prefills only the rest (see
+        ``prefix_cache.py`` and ``docs/design/prefix-reuse.md``), except in deterministic mode: a
+        copied prefix's KV was computed by other forwards (decode steps) than a full prefill's and
+        differs in the last bits, so a request's bits would depend on what ran before it.
+    :ivar radix_cache_tokens: most tokens the prefix cache keeps (least recently used prefixes are
+        evicted beyond it); default: half of ``max_kv_tokens``. Its memory grows with use.
     :ivar seed: seeds the sampler of requests that carry no ``sampling_seed``.
     :ivar tokenizer_path: tokenizer folder, if not the model's.
     :ivar served_model_name: the name ``/get_model_info`` reports (default: the model folder's name).
@@ -75,6 +82,13 @@ class EngineSection(BaseModel):
     )
     disable_cuda_graph: bool = Field(
         default=False, description="CUDA: run decode steps eagerly instead of as replayed CUDA graphs",
+    )
+    disable_radix_cache: bool | None = Field(
+        default=None, description="prefill every request in full (no prefix cache); default: off only in "
+        "deterministic mode",
+    )
+    radix_cache_tokens: int | None = Field(
+        default=None, ge=1, description="most tokens the prefix cache keeps; default: half of max_kv_tokens",
     )
     seed: int = Field(default=0, description="seed of requests without a sampling_seed")
     tokenizer_path: str | None = Field(default=None, description="tokenizer folder, if not the model's")

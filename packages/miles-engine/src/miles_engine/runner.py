@@ -16,6 +16,7 @@ from miles_engine import cpu_linear
 from miles_engine.cuda_graphs import DecodeGraphs, GraphCaptureError, bucket_for
 from miles_engine.kv_cache import SlotKVCache
 from miles_engine.loading import LoadedModel
+from miles_engine.prefix_cache import PrefixCache
 from miles_engine.routing import RoutingCapture, find_routers
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, max_slots: int, *, pack_linears: bool = True,
-                 cuda_graphs: bool = True, batch_invariant: bool = False) -> None:
+                 cuda_graphs: bool = True, batch_invariant: bool = False, prefix_cache_tokens: int = 0) -> None:
         import torch
 
         self.loaded = loaded
@@ -40,6 +41,8 @@ class ModelRunner:
         self.cache = SlotKVCache(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.dtype, loaded.device,
                                  keep_allocation=graphed)
         self.graphs = DecodeGraphs(self.model, self.cache, max_slots) if graphed else None
+        # KV of earlier requests' prefixes, beside the slot cache (0 tokens: no prefix cache)
+        self.prefix = PrefixCache(self.cache, prefix_cache_tokens) if prefix_cache_tokens else None
         self.packed = None
         if pack_linears and loaded.device.type == "cpu" and loaded.dtype == torch.float32 and cpu_linear.available():
             self.packed = cpu_linear.PackedLinears(self.model, batch_invariant=batch_invariant)
@@ -51,9 +54,16 @@ class ModelRunner:
 
     def weights_changed(self, storages: Collection[int] | None = None) -> None:
         """Call after any in-place change of the model's weights (derived copies follow);
-        ``storages``: the ``untyped_storage().data_ptr()`` of what changed (``None``: anything may have)."""
+        ``storages``: the ``untyped_storage().data_ptr()`` of what changed (``None``: anything may have).
+        Cached prefixes were computed with the old weights: they are all dropped."""
         if self.packed is not None:
             self.packed.repack(storages)
+        if self.prefix is not None:
+            self.prefix.invalidate()
+
+    def reserve(self, slots: int, length: int) -> None:
+        """Make the slot cache hold ``slots`` requests of ``length`` tokens (contents kept)."""
+        self.cache.reserve(slots, length, max_slots=self.max_slots, max_length=self.loaded.context_length)
 
     def prefill(self, seq: Sequence, slot: int) -> torch.Tensor:
         """Feed ``seq.all_ids[seq.kv_len:]`` into ``slot``; returns the next-token logits ``[1, V]``
@@ -63,7 +73,7 @@ class ModelRunner:
         ids = seq.all_ids[seq.kv_len :]
         start, length = seq.kv_len, len(ids)
         end = start + length
-        self.cache.reserve(slot + 1, end, max_slots=self.max_slots, max_length=self.loaded.context_length)
+        self.reserve(slot + 1, end)
         self.cache.plan_prefill(slot, start, length)
         device = self.device
         positions = torch.arange(start, end, device=device)
@@ -92,7 +102,7 @@ class ModelRunner:
 
         lengths = [len(s.prompt_ids) + len(s.output_ids) for s in seqs]
         width = max(lengths)
-        self.cache.reserve(first_slot + len(seqs), width, max_slots=self.max_slots, max_length=self.loaded.context_length)
+        self.reserve(first_slot + len(seqs), width)
         self.cache.plan_prefill_batch(first_slot, lengths, width)
         device = self.device
         ids = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -126,7 +136,7 @@ class ModelRunner:
         kv_len = max(positions_list) + 1
         # A graph's pad rows write into the slots after the batch: reserve the whole bucket.
         slots = batch if self.graphs is None else bucket_for(batch, self.graphs.buckets)
-        self.cache.reserve(slots, kv_len, max_slots=self.max_slots, max_length=self.loaded.context_length)
+        self.reserve(slots, kv_len)
         if self.graphs is not None:
             try:
                 logits = self.graphs.decode([s.output_ids[-1] for s in seqs], positions_list)

@@ -50,6 +50,7 @@ class SchedulerStats:
     prefill_requests: int = 0
     prefill_forwards: int = 0  # < prefill_requests when new requests were prefilled together
     prefill_tokens: int = 0
+    cached_prefill_tokens: int = 0  # prompt tokens copied from the prefix cache instead of prefilled
     finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
     step_errors: int = 0
     decode_seconds: float = 0.0  # wall time of decode steps (forward + sampling), for roofline maths
@@ -61,7 +62,7 @@ class SchedulerStats:
         return {"decode_steps": self.decode_steps, "decode_tokens": self.decode_tokens,
                 "mean_decode_batch": round(mean, 3), "max_decode_batch": self.max_decode_batch,
                 "prefill_requests": self.prefill_requests, "prefill_forwards": self.prefill_forwards,
-                "prefill_tokens": self.prefill_tokens,
+                "prefill_tokens": self.prefill_tokens, "cached_prefill_tokens": self.cached_prefill_tokens,
                 "finished": dict(self.finished), "step_errors": self.step_errors,
                 "decode_seconds": round(self.decode_seconds, 6), "prefill_seconds": round(self.prefill_seconds, 6),
                 "gathered_waits": self.gathered_waits}
@@ -75,7 +76,8 @@ class Scheduler:
         self.max_kv_tokens = max_kv_tokens
         self.runner = ModelRunner(loaded, config.max_running_requests, pack_linears=not config.plain_linear,
                                   cuda_graphs=not config.disable_cuda_graph,
-                                  batch_invariant=config.enable_deterministic_inference)
+                                  batch_invariant=config.enable_deterministic_inference,
+                                  prefix_cache_tokens=prefix_cache_tokens(config, max_kv_tokens))
         self.codec = TextCodec(loaded.tokenizer)
         self.stop_checker = StopChecker(self.codec)
         self.generator = torch.Generator(device=loaded.device).manual_seed(config.seed)
@@ -168,7 +170,10 @@ class Scheduler:
         elif mode == "retract":
             # Keep the tokens, drop the KV: on continue each request is prefilled again with
             # everything it has so far and goes on decoding (with the weights of that time).
-            for seq in reversed(self.running):
+            for slot in range(len(self.running) - 1, -1, -1):
+                seq = self.running[slot]
+                if self.runner.prefix is not None:  # keep its KV: it resumes from the prefix cache
+                    self.runner.prefix.leave(seq, slot, keep=True)
                 seq.kv_len = 0
                 self.waiting.appendleft(seq)
             self.running.clear()
@@ -201,6 +206,8 @@ class Scheduler:
         if self.has_work():
             return False
         self.runner.cache.release()
+        if self.runner.prefix is not None:
+            self.runner.prefix.invalidate()
         return True
 
     @property
@@ -266,6 +273,8 @@ class Scheduler:
         self.running.clear()
         self.waiting.clear()
         self.runner.cache.release()
+        if self.runner.prefix is not None:  # what the failed step left in the slots is in doubt
+            self.runner.prefix.drop_memory()
 
     def _run_jobs(self) -> None:
         while True:
@@ -284,7 +293,8 @@ class Scheduler:
         fresh: list[Sequence] = []  # new requests, prefilled together in one forward
         while self.waiting and len(self.running) + len(fresh) < self.config.max_running_requests:
             seq = self.waiting[0]
-            need = len(seq.all_ids) - seq.kv_len
+            cached = self.runner.prefix.usable(seq) if self.runner.prefix is not None else 0
+            need = len(seq.all_ids) - seq.kv_len - cached
             if admitted and need > budget:
                 break
             if (self.running or fresh) and not self._fits(seq, fresh):
@@ -296,9 +306,9 @@ class Scheduler:
                 seq.finish = FinishReason(type="length", length=len(seq.output_ids))
                 self._deliver(seq)
                 continue
-            if seq.kv_len == 0:
+            if seq.kv_len == 0 and not cached:
                 fresh.append(seq)
-            else:  # resumed with part of its prompt cached: prefilled on its own
+            else:  # part of it cached (prefix cache, or an in-place pause): prefilled on its own
                 self._prefill([seq])
         if fresh and self.config.enable_deterministic_inference:  # a batched prefill pads to the longest prompt
             for seq in fresh:
@@ -315,6 +325,11 @@ class Scheduler:
         first_slot = len(self.running)
         self.running.extend(seqs)
         started = time.perf_counter()
+        prefix = self.runner.prefix
+        restored = 0
+        if prefix is not None and len(seqs) == 1 and seqs[0].kv_len == 0:
+            self.runner.reserve(first_slot + 1, len(seqs[0].all_ids))
+            restored = prefix.restore(seqs[0], first_slot)
         fed = sum(len(s.all_ids) - s.kv_len for s in seqs)
         try:
             if len(seqs) == 1:
@@ -327,10 +342,15 @@ class Scheduler:
             self.stats.step_errors += 1
             prefilled, logits = self._prefill_one_by_one(seqs, first_slot, exc)
         if prefilled:
+            if prefix is not None:  # before sampling: the KV holds exactly the fed tokens now
+                for offset, seq in enumerate(seqs):
+                    if not seq.finished:
+                        prefix.store(seq, first_slot + offset)
             self._append_sampled(prefilled, logits)
             self.stats.prefill_requests += len(prefilled)
             self.stats.prefill_forwards += 1
             self.stats.prefill_tokens += fed
+            self.stats.cached_prefill_tokens += restored
         self.stats.prefill_seconds += time.perf_counter() - started
         self._retire_finished()
 
@@ -410,6 +430,9 @@ class Scheduler:
             seq = self.running[index]
             if not seq.finished:
                 continue
+            if self.runner.prefix is not None:  # before another request moves into its slot
+                assert seq.finish is not None
+                self.runner.prefix.leave(seq, index, keep=seq.finish.type != "abort")
             last = len(self.running) - 1
             if index != last:
                 moved = self.running[last]
@@ -426,3 +449,11 @@ class Scheduler:
             seq.on_finish(seq)
         except Exception:
             log.exception("delivering the result of request %s failed", seq.rid)
+
+
+def prefix_cache_tokens(config: EngineConfig, max_kv_tokens: int) -> int:
+    """Tokens the prefix cache may keep (0: no prefix cache); see ``EngineSection.radix_cache_tokens``."""
+    disabled = config.disable_radix_cache
+    if disabled or (disabled is None and config.enable_deterministic_inference):
+        return 0
+    return config.radix_cache_tokens or max(max_kv_tokens // 2, 1)

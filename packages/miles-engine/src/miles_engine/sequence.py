@@ -39,6 +39,7 @@ class Sequence:
     routed: list[torch.Tensor] = field(default_factory=list)
     routed_rows: int = 0
     kv_len: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (meta_info.cached_tokens)
     finish: FinishReason | None = None
     weight_version: str | None = None
     created: float = field(default_factory=time.perf_counter)

@@ -21,6 +21,14 @@ class RouterSection(Section):
     request_timeout: float = Field(default=3600.0, gt=0, description="seconds an engine may take to answer one request")
     max_attempts: int = Field(default=3, ge=1, description="engines one request may be tried on (failover)")
     affinity_capacity: int = Field(default=100_000, ge=1, description="routing keys remembered for session affinity")
+    policy: Literal["least_in_flight", "cache_aware"] = Field(
+        default="least_in_flight", description="placement of requests without a routing key: least_in_flight, or "
+        "cache_aware (the worker that was sent the longest prefix of the prompt, within prefix_max_imbalance)",
+    )
+    prefix_max_imbalance: int = Field(
+        default=8, ge=0, description="cache_aware: a worker may have this many more requests in flight than the "
+        "least busy one and still win on its prefix",
+    )
     check_weight_version: bool = Field(
         default=True, description="hold back a worker whose weight_version is behind the fleet's"
     )

@@ -136,7 +136,8 @@ class Forwarder:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.request_timeout
         while len(tried) < self.max_attempts:
-            worker = self.policy.choose(self.fleet.routable(), request.routing_key, exclude=tried)
+            worker = self.policy.choose(self.fleet.routable(), request.routing_key, exclude=tried,
+                                        body=request.body if request.path == "/generate" else None)
             if worker is None:
                 break
             left = deadline - loop.time()

@@ -18,6 +18,7 @@ from miles_router.fanout import FANOUT_PATHS, Broadcaster
 from miles_router.fleet import Fleet
 from miles_router.health import HealthMonitor
 from miles_router.middleware import NamedMiddleware, compose
+from miles_router.prefix_routing import CacheAware
 from miles_router.proxy import Forwarder
 from miles_router.selection import AffinityTable, LeastInFlight
 from miles_router.workers import Worker, normalize_worker_url
@@ -42,7 +43,9 @@ class Router:
                            check_weight_version=section.check_weight_version)
         for url in workers:
             self.fleet.add(url)
-        self.policy = LeastInFlight(AffinityTable(section.affinity_capacity))
+        affinity = AffinityTable(section.affinity_capacity)
+        self.policy = (CacheAware(affinity, section.prefix_max_imbalance) if section.policy == "cache_aware"
+                       else LeastInFlight(affinity))
         self.middlewares = list(middlewares)
         self._chain = compose(self.middlewares, self._dispatch)
         self._client: httpx.AsyncClient | None = None
@@ -139,6 +142,8 @@ class Router:
                                       "failed_requests": w.failed_requests, "weight_version": w.weight_version}
                               for w in self.fleet}}
         snapshot: dict[str, Any] = {"router": gauges}
+        if isinstance(self.policy, CacheAware):
+            snapshot["prefix_routing"] = self.policy.snapshot()
         for link in self.middlewares:
             if link.report is not None:
                 snapshot[link.name] = link.report.snapshot()
@@ -149,6 +154,8 @@ class Router:
         lines += [f'miles_router_worker_in_flight{{worker="{w.url}"}} {w.in_flight}' for w in self.fleet]
         lines.append("# TYPE miles_router_worker_healthy gauge")
         lines += [f'miles_router_worker_healthy{{worker="{w.url}"}} {int(w.serving)}' for w in self.fleet]
+        if isinstance(self.policy, CacheAware):
+            lines.append(self.policy.prometheus().rstrip("\n"))
         for link in self.middlewares:
             text = link.report.prometheus().rstrip("\n") if link.report is not None else ""
             if text:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Collection, Sequence
+from typing import Any
 
 from miles_router.workers import Worker
 
@@ -49,7 +50,8 @@ class LeastInFlight:
         self.affinity = affinity
 
     def choose(self, candidates: Sequence[Worker], routing_key: str | None,
-               exclude: Collection[str] = ()) -> Worker | None:
+               exclude: Collection[str] = (), body: Any = None) -> Worker | None:
+        """``body``: the request's JSON body, for policies that place by its content (this one does not)."""
         usable = [w for w in candidates if w.url not in exclude]
         if not usable:
             return None

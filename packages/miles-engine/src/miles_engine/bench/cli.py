@@ -14,6 +14,7 @@ configuration reports the median, every run, and the spread ((max - min) / media
         --vllm-python /work/venvs/vllm/bin/python --out docs/benchmarks/engine-cpu.json
     miles bench engine --model .benchcfg --random-weights --systems embedded sglang \\
         --sglang-python python3 --sglang-env PYTHONPATH=/tmp/sg --concurrency 1 32 128 256
+    miles bench engine --sessions --turns 50 --user-tokens 80 --answer-tokens 80   # prefix cache on vs off
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 
 from miles.cli import emit_json
 
+from miles_engine.bench import sessions
 from miles_engine.bench.systems import EmbeddedSystem, GenerateSystem, Measured, SGLangSystem, VLLMSystem
 from miles_engine.bench.workload import Workload, build_workload
 
@@ -59,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="use random weights built from the model folder's config.json and tokenizer (no weight "
                              "files needed; the same speed): for machines that cannot pull the model")
     parser.add_argument("--out", help="also write the JSON here")
+    sessions.add_arguments(parser)
 
 
 def _at_least_three(text: str) -> int:
@@ -80,6 +83,15 @@ def run(args: argparse.Namespace) -> int:
     if args.random_weights:
         model_path = _random_copy(model_path, resolve_dtype(args.dtype, device))
     dtype = resolve_dtype(args.dtype, device)
+    if args.sessions:
+        emit_json({"benchmark": "engine-sessions", "model": args.model, "random_weights": args.random_weights,
+                  "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                  "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
+                  "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+                  **sessions.run_sessions(args, model_path, len(AutoTokenizer.from_pretrained(model_path)),
+                                          _sglang(args, model_path, dtype, device) if "sglang" in args.systems else None)},
+                  args.out)
+        return 0
     workload = build_workload(AutoTokenizer.from_pretrained(model_path), args.max_new_tokens)
     report: dict[str, Any] = {
         "benchmark": "engine", "model": args.model, "model_path": model_path, "random_weights": args.random_weights,
@@ -126,8 +138,8 @@ def run(args: argparse.Namespace) -> int:
         if device.type != "cuda":
             report["systems"]["sglang"] = {"skipped": "SGLang runs on CUDA only"}
         else:
-            sglang = SGLangSystem(args.sglang_python, model_path, dtype=str(dtype).removeprefix("torch."),
-                                  env=_pairs(args.sglang_env), attention_backend=args.sglang_attention_backend)
+            sglang = _sglang(args, model_path, dtype, device)
+            assert sglang is not None  # on CUDA
             runs["sglang"] = sglang.run_all(workload, args.concurrency, args.repeats)
             report["sglang"] = sglang.info
     for name, by_concurrency in runs.items():
@@ -196,6 +208,13 @@ def _roofline(system: EmbeddedSystem, runs: dict[int, Measured], workload: Workl
             entry["fraction_of_roofline"] = round(achieved / (peak * 1e12), 4)
         out["by_concurrency"][str(c)] = entry
     return out
+
+
+def _sglang(args: argparse.Namespace, model_path: str, dtype: Any, device: Any) -> SGLangSystem | None:
+    if device.type != "cuda":
+        return None
+    return SGLangSystem(args.sglang_python, model_path, dtype=str(dtype).removeprefix("torch."),
+                        env=_pairs(args.sglang_env), attention_backend=args.sglang_attention_backend)
 
 
 def _pairs(items: list[str]) -> dict[str, str]:

@@ -193,20 +193,9 @@ class SGLangSystem:
         self.info: dict[str, Any] = {}
 
     def run_all(self, workload: Workload, concurrencies: list[int], repeats: int) -> dict[int, Measured]:
-        runner = Path(__file__).with_name("sglang_runner.py")
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | self.env
-        with tempfile.TemporaryDirectory(prefix="miles-bench-sglang-") as tmp:
-            result = Path(tmp) / "result.json"
-            job = {"model": self.model_path, "dtype": self.dtype, "prompts": workload.prompts,
-                   "max_new_tokens": workload.max_new_tokens, "temperature": workload.temperature,
-                   "concurrencies": concurrencies, "repeats": repeats, "attention_backend": self.attention_backend,
-                   "mem_fraction_static": self.mem_fraction_static, "result_path": str(result)}
-            # its own session: SGLang's scheduler processes go with it when a run is cut short
-            done = subprocess.run([self.python, str(runner)], input=json.dumps(job), capture_output=True, text=True,
-                                  env=env, timeout=self.timeout, start_new_session=True)
-            if done.returncode != 0 or not result.is_file():
-                raise RuntimeError(f"SGLang run failed (exit {done.returncode}): {(done.stderr or done.stdout)[-3000:]}")
-            answer = json.loads(result.read_text())
+        answer = self.run_job("sglang_runner.py", {
+            "prompts": workload.prompts, "max_new_tokens": workload.max_new_tokens,
+            "temperature": workload.temperature, "concurrencies": concurrencies, "repeats": repeats})
         self.info = {k: answer[k] for k in ("startup_s", "version", "server") if k in answer}
 
         def run_result(r: dict[str, Any]) -> RunResult:
@@ -214,6 +203,22 @@ class SGLangSystem:
 
         return {int(c): Measured(run_result(answer["warmups"][c]), [run_result(r) for r in runs])
                 for c, runs in answer["runs"].items()}
+
+    def run_job(self, runner_name: str, job: dict[str, Any]) -> dict[str, Any]:
+        """Run ``bench/<runner_name>`` in SGLang's Python with ``job`` (plus the model and engine
+        settings) on stdin; returns the JSON it wrote to ``result_path``."""
+        runner = Path(__file__).with_name(runner_name)
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | self.env
+        with tempfile.TemporaryDirectory(prefix="miles-bench-sglang-") as tmp:
+            result = Path(tmp) / "result.json"
+            job = {"model": self.model_path, "dtype": self.dtype, "attention_backend": self.attention_backend,
+                   "mem_fraction_static": self.mem_fraction_static, "result_path": str(result), **job}
+            # its own session: SGLang's scheduler processes go with it when a run is cut short
+            done = subprocess.run([self.python, str(runner)], input=json.dumps(job), capture_output=True, text=True,
+                                  env=env, timeout=self.timeout, start_new_session=True)
+            if done.returncode != 0 or not result.is_file():
+                raise RuntimeError(f"SGLang run failed (exit {done.returncode}): {(done.stderr or done.stdout)[-3000:]}")
+            return json.loads(result.read_text())
 
 
 def _sync(device) -> None:

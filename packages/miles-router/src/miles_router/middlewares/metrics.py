@@ -6,8 +6,9 @@ Options: ``window`` (latencies kept per series for the percentiles, default 2048
 An *error* is an answer with HTTP status >= 400 or an abort the router made itself; an *abort* is
 any answer whose ``finish_reason`` is ``abort`` (the engine's or the router's); a *failover* is a
 request that needed more than one engine. Latency is from entering this middleware to the
-response (to its first byte for streams). Tokens are ``meta_info.prompt_tokens`` and
-``completion_tokens`` of ``/generate`` answers from engines.
+response (to its first byte for streams). Tokens are ``meta_info.prompt_tokens``,
+``completion_tokens`` and ``cached_tokens`` (prompt tokens the engine's prefix cache served; their
+share of the prompt tokens is ``prefix_cache_hit_rate``) of ``/generate`` answers from engines.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class _Series:
         self.finish_reasons = collections.Counter[str]()
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens the engine's prefix cache served (meta_info.cached_tokens)
         self.latencies: collections.deque[float] = collections.deque(maxlen=window)
 
     def record(self, status: int, latency: float, outcome: _Outcome) -> None:
@@ -54,6 +56,7 @@ class _Series:
         self.finish_reasons.update(outcome.finish_reasons)
         self.prompt_tokens += outcome.prompt_tokens
         self.completion_tokens += outcome.completion_tokens
+        self.cached_tokens += outcome.cached_tokens
         self.latencies.append(latency)
 
     def snapshot(self) -> dict[str, Any]:
@@ -65,7 +68,9 @@ class _Series:
         return {"requests": self.requests, "errors": self.errors, "aborts": self.aborts,
                 "failovers": self.failovers,
                 "status": dict(self.status), "finish_reasons": dict(self.finish_reasons),
-                "tokens": {"prompt": self.prompt_tokens, "completion": self.completion_tokens},
+                "tokens": {"prompt": self.prompt_tokens, "completion": self.completion_tokens,
+                           "cached": self.cached_tokens},
+                "prefix_cache_hit_rate": round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else None,
                 "latency_s": latency}
 
 
@@ -77,13 +82,13 @@ def _quantile(ordered: list[float], q: float) -> float | None:
 
 
 class _Outcome:
-    __slots__ = ("attempts", "completion_tokens", "finish_reasons", "prompt_tokens", "router_abort")
+    __slots__ = ("attempts", "cached_tokens", "completion_tokens", "finish_reasons", "prompt_tokens", "router_abort")
 
     def __init__(self, request: RouterRequest, response: RouterResponse | None) -> None:
         self.attempts = int(request.state.get(STATE_ATTEMPTS, 1) or 1)
         self.router_abort = STATE_ROUTER_ABORT in request.state
         self.finish_reasons: list[str] = []
-        self.prompt_tokens = self.completion_tokens = 0
+        self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
         body = response.body if response is not None else None
         for item in body if isinstance(body, list) else [body]:
             meta = item.get("meta_info") if isinstance(item, dict) else None
@@ -95,6 +100,7 @@ class _Outcome:
             if not self.router_abort:  # no engine saw those tokens
                 self.prompt_tokens += _count(meta.get("prompt_tokens"))
                 self.completion_tokens += _count(meta.get("completion_tokens"))
+                self.cached_tokens += _count(meta.get("cached_tokens"))
 
 
 def _count(value: object) -> int:
@@ -153,6 +159,7 @@ class MetricsMiddleware:
         for url, s in self.by_worker.items():
             lines.append(f'miles_router_tokens_total{{worker="{url}",kind="prompt"}} {s.prompt_tokens}')
             lines.append(f'miles_router_tokens_total{{worker="{url}",kind="completion"}} {s.completion_tokens}')
+            lines.append(f'miles_router_tokens_total{{worker="{url}",kind="cached"}} {s.cached_tokens}')
         lines.append("# TYPE miles_router_latency_seconds summary")
         for url, s in self.by_worker.items():
             ordered = sorted(s.latencies)
