@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -37,7 +38,8 @@ class Task:
 
     def test_source(self) -> str:
         cases = "".join(f"\n    def test_{name}(self):\n        {body}\n" for name, body in self.tests)
-        return f"import unittest\n\nfrom {self.module} import *  # noqa: F403\n\n\nclass {self.module.title().replace('_', '')}Test(unittest.TestCase):{cases}"
+        names = ", ".join(sorted(set(re.findall(r"^def (\w+)", self.buggy, re.M))))
+        return f"import unittest\n\nfrom {self.module} import {names}\n\n\nclass {self.module.title().replace('_', '')}Test(unittest.TestCase):{cases}"
 
 
 def _adder(i: int) -> Task:

@@ -44,3 +44,15 @@ def test_template_workspace_and_restore(sandbox_url: str, token: str) -> None:
         scored = run_tests(lease, settings)
         assert scored["passed"] == 2 and scored["total"] == 2
     client.close()
+
+
+def test_a_sandbox_whose_executor_is_killed_is_replaced(sandbox_url: str, token: str) -> None:
+    client = SandboxClient(sandbox_url, token=token)
+    replaced = client.stats()["replaced"]
+    with client.lease("adder") as lease:
+        result = lease.execute("kill -9 $PPID; sleep 1")  # the executor started this shell
+        assert result["returncode"] == -1 and "the sandbox died" in result["error"]
+    assert client.stats()["replaced"] == replaced + 1
+    with client.lease("adder") as lease:  # the pool is whole again
+        assert lease.execute("echo fine")["output"] == "fine\n"
+    client.close()

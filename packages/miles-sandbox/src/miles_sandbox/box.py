@@ -57,7 +57,7 @@ def bwrap_argv(limits: SandboxLimits, python: str, *, bwrap: str = "bwrap") -> l
              # `python` is the sandbox's interpreter, whatever the host calls it (Debian has only python3)
              "--dir", _TOOLS, "--symlink", python, f"{_TOOLS}/python", "--symlink", python, f"{_TOOLS}/python3",
              "--chdir", WORKSPACE, "--clearenv", "--setenv", "PATH", PATH,
-             "--setenv", "HOME", WORKSPACE, "--", python, "-I", "-S", "-c", Path(executor.__file__).read_text()]
+             "--setenv", "HOME", WORKSPACE, "--", python, "-I", "-S", "-c", Path(executor.__file__).read_text(), json.dumps(limits.rlimits())]
     return argv
 
 
@@ -156,7 +156,7 @@ class Sandbox:
                       cwd: str | None = None) -> ExecResult:
         answer = await self.request({
             "op": "exec", "command": command, "timeout_s": timeout_s, "max_output_bytes": self.limits.output_bytes,
-            "env": env or {}, "cwd": cwd, "limits": self.limits.rlimits(),
+            "env": env or {}, "cwd": cwd,
         }, timeout=timeout_s + 15.0)  # the executor kills at timeout_s; the rest is its clean-up
         try:
             return ExecResult(int(answer["returncode"]), str(answer["output"]), bool(answer["truncated"]),

@@ -6,8 +6,9 @@ It reads one JSON request per line on stdin and answers one JSON line on stdout:
 * ``{"op": "reset", "archive": b64}``: empty ``/workspace`` and ``/tmp``, unpack the template (a
   gzipped tar, base64) into ``/workspace``.
 * ``{"op": "restore", "archive": b64}``: unpack over ``/workspace`` (files of the template put back).
-* ``{"op": "exec", "command", "timeout_s", "max_output_bytes", "env", "cwd", "limits"}``: run
-  ``/bin/sh -c command`` with the per-process limits, stdout and stderr merged, stop reading at
+* ``{"op": "exec", "command", "timeout_s", "max_output_bytes", "env", "cwd"}``: run
+  ``/bin/sh -c command`` (the per-process limits, ``argv[1]`` as JSON, are this program's own,
+  inherited), stdout and stderr merged, stop reading at
   ``max_output_bytes`` (the command is killed: a 1 GB output costs 1 MB), kill it at the wall
   deadline; then kill every other process of the sandbox (``kill(-1)``), so nothing started in the
   background outlives its command (or its episode).
@@ -17,6 +18,7 @@ The service never trusts what this program says beyond its shape: a command can 
 """
 
 import base64
+import contextlib
 import ctypes
 import io
 import json
@@ -37,10 +39,8 @@ _PR_SET_DUMPABLE = 4
 
 def _undumpable():
     # commands run as the same user: without this one could ptrace this program and answer for it
-    try:
+    with contextlib.suppress(OSError):
         ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
-    except OSError:
-        pass
 
 
 def _empty(folder):
@@ -85,11 +85,11 @@ def _kill_others():
         time.sleep(0.005)
 
 
-def _limiter(limits):
-    def apply():
-        for name, value in limits.items():
-            resource.setrlimit(getattr(resource, name), (value, value))
-    return apply
+def _limit(limits):
+    """Set the commands' limits on this process once: children inherit them (each with counters of
+    its own), and a spawn without ``preexec_fn`` is ~4x faster (vfork instead of fork+exec)."""
+    for name, value in limits.items():
+        resource.setrlimit(getattr(resource, name), (value, value))
 
 
 def _exec(request):
@@ -102,8 +102,7 @@ def _exec(request):
     started = time.monotonic()
     try:
         process = subprocess.Popen(["/bin/sh", "-c", command], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True,
-                                   preexec_fn=_limiter(request.get("limits", {})))
+                                   stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True)
     except OSError as exc:  # e.g. the process limit is reached, or cwd is gone
         return {"returncode": -1, "output": "", "truncated": False, "timed_out": False,
                 "seconds": time.monotonic() - started, "error": f"cannot start the command: {exc}"}
@@ -128,10 +127,8 @@ def _exec(request):
         chunks.append(data)
         size += len(data)
     if timed_out or truncated:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     stream.close()
     try:
         returncode = process.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -147,7 +144,8 @@ def _exec(request):
 def _answer(request):
     op = request.get("op")
     if op == "ping":
-        return {"ok": True}
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return {"ok": True, "cpu_s": usage.ru_utime + usage.ru_stime}  # our own, under RLIMIT_CPU too
     if op == "exec":
         return _exec(request)
     if op == "reset":
@@ -162,6 +160,7 @@ def _answer(request):
 
 def main():
     _undumpable()
+    _limit(json.loads(sys.argv[1]) if len(sys.argv) > 1 else {})
     out = sys.stdout.buffer
     out.write(b'{"ready": true}\n')
     out.flush()

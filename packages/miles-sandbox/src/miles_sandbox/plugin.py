@@ -11,7 +11,15 @@ from typing import Any
 
 from miles import hookimpl
 from miles.registry import Register
-from miles_contracts import AgentSpec, CommandSpec, ConfigSectionSpec, RewardSpec, RunContext, Sample, ServiceSpec
+from miles_contracts import (
+    AgentSpec,
+    CommandSpec,
+    ConfigSectionSpec,
+    RewardSpec,
+    RunContext,
+    Sample,
+    ServiceSpec,
+)
 
 from miles_sandbox.config import SandboxSection
 

@@ -124,6 +124,10 @@ class Pool:
                 self.stats.probes += 1
                 await self._probe(sandbox)
             await self._reset(sandbox, None)
+            # the executor lives under the commands' RLIMIT_CPU: retire it well before it hits it
+            answer = await sandbox.request({"op": "ping"}, _PROBE_TIMEOUT_S)
+            if float(answer.get("cpu_s", 0.0)) > self.section.limits.cpu_s / 2:
+                raise SandboxError(f"sandbox {sandbox.index} used half its CPU limit: retired")
         except SandboxError:
             sandbox = await self._replace(sandbox)
         self._free.put_nowait(sandbox)

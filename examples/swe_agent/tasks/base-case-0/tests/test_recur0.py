@@ -1,6 +1,6 @@
 import unittest
 
-from recur0 import *  # noqa: F403
+from recur0 import factorial
 
 
 class Recur0Test(unittest.TestCase):

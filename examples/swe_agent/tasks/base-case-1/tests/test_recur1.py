@@ -1,6 +1,6 @@
 import unittest
 
-from recur1 import *  # noqa: F403
+from recur1 import fact
 
 
 class Recur1Test(unittest.TestCase):

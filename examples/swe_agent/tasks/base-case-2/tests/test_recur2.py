@@ -1,6 +1,6 @@
 import unittest
 
-from recur2 import *  # noqa: F403
+from recur2 import product_to
 
 
 class Recur2Test(unittest.TestCase):

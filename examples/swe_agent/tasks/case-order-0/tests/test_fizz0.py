@@ -1,6 +1,6 @@
 import unittest
 
-from fizz0 import *  # noqa: F403
+from fizz0 import label
 
 
 class Fizz0Test(unittest.TestCase):

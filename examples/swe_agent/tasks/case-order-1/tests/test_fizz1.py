@@ -1,6 +1,6 @@
 import unittest
 
-from fizz1 import *  # noqa: F403
+from fizz1 import label
 
 
 class Fizz1Test(unittest.TestCase):

@@ -1,6 +1,6 @@
 import unittest
 
-from fizz2 import *  # noqa: F403
+from fizz2 import label
 
 
 class Fizz2Test(unittest.TestCase):

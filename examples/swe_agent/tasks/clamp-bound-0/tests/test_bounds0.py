@@ -1,6 +1,6 @@
 import unittest
 
-from bounds0 import *  # noqa: F403
+from bounds0 import clamp
 
 
 class Bounds0Test(unittest.TestCase):

@@ -1,6 +1,6 @@
 import unittest
 
-from bounds1 import *  # noqa: F403
+from bounds1 import clamp
 
 
 class Bounds1Test(unittest.TestCase):

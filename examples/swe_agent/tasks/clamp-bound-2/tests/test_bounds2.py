@@ -1,6 +1,6 @@
 import unittest
 
-from bounds2 import *  # noqa: F403
+from bounds2 import clamp
 
 
 class Bounds2Test(unittest.TestCase):

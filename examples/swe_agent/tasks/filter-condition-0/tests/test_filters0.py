@@ -1,6 +1,6 @@
 import unittest
 
-from filters0 import *  # noqa: F403
+from filters0 import evens
 
 
 class Filters0Test(unittest.TestCase):

@@ -1,6 +1,6 @@
 import unittest
 
-from filters1 import *  # noqa: F403
+from filters1 import even_only
 
 
 class Filters1Test(unittest.TestCase):

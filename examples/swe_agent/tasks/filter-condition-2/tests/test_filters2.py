@@ -1,6 +1,6 @@
 import unittest
 
-from filters2 import *  # noqa: F403
+from filters2 import keep_even
 
 
 class Filters2Test(unittest.TestCase):

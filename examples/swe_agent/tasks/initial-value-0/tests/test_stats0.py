@@ -1,6 +1,6 @@
 import unittest
 
-from stats0 import *  # noqa: F403
+from stats0 import largest
 
 
 class Stats0Test(unittest.TestCase):

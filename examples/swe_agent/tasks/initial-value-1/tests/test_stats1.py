@@ -1,6 +1,6 @@
 import unittest
 
-from stats1 import *  # noqa: F403
+from stats1 import peak
 
 
 class Stats1Test(unittest.TestCase):

@@ -1,6 +1,6 @@
 import unittest
 
-from stats2 import *  # noqa: F403
+from stats2 import top
 
 
 class Stats2Test(unittest.TestCase):

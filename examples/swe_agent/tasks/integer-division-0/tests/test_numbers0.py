@@ -1,6 +1,6 @@
 import unittest
 
-from numbers0 import *  # noqa: F403
+from numbers0 import mean
 
 
 class Numbers0Test(unittest.TestCase):

@@ -1,6 +1,6 @@
 import unittest
 
-from numbers1 import *  # noqa: F403
+from numbers1 import average
 
 
 class Numbers1Test(unittest.TestCase):

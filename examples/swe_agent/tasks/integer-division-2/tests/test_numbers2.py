@@ -1,6 +1,6 @@
 import unittest
 
-from numbers2 import *  # noqa: F403
+from numbers2 import avg
 
 
 class Numbers2Test(unittest.TestCase):

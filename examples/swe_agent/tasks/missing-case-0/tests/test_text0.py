@@ -1,6 +1,6 @@
 import unittest
 
-from text0 import *  # noqa: F403
+from text0 import count_vowels
 
 
 class Text0Test(unittest.TestCase):

@@ -1,6 +1,6 @@
 import unittest
 
-from text1 import *  # noqa: F403
+from text1 import vowels
 
 
 class Text1Test(unittest.TestCase):

@@ -1,6 +1,6 @@
 import unittest
 
-from text2 import *  # noqa: F403
+from text2 import n_vowels
 
 
 class Text2Test(unittest.TestCase):

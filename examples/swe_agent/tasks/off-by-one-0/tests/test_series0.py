@@ -1,6 +1,6 @@
 import unittest
 
-from series0 import *  # noqa: F403
+from series0 import sum_to
 
 
 class Series0Test(unittest.TestCase):

@@ -1,6 +1,6 @@
 import unittest
 
-from series1 import *  # noqa: F403
+from series1 import series
 
 
 class Series1Test(unittest.TestCase):

@@ -1,6 +1,6 @@
 import unittest
 
-from series2 import *  # noqa: F403
+from series2 import triangle
 
 
 class Series2Test(unittest.TestCase):

@@ -1,6 +1,6 @@
 import unittest
 
-from words0 import *  # noqa: F403
+from words0 import is_palindrome
 
 
 class Words0Test(unittest.TestCase):

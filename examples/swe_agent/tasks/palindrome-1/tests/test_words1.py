@@ -1,6 +1,6 @@
 import unittest
 
-from words1 import *  # noqa: F403
+from words1 import reads_same
 
 
 class Words1Test(unittest.TestCase):

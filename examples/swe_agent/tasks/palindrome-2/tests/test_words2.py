@@ -1,6 +1,6 @@
 import unittest
 
-from words2 import *  # noqa: F403
+from words2 import mirror
 
 
 class Words2Test(unittest.TestCase):

@@ -1,6 +1,6 @@
 import unittest
 
-from names0 import *  # noqa: F403
+from names0 import shout
 
 
 class Names0Test(unittest.TestCase):

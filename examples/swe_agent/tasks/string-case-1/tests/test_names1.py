@@ -1,6 +1,6 @@
 import unittest
 
-from names1 import *  # noqa: F403
+from names1 import upper_name
 
 
 class Names1Test(unittest.TestCase):

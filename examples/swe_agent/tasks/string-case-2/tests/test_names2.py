@@ -1,6 +1,6 @@
 import unittest
 
-from names2 import *  # noqa: F403
+from names2 import caps
 
 
 class Names2Test(unittest.TestCase):

@@ -1,6 +1,6 @@
 import unittest
 
-from seq0 import *  # noqa: F403
+from seq0 import last
 
 
 class Seq0Test(unittest.TestCase):

@@ -1,6 +1,6 @@
 import unittest
 
-from seq1 import *  # noqa: F403
+from seq1 import final
 
 
 class Seq1Test(unittest.TestCase):

@@ -1,6 +1,6 @@
 import unittest
 
-from seq2 import *  # noqa: F403
+from seq2 import tail_item
 
 
 class Seq2Test(unittest.TestCase):

@@ -1,6 +1,6 @@
 import unittest
 
-from arith0 import *  # noqa: F403
+from arith0 import add
 
 
 class Arith0Test(unittest.TestCase):

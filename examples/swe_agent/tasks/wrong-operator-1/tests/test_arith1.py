@@ -1,6 +1,6 @@
 import unittest
 
-from arith1 import *  # noqa: F403
+from arith1 import plus
 
 
 class Arith1Test(unittest.TestCase):

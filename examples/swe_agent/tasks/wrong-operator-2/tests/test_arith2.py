@@ -1,6 +1,6 @@
 import unittest
 
-from arith2 import *  # noqa: F403
+from arith2 import total
 
 
 class Arith2Test(unittest.TestCase):
