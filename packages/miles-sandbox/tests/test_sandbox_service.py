@@ -56,3 +56,24 @@ def test_a_sandbox_whose_executor_is_killed_is_replaced(sandbox_url: str, token:
     with client.lease("adder") as lease:  # the pool is whole again
         assert lease.execute("echo fine")["output"] == "fine\n"
     client.close()
+
+
+def test_a_run_of_mini_swe_agent_starts_the_sandbox_service_with_the_runs_config() -> None:
+    import sys
+
+    from miles.config import build_config
+    from miles.kernel import Kernel
+    from miles.loop.services import _waves, plan_services
+    from miles.placement import plan_placement
+    from miles_contracts import Endpoint, Node, ServiceLaunch
+
+    kernel = Kernel.load()
+    config = build_config({"rollout": {"generator": "agentic", "agent": "mini_swe_agent"}}, kernel=kernel)
+    planned = plan_services(config, kernel, plan_placement(config.resources, [Node("local", "127.0.0.1")]))
+    # the agent's spec asks for the role; it needs no other service, so it starts with the engines
+    assert [[p.name for p in wave] for wave in _waves(planned)] == [["engine-0", "sandbox"], ["router"], ["session"]]
+    sandbox = next(p for p in planned if p.role == "sandbox")
+    argv = sandbox.service.command(ServiceLaunch(config, "/runs/r/config.yaml", "/models/m",
+                                                 Endpoint("127.0.0.1", 4100), {}))
+    assert argv[:3] == [sys.executable, "-m", "miles_sandbox"]
+    assert argv[argv.index("--config") + 1] == "/runs/r/config.yaml" and argv[argv.index("--port") + 1] == "4100"

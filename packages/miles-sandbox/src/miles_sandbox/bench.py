@@ -84,7 +84,8 @@ async def _measure(url: str, token: str, levels: list[int], calls: int, repeats:
                     "subprocess": [await _burst(_subprocess_call, level, calls) for _ in range(repeats)]}
             for lease in leases:
                 await http.delete(f"/sandboxes/{lease}")
-            row = {path: {key: _summary([r[key] for r in rs]) for key in rs[0]} for path, rs in runs.items()}
+            row: dict[str, Any] = {path: {key: _summary([r[key] for r in rs]) for key in rs[0]}
+                                   for path, rs in runs.items()}
             row["ratio_calls_per_s"] = row["sandbox"]["calls_per_s"]["median"] / row["subprocess"]["calls_per_s"]["median"]
             row["ratio_p50"] = row["sandbox"]["p50_ms"]["median"] / row["subprocess"]["p50_ms"]["median"]
             results[str(level)] = row

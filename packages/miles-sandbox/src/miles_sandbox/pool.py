@@ -176,7 +176,8 @@ class Pool:
             await asyncio.sleep(min(30.0, self.section.lease_idle_s / 2))
             now = time.monotonic()
             for lease_id, lease in list(self._leases.items()):
-                if now - lease.last_used > self.section.lease_idle_s and self._leases.pop(lease_id, None):
+                if now - lease.last_used > self.section.lease_idle_s and lease_id in self._leases:
+                    del self._leases[lease_id]
                     await self._give_back(lease)
 
     # ------------------------------------------------------------------ templates
