@@ -41,7 +41,8 @@ class SandboxSection(BaseModel):
     """``sandbox``: the sandbox service of a run (``miles_sandbox``; see docs/design/sandbox.md).
 
     :ivar templates_dir: folder of task templates; a lease names one of its sub-folders, copied into
-        the sandbox's fresh workspace. None: leases start from an empty workspace.
+        the sandbox's fresh workspace (relative: to the folder the run was started in). None:
+        leases start from an empty workspace.
     :ivar pool_size: sandboxes at most (each episode holds one); all are started warm.
     :ivar acquire_timeout_s: how long a lease request waits for a free sandbox before 503.
     :ivar lease_idle_s: a lease nobody used for this long is taken back (an agent that died).

@@ -101,13 +101,19 @@ def run_swe_episode(model_url: str, api_key: str, sandbox_url: str, episode: Swe
 
 
 def bind(ctx: RunContext) -> AgentFn:
-    """The agent for this run (``AgentSpec.bind``, in the driver)."""
-    max_turns = ctx.config.rollout.max_turns
-    wall = ctx.config.rollout.agent_timeout
+    """The agent for this run (``AgentSpec.bind``, in the driver): the sandbox is the run's service."""
+    return swe_agent(None, max_turns=ctx.config.rollout.max_turns, wall_s=ctx.config.rollout.agent_timeout)
+
+
+def swe_agent(sandbox_url: str | None, *, max_turns: int = 8, wall_s: float = 600.0) -> AgentFn:
+    """``run_agent(base_url, prompt, request_kwargs, metadata)`` running :func:`run_swe_episode`:
+    the sandbox at ``sandbox_url``, else the run's (``metadata["services"]["sandbox"]``); the task
+    from the row's settings in ``metadata["settings"]`` (``env.workspace``, ``agent``). Outside a run
+    (a conformance suite, a test) give ``sandbox_url`` and call it as any agent."""
 
     async def run_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
                         metadata: dict[str, Any]) -> dict[str, Any]:
-        urls = (metadata.get("services") or {}).get(SANDBOX) or []
+        urls = [sandbox_url] if sandbox_url else (metadata.get("services") or {}).get(SANDBOX) or []
         if not urls:
             raise RuntimeError("mini_swe_agent needs the run's sandbox service (role 'sandbox'), and none was given")
         row = SampleSettings.model_validate(metadata.get("settings") or {})
@@ -116,7 +122,7 @@ def bind(ctx: RunContext) -> AgentFn:
         episode = SweEpisode(
             task=_task_text(prompt), template=row.env.workspace, settings=settings,
             step_limit=settings.step_limit or int(metadata.get("max_turns") or max_turns),
-            wall_time_s=float(limits.get("wall_clock_s") or wall or 600.0),
+            wall_time_s=float(limits.get("wall_clock_s") or wall_s),
             command_timeout_s=int(limits.get("tool_timeout_s") or 30), sampling=dict(request_kwargs),
         )
         return await asyncio.to_thread(run_swe_episode, base_url, metadata["api_key"], urls[0], episode)
