@@ -18,7 +18,7 @@ CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
 
 def test_two_steps_of_mini_swe_agent_in_the_sandbox(tiny_dense: Path, tmp_path: Path) -> None:
     out = train(CONFIG, tmp_path, tiny_dense, "rollout.max_turns=2", "rollout.max_new_tokens=16",
-                "sandbox.pool_size=4", "data.options={}", timeout=240)
+                "sandbox.pool_size=4", "data.options={}", timeout=420)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     run = tmp_path / "e2e"
     services = {row["role"]: row for row in json.loads((run / "services.json").read_text()) if "role" in row}
