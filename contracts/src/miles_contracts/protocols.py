@@ -100,6 +100,8 @@ class GenerateContext:
     :ivar run: the driver's :class:`~miles_contracts.context.RunContext` (its config and kernel:
         registries of tools, agents, chat families).
     :ivar session_server_url: base URL of the session server, if one runs (agentic generator).
+    :ivar service_urls: base URLs of the run's other services by role (``{"sandbox": [...]}``), the
+        ones the generator's or the agent's spec asked for.
     :ivar evaluation: True when generating for evaluation.
     :ivar partial_rollout: when the engine aborts a generation (a weight update paused it), go on
         with the tokens already sampled: resubmit prompt + partial output with the remaining
@@ -114,6 +116,7 @@ class GenerateContext:
     max_context_len: int
     run: RunContext
     session_server_url: str | None = None
+    service_urls: Mapping[str, Sequence[str]] = field(default_factory=dict)
     evaluation: bool = False
     captures: Sequence[EngineCapture] = ()
     partial_rollout: bool = False

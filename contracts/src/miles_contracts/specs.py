@@ -127,18 +127,22 @@ class AgentSpec:
     :ivar settings_model: the pydantic model of a data row's ``settings.agent`` (validated when the
         data source opens; the agent finds the result in ``metadata["settings"]["agent"]``). None:
         the agent takes no per-sample settings, and a row that sets some is refused.
+    :ivar services: roles of services a run of this agent must start besides the generator's
+        (``("sandbox",)``); their URLs reach the agent as ``metadata["services"][role]``.
     """
 
     run: AgentFn
     _: KW_ONLY
     bind: Callable[[RunContext], AgentFn] | None = None
     settings_model: type[BaseModel] | None = None
+    services: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check_callable(self, run=self.run)
         if self.bind is not None:
             _check_callable(self, bind=self.bind)
         _check_model(self, "settings_model", self.settings_model)
+        _check_names(self, "services", self.services)
 
 
 @dataclass(frozen=True, slots=True)

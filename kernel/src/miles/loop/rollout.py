@@ -17,7 +17,7 @@ import hashlib
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,7 +96,7 @@ class RolloutManager:
 
     def __init__(self, ctx: RunContext, data: DataSource, engine: EngineClient, tokenizer: Any,
                  session_url: str | None = None, *, partial_rollout: bool = False,
-                 ledger: Ledger | None = None) -> None:
+                 ledger: Ledger | None = None, service_urls: Mapping[str, Sequence[str]] | None = None) -> None:
         self.run = ctx
         self.config = ctx.config
         self.kernel = ctx.kernel
@@ -106,6 +106,7 @@ class RolloutManager:
         self.engine = engine
         self.tokenizer = tokenizer
         self.session_url = session_url
+        self.service_urls = dict(service_urls or {})
         self.partial_rollout = partial_rollout
         self.over_sampler = over_sampler_for(ctx.config.rollout.over_sampling)
         self.captures = ctx.kernel.engine_captures(ctx)
@@ -187,6 +188,7 @@ class RolloutManager:
         return GenerateContext(
             engine=self.engine, tokenizer=self.tokenizer, sampling_params=self.sampling_params(evaluation=evaluation),
             max_context_len=self.config.rollout.max_context_len, run=self.run, session_server_url=self.session_url,
+            service_urls=self.service_urls,
             evaluation=evaluation, captures=() if evaluation else tuple(self.captures),
             partial_rollout=self.partial_rollout,
         )

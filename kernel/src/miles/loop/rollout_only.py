@@ -62,7 +62,8 @@ async def generate_steps(config: MilesConfig, run_dir: Path, steps: int) -> list
         # not supervised: a restarted engine would wait for a weight sync that never comes here, so
         # an engine that dies costs its samples (aborted, in the dump) and nothing else
         services.write_manifest()
-        rollouts = RolloutManager(ctx, data, HttpEngineClient(services.router_url), tokenizer, services.session_url)
+        rollouts = RolloutManager(ctx, data, HttpEngineClient(services.router_url), tokenizer, services.session_url,
+                                  service_urls=services.urls_by_role())
         await asyncio.to_thread(services.wait_ready, config.executor.startup_timeout, router=True)
         summaries = []
         for step in range(1, steps + 1):

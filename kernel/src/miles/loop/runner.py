@@ -124,7 +124,8 @@ class Run:
         executor.supervise(self._on_death)
         self.ledger = ledger = Ledger(self.run_dir, len(data) if isinstance(data, Sized) else None)
         rollouts = RolloutManager(ctx, data, HttpEngineClient(services.router_url), tokenizer, services.session_url,
-                                  partial_rollout=self.mode.partial_rollout(cfg), ledger=ledger)
+                                  partial_rollout=self.mode.partial_rollout(cfg), ledger=ledger,
+                                  service_urls=services.urls_by_role())
         held_out = eval_prompts(ctx, cfg.eval.num_prompts, source=data) if cfg.eval.every else []
         self.ops = ops = StepOps(config=cfg, kernel=kernel, run_dir=self.run_dir, state=self.state,
                                  progress=self.progress, rollouts=rollouts, learner=Learner(cfg, kernel, trainer, pad),

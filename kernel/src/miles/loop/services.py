@@ -73,6 +73,11 @@ class Services:
     def router_url(self) -> str:
         return self.role_urls(ROUTER)[0]
 
+    def urls_by_role(self) -> dict[str, list[str]]:
+        """Base URLs of every service but the engines, by role (``GenerateContext.service_urls``)."""
+        roles = dict.fromkeys(p.role for p in self.planned.values() if p.role != ENGINE)
+        return {role: self.role_urls(role) for role in roles}
+
     @property
     def session_url(self) -> str | None:
         urls = self.role_urls(SESSION)
@@ -202,7 +207,9 @@ def plan_services(config: MilesConfig, kernel: Kernel, placement: Placement) -> 
     engine = kernel.services().get(config.rollout.engine)
     planned = [Planned(f"engine-{i}", ENGINE, engine, slot, i) for i, slot in enumerate(placement.engines)]
     generator = kernel.generators().get(config.rollout.generator)
-    roles = [ROUTER, *(r for r in generator.services if r != ROUTER)]
+    agent = kernel.agents().get(config.rollout.agent) if generator.needs_agent and config.rollout.agent else None
+    wanted = [*generator.services, *(agent.services if agent is not None else ())]
+    roles = [ROUTER, *dict.fromkeys(r for r in wanted if r != ROUTER)]
     driver = Slot(placement.trainer[0].node)  # routers and session servers run beside the driver
     providers = {role: _provider(kernel, role, f"the run (generator {config.rollout.generator!r})") for role in roles}
     started = {ENGINE}

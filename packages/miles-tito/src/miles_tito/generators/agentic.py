@@ -16,7 +16,8 @@ into the trajectory sample.
 * ``metadata`` is the sample's metadata plus ``session_id``, ``api_key``, ``index``, ``group_index``,
   ``max_context_len``, ``max_turns`` (``rollout.max_turns`` or the row's) and ``limits`` (every
   limit of the episode, the row's budget over the run's:
-  :class:`~miles_tito.generators.settings.Limits`); the row's validated settings, when it has
+  :class:`~miles_tito.generators.settings.Limits`) and ``services`` (the run's service URLs by role,
+  e.g. the ``sandbox`` an agent's spec asked for); the row's validated settings, when it has
   some, are ``metadata["settings"]`` (``env``: task id, workspace, tools; ``agent``: the agent's own,
   validated by its ``settings_model``). The agent's return value is kept in ``sample.metadata["agent_result"]``.
 * the row's token budget (``settings.budget.tokens``) is the session's ``max_episode_tokens``: the
@@ -80,7 +81,7 @@ class AgenticGenerator:
                 **sample.metadata, "session_id": session["session_id"], "api_key": session.get("api_key"),
                 "index": sample.index,
                 "group_index": sample.group_index, "max_context_len": ctx.max_context_len, "max_turns": limits.max_turns,
-                "limits": limits.to_dict(),
+                "limits": limits.to_dict(), "services": {role: list(urls) for role, urls in ctx.service_urls.items()},
             }
             outcome: tuple[Status, ExitReason, str] | None = None
             try:

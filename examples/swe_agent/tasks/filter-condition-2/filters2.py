@@ -1,0 +1,2 @@
+def keep_even(xs):
+    return [x for x in xs if x % 2 == 1]

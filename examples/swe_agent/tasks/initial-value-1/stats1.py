@@ -1,0 +1,6 @@
+def peak(values):
+    best = 0
+    for v in values:
+        if v > best:
+            best = v
+    return best

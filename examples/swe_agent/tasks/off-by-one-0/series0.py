@@ -1,0 +1,2 @@
+def sum_to(n):
+    return sum(range(n))

@@ -1,0 +1,3 @@
+def is_palindrome(text):
+    t = text.lower()
+    return t == t

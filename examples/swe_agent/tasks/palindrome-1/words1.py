@@ -1,0 +1,3 @@
+def reads_same(text):
+    t = text.lower()
+    return t == t

@@ -1,0 +1,3 @@
+def mirror(text):
+    t = text.lower()
+    return t == t

@@ -1,0 +1,2 @@
+def upper_name(s):
+    return s.lower()

@@ -1,0 +1,2 @@
+def caps(s):
+    return s.lower()

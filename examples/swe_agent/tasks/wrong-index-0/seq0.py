@@ -1,0 +1,2 @@
+def last(items):
+    return items[len(items) - 2]

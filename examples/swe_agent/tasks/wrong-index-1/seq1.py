@@ -1,0 +1,2 @@
+def final(items):
+    return items[len(items) - 2]

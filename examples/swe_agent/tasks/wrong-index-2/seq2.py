@@ -1,0 +1,2 @@
+def tail_item(items):
+    return items[len(items) - 2]

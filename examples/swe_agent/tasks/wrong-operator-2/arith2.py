@@ -1,0 +1,2 @@
+def total(a, b):
+    return a - b

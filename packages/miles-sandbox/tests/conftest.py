@@ -1,0 +1,50 @@
+"""A sandbox service on a thread of the test process, with a template folder and small limits."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from miles_contracts.wire.auth import new_token
+
+if shutil.which("bwrap") is None:  # CI installs it (.ci/run); without it nothing here can run
+    pytest.skip("bubblewrap is not installed: apt-get install -y bubblewrap", allow_module_level=True)
+
+
+@pytest.fixture(scope="session")
+def templates(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("templates")
+    task = root / "adder"
+    (task / "tests").mkdir(parents=True)
+    (task / "adder.py").write_text("def add(a, b):\n    return a - b\n")
+    (task / "tests" / "__init__.py").write_text("")
+    (task / "tests" / "test_adder.py").write_text(
+        "import unittest\nfrom adder import add\n\n\nclass AddTest(unittest.TestCase):\n"
+        "    def test_small(self):\n        self.assertEqual(add(2, 3), 5)\n\n"
+        "    def test_zero(self):\n        self.assertEqual(add(0, 0), 0)\n")
+    return root
+
+
+@pytest.fixture(scope="session")
+def token(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The run's token, where a run keeps it: this process's environment and a file of the run folder."""
+    from miles_contracts.wire.auth import TOKEN_ENV
+
+    value = new_token()
+    (tmp_path_factory.mktemp("run") / "token").write_text(value)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(TOKEN_ENV, value)
+        yield value
+
+
+@pytest.fixture(scope="session")
+def sandbox_url(templates: Path, token: str) -> Iterator[str]:
+    from miles_sandbox.config import SandboxLimits, SandboxSection
+    from miles_sandbox.server import SandboxServer
+
+    section = SandboxSection(templates_dir=str(templates), pool_size=2, acquire_timeout_s=20,
+                             limits=SandboxLimits(wall_s=5, processes=32, output_bytes=64 << 10, workspace_mb=32))
+    with SandboxServer(section, token=token) as server:
+        yield server.url
