@@ -1,0 +1,1 @@
+"""Plugin ``openenv`` (distribution miles-openenv)."""
