@@ -41,8 +41,7 @@ class VerifiersAgent:
             raise VerifiersRolloutError(
                 "the sample has no metadata['verifiers'] row: use data.source=verifiers with the verifiers agent"
             )
-        rollout_input = {"prompt": prompt, "example_id": row.get("example_id", 0), "task": row.get("task", "default"),
-                         "answer": row.get("answer", ""), "info": row.get("info") or {}}
+        rollout_input = {"example_id": 0, **row, "prompt": prompt}
         # max_retries=0: a failed turn is the session's to report, not something to hide by resending
         async with AsyncOpenAI(base_url=base_url, api_key=metadata["api_key"], max_retries=0) as openai:
             client = OpenAIChatCompletionsClient(openai)

@@ -20,7 +20,7 @@ class VerifiersDataSource:
 
     Each sample's ``prompt`` is the row's chat messages (the environment's system prompt and
     few-shot turns included), ``label`` its ``answer`` and ``metadata["verifiers"]`` the rest of
-    the row (``example_id``, ``task``, ``info``), which the ``verifiers`` agent hands back to the
+    the row (``example_id``, ``answer``, ``task``, ``info`` where it has them), which the ``verifiers`` agent hands back to the
     environment's rollout.
     """
 
@@ -55,8 +55,10 @@ def _sample(row: Mapping[str, Any]) -> Sample:
     return Sample(
         prompt=row["prompt"],
         label=None if answer is None else str(answer),
-        metadata={"verifiers": {
-            "example_id": row.get("example_id", 0), "task": row.get("task", "default"),
-            "answer": answer if answer is not None else "", "info": row.get("info") or {},
-        }},
+        # what the environment's rollout reads besides the prompt, as the dataset has it
+        metadata={"verifiers": {key: row[key] for key in ROLLOUT_FIELDS if row.get(key) is not None}},
     )
+
+
+ROLLOUT_FIELDS = ("example_id", "answer", "task", "info")
+"""Row fields a verifiers rollout input carries besides ``prompt``."""
