@@ -35,7 +35,7 @@ def load_environment(section: VerifiersSection) -> Environment:
 
             try:
                 env = vf.load_environment(section.environment, **section.args)
-            except (ImportError, AttributeError, TypeError) as exc:
+            except (ValueError, RuntimeError) as exc:  # how vf.load_environment reports a missing or failing module
                 raise VerifiersConfigError(
                     f"verifiers.environment={section.environment!r} does not load: {type(exc).__name__}: {exc}; "
                     f"install the environment's package (it must expose load_environment) and check verifiers.args"
