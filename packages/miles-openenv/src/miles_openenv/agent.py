@@ -39,7 +39,8 @@ class OpenEnvAgent:
 
         section = self.section
         messages: list[Any] = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        episode = metadata.get("openenv") if isinstance(metadata.get("openenv"), dict) else {}
+        episode = metadata.get("openenv")
+        episode = episode if isinstance(episode, dict) else {}
         seed = episode.get("seed", metadata.get("group_index"))
         rewards: list[float] = []
         async with (GenericEnvClient(base_url=section.url, message_timeout_s=section.message_timeout_s) as env,

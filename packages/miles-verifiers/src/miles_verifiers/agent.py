@@ -45,7 +45,7 @@ class VerifiersAgent:
         # max_retries=0: a failed turn is the session's to report, not something to hide by resending
         async with AsyncOpenAI(base_url=base_url, api_key=metadata["api_key"], max_retries=0) as openai:
             client = OpenAIChatCompletionsClient(openai)
-            state = await env.rollout(rollout_input, client, self.section.model, dict(request_kwargs))  # type: ignore[arg-type]
+            state = await env.rollout(rollout_input, client, self.section.model, dict(request_kwargs))
             if state.get("error") is not None:
                 raise VerifiersRolloutError(f"the verifiers rollout failed: {state['error']!r}")
             await env.rubric.score_rollout(state)

@@ -51,7 +51,7 @@ class GuessNumberEnvironment(Environment):
         return GuessObservation(prompt=f"I picked a whole number from 1 to {HIGHEST}. Guess it: reply with one number.",
                                 done=False, reward=0.0)
 
-    def step(self, action: GuessAction, timeout_s: float | None = None, **kwargs: Any) -> GuessObservation:  # type: ignore[override]
+    def step(self, action: GuessAction, timeout_s: float | None = None, **kwargs: Any) -> GuessObservation:
         self._state.step_count += 1
         found = re.search(r"-?\d+", action.message)
         if found is None:
