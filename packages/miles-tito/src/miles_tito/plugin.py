@@ -124,7 +124,7 @@ def miles_register_commands(register: Register[CommandSpec]) -> None:
     ))
     register("bench conformance", _command(
         "miles_tito.conformance.cli",
-        "every harness x wire API x chat family on a real engine: % turns token-exact, spurious forks, dropped tool calls",
+        "every harness x wire API x chat family on a real engine: share of turns token-exact, spurious forks, dropped tool calls",
         "Runs episodes of each SDK agent (Chat, Messages, Responses) and each installed adapter (verifiers, OpenEnv, "
         "mini-swe-agent) against a session server and checks what it recorded; exit 1 when a row does not conform.",
         uses_context=True,
