@@ -25,6 +25,7 @@ Nothing here imports a tokenizer or Jinja; templates are strings.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,12 +57,16 @@ class ParsedTurn:
     :ivar reasoning: the thinking text, when the family has a reasoning format and the model used it.
     :ivar tool_calls: well-formed tool calls, in order.
     :ivar format_error: why the text looked like a tool call but could not be parsed, else None.
+    :ivar format_error_at: where in the parsed text the call that could not be read starts (a
+        character offset), when the parser knows; the server turns it into the call's token span.
+        None with a ``format_error``: the whole turn is taken as the malformed call.
     """
 
     content: str
     reasoning: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
     format_error: str | None = None
+    format_error_at: int | None = None
 
 
 TurnParser = Callable[[str], ParsedTurn]
@@ -146,3 +151,13 @@ def tool_call_from_payload(payload: Any) -> ToolCall:
     if not isinstance(arguments, dict):
         raise ValueError(f"'arguments' of {name!r} must be a JSON object, got {type(arguments).__name__}")
     return ToolCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False))
+
+
+def unclosed_call_at(text: str, blocks: list[re.Match[str]], opener: str) -> int:
+    """Where the first call tag ``opener`` that starts none of the closed ``blocks`` begins: the call
+    a parser could not read (:attr:`ParsedTurn.format_error_at`)."""
+    starts = {block.start() for block in blocks}
+    at = text.find(opener)
+    while at != -1 and at in starts:
+        at = text.find(opener, at + 1)
+    return at if at != -1 else text.find(opener)

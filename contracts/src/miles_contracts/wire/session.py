@@ -100,6 +100,24 @@ class TurnCapture(_Response):
     payload: Any = None
 
 
+class MalformedToolCall(_Response):
+    """A tool call the model wrote but the chat family's parser could not read. It is kept, never
+    dropped: the client got the turn's text as plain content (finish reason ``stop`` / ``end_turn``,
+    no call), the record holds this, the sample counts it (``metadata["tool_calls"]``).
+
+    :ivar status: always ``malformed`` (a readable call is in ``message.tool_calls``).
+    :ivar error: what the parser found wrong.
+    :ivar span: ``[start, end)`` of the turn's ``output_ids`` that hold the unreadable call (from
+        where it starts to the end of the turn's text).
+    :ivar text: the decoded text of that span.
+    """
+
+    status: Literal["malformed"] = "malformed"
+    error: str
+    span: tuple[int, int]
+    text: str
+
+
 class TurnRecord(_Response):
     """One engine call that produced an assistant turn.
 
@@ -114,6 +132,7 @@ class TurnRecord(_Response):
         when the turn spans a weight update (partial rollout); None: all ``weight_version``.
     :ivar message: the assistant message returned to the client (content, reasoning, tool calls).
     :ivar format_error: set when the output held a malformed tool call (returned as text).
+    :ivar malformed_tool_calls: that call, with its token span (empty when every call was read).
     :ivar rolled_back: a later request retried this turn (or one before it on its branch): it is
         on a branch marked ``retried``.
     :ivar parent_turn: the session turn whose ids this turn's prompt extends; None when the prompt
@@ -136,6 +155,7 @@ class TurnRecord(_Response):
     output_versions: list[int] | None = None
     message: dict[str, Any]
     format_error: str | None = None
+    malformed_tool_calls: list[MalformedToolCall] = Field(default_factory=list)
     rolled_back: bool = False
     created_at: float
     latency_s: float = 0.0

@@ -362,5 +362,17 @@ def rollout_metrics(samples: list[Sample], kept: list[list[Sample]], drops: Coun
         m[f"rollout/exit_{reason}"] = float(count)
     for reason, count in drops.items():
         m[f"filter/drop_{reason}"] = float(count)
+    m.update(tool_call_metrics(samples))
     m.update(episode_metrics(samples))
     return m
+
+
+def tool_call_metrics(samples: Sequence[Sample]) -> dict[str, float]:
+    """``rollout/tool_calls`` (calls the parser read) and ``rollout/tool_calls_malformed`` (calls it
+    could not read, kept as text), from ``metadata["tool_calls"]`` of the samples a session recorded;
+    empty when none did, so runs without tool calls log the keys they always did."""
+    counted = [s.metadata["tool_calls"] for s in samples if isinstance(s.metadata.get("tool_calls"), dict)]
+    if not counted:
+        return {}
+    return {"rollout/tool_calls": float(sum(int(c.get("parsed", 0)) for c in counted)),
+            "rollout/tool_calls_malformed": float(sum(int(c.get("malformed", 0)) for c in counted))}

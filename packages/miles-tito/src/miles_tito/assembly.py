@@ -25,6 +25,7 @@ trajectory's ``[0, len(tokens) - 1)`` exactly (a gap or an overlap fails the sam
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from miles.rollout.capture import store_captures
 from miles_contracts import Branch, CapturedPiece, EngineCapture, ExitReason, Sample, Status
@@ -52,7 +53,8 @@ def turn_sample(record: TurnRecord) -> Sample:
         rollout_logprobs=list(record.output_logprobs),
         weight_versions=list(dict.fromkeys(versions)) or [record.weight_version],
         token_versions=list(versions),
-        metadata={"turn": record.turn},
+        metadata={"turn": record.turn, "tool_calls": len(record.message.get("tool_calls") or ()),
+                  "malformed": [{"span": list(m.span), "error": m.error} for m in record.malformed_tool_calls]},
     )
     if record.format_error and status is Status.COMPLETED:
         return sample.finish(status, ExitReason.FORMAT_ERROR, f"turn {record.turn}: {record.format_error}")
@@ -83,6 +85,7 @@ def merge_turns(turns: Sequence[Sample], *, max_trim_tokens: int, into: Sample |
     versions: list[int] | None = []  # None once a turn cannot say which version sampled its tokens
     spans: list[list[int]] = []
     trimmed: list[int] = []
+    malformed: list[dict[str, Any]] = []
     cursor = prompt_length
     for number, turn in enumerate(turns):
         start = turn.prompt_length
@@ -110,6 +113,10 @@ def merge_turns(turns: Sequence[Sample], *, max_trim_tokens: int, into: Sample |
         known = _sampled_versions(turn)
         versions = None if versions is None or known is None else versions + [-1] * (start - cursor) + known[:keep]
         spans.append([start - prompt_length, start - prompt_length + keep])
+        # the unreadable calls, their spans in response positions (the sampled tokens stay in the loss)
+        malformed += [{"turn": turn.metadata.get("turn", number), "error": m["error"],
+                       "span": [start - prompt_length + m["span"][0], start - prompt_length + m["span"][1]]}
+                      for m in turn.metadata.get("malformed", ())]
         trimmed.append(lost)
         cursor = start + keep
 
@@ -127,6 +134,8 @@ def merge_turns(turns: Sequence[Sample], *, max_trim_tokens: int, into: Sample |
     else:
         sample.finish(last.status, last.exit_reason, last.exit_detail)
     sample.metadata["tito"] = {"turns": len(turns), "turn_spans": spans, "trimmed": trimmed, "format_errors": len(errors)}
+    sample.metadata["tool_calls"] = {"parsed": sum(int(t.metadata.get("tool_calls", 0)) for t in turns),
+                                     "malformed": len(malformed), "malformed_calls": malformed}
     return sample
 
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from miles_contracts import Branch
-from miles_contracts.wire.session import FinishReason, TurnCapture, TurnRecord
+from miles_contracts.wire.session import FinishReason, MalformedToolCall, TurnCapture, TurnRecord
 
 from miles_tito.errors import EpisodeLimitExceeded, InvalidRequest, RoleNotAllowed, TokenChainBroken
 from miles_tito.messages import ChatMessage
@@ -336,6 +336,7 @@ class Conversation:
         message: ChatMessage,
         output_versions: list[int] | None = None,
         format_error: str | None = None,
+        malformed_tool_calls: list[MalformedToolCall] | None = None,
         latency_s: float = 0.0,
         captures: dict[str, list[TurnCapture]] | None = None,
     ) -> TurnRecord:
@@ -354,6 +355,7 @@ class Conversation:
             output_versions=output_versions,
             message=message.to_openai(),
             format_error=format_error,
+            malformed_tool_calls=malformed_tool_calls or [],
             created_at=time.time(),
             latency_s=latency_s,
             captures=captures or {},

@@ -1,6 +1,6 @@
 """Plugin ``tito`` (distribution miles-tito): generators, the calculator tool, the ``session``
 service, the ``tito`` config section and the ``serve session``, ``verify-template``, ``bench
-session``, ``bench isolation``, ``bench episode-tokens`` and ``bench tito`` commands.
+session``, ``bench isolation``, ``bench episode-tokens``, ``bench conformance`` and ``bench tito`` commands.
 
 Light on purpose: ``miles plugins`` imports this module, so FastAPI, transformers and the
 generators load only when used.
@@ -120,6 +120,13 @@ def miles_register_commands(register: Register[CommandSpec]) -> None:
     register("bench episode-tokens", _command(
         "miles_tito.bench.episode_tokens",
         "tokens a trainer sees per generated token on a compacting, delegating agent episode: graph vs rows vs per request",
+        uses_context=True,
+    ))
+    register("bench conformance", _command(
+        "miles_tito.conformance.cli",
+        "every harness x wire API x chat family on a real engine: share of turns token-exact, spurious forks, dropped tool calls",
+        "Runs episodes of each SDK agent (Chat, Messages, Responses) and each installed adapter (verifiers, OpenEnv, "
+        "mini-swe-agent) against a session server and checks what it recorded; exit 1 when a row does not conform.",
         uses_context=True,
     ))
     register("bench tito", _command(

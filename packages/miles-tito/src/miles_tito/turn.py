@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from miles_tito.conversation import Conversation, DraftTurn
 from miles_tito.errors import ContextLengthExceeded, EngineAborted, EngineFailed, InvalidRequest
+from miles_tito.malformed import malformed_tool_call
 from miles_tito.messages import ChatMessage
 from miles_tito.tokenizer import TitoTokenizer
 
@@ -101,9 +102,12 @@ async def run_turn(
         raise EngineAborted(f"the engine aborted the generation ({detail}); retry the request")
     output_ids, logprobs = generation.output_ids, generation.logprobs
 
-    text = _visible_text(tito.decode(_without_stop_ids(output_ids, tito.stop_token_ids)), finish.matched)
+    visible_ids = _without_stop_ids(output_ids, tito.stop_token_ids)
+    text = _visible_text(tito.decode(visible_ids), finish.matched)
     parsed = tito.family.parse(text) if request.parse_tool_calls else ParsedTurn(content=text)
     truncated = finish.type == "length"
+    # A turn cut off by the length limit is not a format mistake, even mid tool call.
+    malformed = None if truncated else malformed_tool_call(parsed, text, visible_ids, tito.decode)
     reason: FinishReason = "length" if truncated else ("tool_calls" if parsed.tool_calls else "stop")
     calls = tuple(ToolCall(c.name, c.arguments, f"call_{uuid.uuid4().hex[:24]}") for c in parsed.tool_calls)
     message = ChatMessage(role="assistant", content=parsed.content, reasoning=parsed.reasoning, tool_calls=calls)
@@ -115,8 +119,8 @@ async def run_turn(
         weight_version=generation.oldest_version,
         output_versions=generation.token_versions if len(set(generation.call_versions)) > 1 else None,
         message=message,
-        # A turn cut off by the length limit is not a format mistake, even mid tool call.
-        format_error=None if truncated else parsed.format_error,
+        format_error=None if malformed is None else malformed.error,
+        malformed_tool_calls=[] if malformed is None else [malformed],
         latency_s=latency,
         captures=_turn_captures(generation),
     )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 
-from miles_contracts.chat import ChatFamily, ParsedTurn, ToolCall, tool_call_from_payload
+from miles_contracts.chat import ChatFamily, ParsedTurn, ToolCall, tool_call_from_payload, unclosed_call_at
 
 CHATML_TEMPLATE = r"""
 {%- if messages and messages[0].role == 'system' -%}
@@ -73,21 +73,24 @@ def parse_chatml(text: str) -> ParsedTurn:
         return ParsedTurn(content=text)
     blocks = list(_CALL_BLOCK.finditer(text))
     if len(blocks) != text.count(_OPEN):
-        return ParsedTurn(content=text, format_error="a <tool_call> tag is not closed by </tool_call>")
+        return ParsedTurn(content=text, format_error="a <tool_call> tag is not closed by </tool_call>",
+                          format_error_at=unclosed_call_at(text, blocks, _OPEN))
     calls: list[ToolCall] = []
     for number, block in enumerate(blocks, start=1):
         try:
             payload = json.loads(block.group(1))
         except json.JSONDecodeError as exc:
-            return ParsedTurn(content=text, format_error=f"tool call block {number} is not JSON: {exc.msg} at char {exc.pos}")
+            return ParsedTurn(content=text, format_error=f"tool call block {number} is not JSON: {exc.msg} at char {exc.pos}",
+                              format_error_at=block.start())
         items = payload if isinstance(payload, list) else [payload]
         if not items:
-            return ParsedTurn(content=text, format_error=f"tool call block {number} is an empty list")
+            return ParsedTurn(content=text, format_error=f"tool call block {number} is an empty list",
+                              format_error_at=block.start())
         for item in items:
             try:
                 calls.append(tool_call_from_payload(item))
             except ValueError as exc:
-                return ParsedTurn(content=text, format_error=f"tool call block {number}: {exc}")
+                return ParsedTurn(content=text, format_error=f"tool call block {number}: {exc}", format_error_at=block.start())
     content = _CALL_BLOCK.sub("", text).strip()
     return ParsedTurn(content=content, tool_calls=tuple(calls))
 

@@ -15,7 +15,7 @@ import json
 import re
 from importlib import resources
 
-from miles_contracts.chat import ChatFamily, ParsedTurn, ToolCall, tool_call_from_payload
+from miles_contracts.chat import ChatFamily, ParsedTurn, ToolCall, tool_call_from_payload, unclosed_call_at
 
 _THINK_OPEN = "<think>"
 _THINK_CLOSE = "</think>"
@@ -45,17 +45,20 @@ def parse_qwen3(text: str) -> ParsedTurn:
     if _CALL_OPEN not in rest:
         return ParsedTurn(content=rest, reasoning=reasoning)
     blocks = list(_CALL_BLOCK.finditer(rest))
+    offset = len(text) - len(rest)  # ``rest`` is the end of ``text`` (after the thinking)
     if len(blocks) != rest.count(_CALL_OPEN):
-        return ParsedTurn(content=rest, reasoning=reasoning, format_error="a <tool_call> tag is not closed by </tool_call>")
+        return ParsedTurn(content=rest, reasoning=reasoning, format_error="a <tool_call> tag is not closed by </tool_call>",
+                          format_error_at=offset + unclosed_call_at(rest, blocks, _CALL_OPEN))
     calls: list[ToolCall] = []
     for number, block in enumerate(blocks, start=1):
         try:
             calls.append(tool_call_from_payload(json.loads(block.group(1))))
         except json.JSONDecodeError as exc:
             error = f"tool call {number} is not JSON: {exc.msg} at char {exc.pos}"
-            return ParsedTurn(content=rest, reasoning=reasoning, format_error=error)
+            return ParsedTurn(content=rest, reasoning=reasoning, format_error=error, format_error_at=offset + block.start())
         except ValueError as exc:
-            return ParsedTurn(content=rest, reasoning=reasoning, format_error=f"tool call {number}: {exc}")
+            return ParsedTurn(content=rest, reasoning=reasoning, format_error=f"tool call {number}: {exc}",
+                              format_error_at=offset + block.start())
     return ParsedTurn(content=_CALL_BLOCK.sub("", rest).strip(), reasoning=reasoning, tool_calls=tuple(calls))
 
 

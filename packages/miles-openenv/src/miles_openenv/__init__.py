@@ -1,0 +1,1 @@
+"""OpenEnv environments in Miles."""

@@ -1,0 +1,1 @@
+"""verifiers environments in Miles."""
