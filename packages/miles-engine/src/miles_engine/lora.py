@@ -20,8 +20,10 @@ two ``nn.Linear`` are packed as usual).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,6 +34,9 @@ if TYPE_CHECKING:
     from miles_contracts.lora import LoRASpec
 
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+PEFT_PREFIX = "base_model.model."  # PEFT stores adapter keys under the wrapped model's path
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
 
 
 def is_adapter_tensor(name: str) -> bool:
@@ -124,3 +129,31 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     finally:
         for layer, enabled in zip(layers, previous, strict=True):
             layer.adapter_enabled = enabled
+
+
+def peft_config(spec: LoRASpec, base_model_name: str | None) -> dict[str, object]:
+    """The ``adapter_config.json`` of a PEFT LoRA adapter with these settings."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": sorted(spec.target_modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "inference_mode": True,
+    }
+
+
+def write_peft_adapter(path: Path, tensors: dict[str, torch.Tensor], spec: LoRASpec, base_model_name: str | None) -> None:
+    """A PEFT adapter folder: ``adapter_config.json`` + ``adapter_model.safetensors``
+    (``PeftModel.from_pretrained(base, path)`` loads it)."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({PEFT_PREFIX + name: t.cpu().contiguous() for name, t in tensors.items()}, str(path / PEFT_WEIGHTS),
+              metadata={"format": "pt"})
+    (path / PEFT_CONFIG).write_text(json.dumps(peft_config(spec, base_model_name), indent=2) + "\n")
