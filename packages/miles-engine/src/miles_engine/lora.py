@@ -12,6 +12,7 @@ of the base are unchanged) and gains ``...q_proj.lora_A.weight [r, in]`` and
 The adapter stays unmerged (never folded into ``W``): the base is shared, an update is the small
 adapter tensors only, and the base can be scored with the adapters switched off
 (:func:`adapters_disabled`), which is how a trainer gets its KL reference without a second copy.
+:func:`write_peft_adapter` writes adapter tensors as a PEFT folder (both train backends export with it).
 The wrapper is not an ``nn.Linear`` on purpose: the CPU engine's packed linears replace the
 forward of every ``nn.Linear`` they find, which would drop the adapter term (the adapter's own
 two ``nn.Linear`` are packed as usual).
