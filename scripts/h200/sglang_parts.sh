@@ -13,6 +13,8 @@
 #                   SGLang and the trainer load the same real checkpoint (~20 s)
 #   contract        the engine contract suite against a live SGLang server started by miles_sglang
 #                   (~2 min on a fresh machine: SGLang's first start builds its JIT kernels)
+#   lora            LoRA adapters on a live SGLang server: three versions synced with the calls of
+#                   miles_sglang.lora, each served against transformers with the adapter (~3 min)
 #   sync-ipc        `miles train` 2 steps, rollout.engine=sglang, weights.transport=shared_memory
 #                   (CUDA IPC, SGLang and FSDP on GPU 0), weights.check=true (~2 min)
 #   sync-megatron   sync-ipc with train.backend=megatron (~2 min)
@@ -93,6 +95,13 @@ PY
       grep -E '"outcome"|checks passed|healthy after' "$OUT/contract.log" | cut -c1-300
       # SGLang's JIT kernels, for a faster first start next time (put it into .peer/3/)
       tar -C /tmp/sgjit -cJf "$OUT/sgjit.tar.xz" . 2>/dev/null && echo "JIT cache -> \$OUT/sgjit.tar.xz" ;;
+    lora)
+      need_sglang; need_model
+      start=$SECONDS
+      CUDA_VISIBLE_DEVICES=0 python3 scripts/h200/sglang_lora.py --model $MODEL --out "$OUT/lora" \
+        --sglang-python python3 --sglang-env "${SG_ENV[@]}" >"$OUT/lora.log" 2>&1
+      echo "lora: exit $? in $((SECONDS - start)) s"
+      grep -E '"outcome"|checks passed|healthy after' "$OUT/lora.log" | cut -c1-300 ;;
     sync-ipc)
       need_sglang; need_model
       run_config /tmp/sync.json -  # colocated (the default): trainer rank and engine on GPU 0
