@@ -34,6 +34,7 @@ def main() -> int:
     parser.add_argument("--memory-saver", action="store_true", help="--enable-memory-saver (real GPU memory release)")
     args = parser.parse_args()
 
+    from check_report import exit_status, write_results  # next to this script
     from miles.executor.local import LocalExecutor
     from miles_contracts import EngineSpec
     from miles_contracts.testing.engine import ENGINE_CHECKS, EngineCheckSkipped, EngineUnderTest
@@ -72,10 +73,8 @@ def main() -> int:
             print(json.dumps(row), flush=True)
     finally:
         executor.shutdown()
-        (args.out / "sglang_contract.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
-    failed = [r["check"] for r in results if r["outcome"] == "failed"]
-    print(f"{len(results) - len(failed)} of {len(results)} checks passed; failed: {failed or 'none'}", flush=True)
-    return 1 if failed or not results else 0
+        write_results(args.out / "sglang_contract.jsonl", results)
+    return exit_status(results)
 
 
 if __name__ == "__main__":

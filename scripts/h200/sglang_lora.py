@@ -69,6 +69,7 @@ def main() -> int:
     args = parser.parse_args()
 
     import httpx
+    from check_report import exit_status, write_results  # next to this script
     from miles.executor.local import LocalExecutor
     from miles_contracts import EngineSpec
     from miles_contracts.lora import LoRASpec
@@ -136,10 +137,8 @@ def main() -> int:
     finally:
         client.close()
         executor.shutdown()
-        (args.out / "sglang_lora.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
-    failed = [r["check"] for r in results if r["outcome"] == "failed"]
-    print(f"{len(results) - len(failed)} of {len(results)} checks passed; failed: {failed or 'none'}", flush=True)
-    return 1 if failed or not results else 0
+        write_results(args.out / "sglang_lora.jsonl", results)
+    return exit_status(results)
 
 
 if __name__ == "__main__":

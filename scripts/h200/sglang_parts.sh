@@ -70,6 +70,14 @@ miles_train() {  # name config overrides...
     "$OUT/$name.metrics.jsonl" 2>/dev/null | tail -3 | cut -c1-400
 }
 
+live_check() {  # name script: a check script against a live SGLang server on GPU 0
+  local name=$1 script=$2 start=$SECONDS
+  CUDA_VISIBLE_DEVICES=0 python3 "$script" --model $MODEL --out "$OUT/$name" \
+    --sglang-python python3 --sglang-env "${SG_ENV[@]}" >"$OUT/$name.log" 2>&1
+  echo "$name: exit $? in $((SECONDS - start)) s"
+  grep -E '"outcome"|checks passed|healthy after' "$OUT/$name.log" | cut -c1-300
+}
+
 for part in "$@"; do
   case $part in
     prepare)
@@ -88,20 +96,12 @@ PY
       ;;
     contract)
       need_sglang; need_model
-      start=$SECONDS
-      CUDA_VISIBLE_DEVICES=0 python3 scripts/h200/sglang_contract.py --model $MODEL --out "$OUT/contract" \
-        --sglang-python python3 --sglang-env "${SG_ENV[@]}" >"$OUT/contract.log" 2>&1
-      echo "contract: exit $? in $((SECONDS - start)) s"
-      grep -E '"outcome"|checks passed|healthy after' "$OUT/contract.log" | cut -c1-300
+      live_check contract scripts/h200/sglang_contract.py
       # SGLang's JIT kernels, for a faster first start next time (put it into .peer/3/)
       tar -C /tmp/sgjit -cJf "$OUT/sgjit.tar.xz" . 2>/dev/null && echo "JIT cache -> \$OUT/sgjit.tar.xz" ;;
     lora)
       need_sglang; need_model
-      start=$SECONDS
-      CUDA_VISIBLE_DEVICES=0 python3 scripts/h200/sglang_lora.py --model $MODEL --out "$OUT/lora" \
-        --sglang-python python3 --sglang-env "${SG_ENV[@]}" >"$OUT/lora.log" 2>&1
-      echo "lora: exit $? in $((SECONDS - start)) s"
-      grep -E '"outcome"|checks passed|healthy after' "$OUT/lora.log" | cut -c1-300 ;;
+      live_check lora scripts/h200/sglang_lora.py ;;
     sync-ipc)
       need_sglang; need_model
       run_config /tmp/sync.json -  # colocated (the default): trainer rank and engine on GPU 0

@@ -23,9 +23,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -121,7 +121,19 @@ def lora_layers(model: nn.Module) -> list[LoRALinear]:
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """Inside, ``model`` computes its base (every adapter off); restored on exit, error or not."""
-    layers = lora_layers(model)
+    with switched_off(lora_layers(model)):
+        yield
+
+
+class Switchable(Protocol):
+    """An adapter that can be switched off (:class:`LoRALinear`, and the megatron backend's)."""
+
+    adapter_enabled: bool
+
+
+@contextlib.contextmanager
+def switched_off(layers: Sequence[Switchable]) -> Iterator[None]:
+    """Inside, every one of ``layers`` computes without its adapter; restored on exit, error or not."""
     previous = [layer.adapter_enabled for layer in layers]
     for layer in layers:
         layer.adapter_enabled = False

@@ -25,7 +25,7 @@ import torch
 from miles.trainer.collectives import sum_over_ranks
 from miles.trainer.device import pick_device
 from miles_algorithms.sdpa import sdpa_preference
-from miles_engine.lora import write_peft_adapter
+from miles_engine.lora import switched_off, write_peft_adapter
 
 from miles_megatron import checkpoint, lora, parallel
 from miles_megatron.config import MegatronSection
@@ -200,7 +200,7 @@ class MegatronBackend:
             raise ValueError(f"the megatron backend scores 'actor' and 'ref' models, not {model!r}")
         phase, parts = phases[model]
         if model == "ref" and self.adapters and self.config.train.use_reference:
-            with lora.adapters_disabled(self.adapters):
+            with switched_off(self.adapters):
                 outputs = self._runner(self.actor).score(phase, batch, with_entropy=with_entropy)
             return outputs[0], (outputs[1] if with_entropy else None)
         if parts is None:

@@ -33,7 +33,6 @@ starts at zero. A run at TP=2 therefore starts from the adapters a run at TP=1 s
 
 from __future__ import annotations
 
-import contextlib
 import re
 import zlib
 from collections.abc import Iterator
@@ -104,7 +103,7 @@ class LinearAdapters(nn.Module):
         self.local_out = {p: out_sizes[p] // self.tp for p in fused.projections}
         self.scaling = spec.scaling
         self.dropout: nn.Module = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
-        self.enabled = True
+        self.adapter_enabled = True  # off: the base alone (the KL reference; miles_engine.lora.switched_off)
         self.hf_names: dict[str, str] = {}
         self.lora_A = nn.ParameterDict()
         self.lora_B = nn.ParameterDict()
@@ -157,7 +156,7 @@ class LinearAdapters(nn.Module):
         return torch.cat([b.reshape(*lead, self.groups, -1) for b in filled], -1).reshape(*lead, -1)
 
     def hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        if not self.enabled:
+        if not self.adapter_enabled:
             return output
         out, bias = output
         return out + self.update(args[0]).to(out.dtype), bias
@@ -271,16 +270,3 @@ def merged(base: Iterator[tuple[str, torch.Tensor]], adapters: dict[str, torch.T
 
 def is_adapter_key(key: str) -> bool:
     return ADAPTER_KEY in key
-
-
-@contextlib.contextmanager
-def adapters_disabled(adapters: list[LinearAdapters]) -> Iterator[None]:
-    """Inside, the model computes its base: how the KL reference is scored without a second copy."""
-    previous = [a.enabled for a in adapters]
-    for a in adapters:
-        a.enabled = False
-    try:
-        yield
-    finally:
-        for a, enabled in zip(adapters, previous, strict=True):
-            a.enabled = enabled
