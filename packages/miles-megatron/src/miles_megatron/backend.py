@@ -276,9 +276,11 @@ class MegatronBackend:
 
         path = Path(path)
         dtype = self._export_dtype()
-        if self.adapters:
+        spec = self.config.train.lora
+        adapters: dict[str, torch.Tensor] = {}
+        if spec is not None:
             adapters = {name: t.cpu() for name, t in self.trained.gather(torch.float32, self.device)}
-            tensors = dict(lora.merged(self.gather.gather(None, self.device), adapters, self.config.train.lora, dtype))
+            tensors = dict(lora.merged(self.gather.gather(None, self.device), adapters, spec, dtype))
         else:
             tensors = {name: t.cpu() for name, t in self.gather.gather(dtype, self.device)}
         if self.ranks.is_main:
@@ -292,8 +294,8 @@ class MegatronBackend:
                     if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != "config.json":
                         shutil.copy2(item, path / item.name)
             (path / "config.json").write_text(json.dumps({**self.hf_config, "dtype": str(dtype).removeprefix("torch.")}, indent=2) + "\n")
-            if self.adapters:  # a subfolder: transformers would load a folder holding adapter_config.json as an adapter
-                write_peft_adapter(path / "lora_adapter", adapters, self.config.train.lora, self.config.model.name)
+            if spec is not None:  # a subfolder: transformers would load a folder holding adapter_config.json as an adapter
+                write_peft_adapter(path / "lora_adapter", adapters, spec, self.config.model.name)
         parallel.barrier()
 
     def _export_dtype(self) -> torch.dtype:

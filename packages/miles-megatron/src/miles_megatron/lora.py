@@ -136,7 +136,7 @@ class LinearAdapters(nn.Module):
             code = tp.reduce_from_tensor_model_parallel_region(x @ self.lora_A[projection].to(x.dtype).t())
             delta = code @ self.lora_B[projection].to(x.dtype).t() * self.scaling
             return tp.scatter_to_sequence_parallel_region(delta) if self.sequence_parallel else delta
-        blocks = []
+        blocks: list[torch.Tensor | None] = []
         lead: tuple[int, ...] = ()
         for projection in self.fused.projections:
             if projection not in self.targets:
