@@ -42,6 +42,10 @@ def test_lora_trains_adapters_on_the_base_and_resumes_exactly(tiny_dense, backen
     base = dict(backend.gather.gather(torch.float32, backend.device))
     torch.testing.assert_close(backend.compute_logprobs(batch), plain_logprobs(tiny_dense, batch), rtol=0, atol=1e-5)
     assert backend.ref is None  # no second model: the reference is the actor with its adapters off
+    trainable = {n: p for chunk in backend.actor.chunks for n, p in chunk.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_linear_" in n for n in trainable)  # gradients (and their reduction): adapters only
+    optimized = [p for group in backend.actor.optimizer.param_groups for p in group["params"]]
+    assert sum(p.numel() for p in optimized) == sum(p.numel() for p in trainable.values())
     _train(backend, batch, 2)
     backend.save_checkpoint(tmp_path / "ckpt", {"step": 2})
     _train(backend, batch, 2)
