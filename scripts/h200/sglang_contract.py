@@ -10,21 +10,16 @@ per check to ``--out``/sglang_contract.jsonl (and stdout); exits 1 if any check 
 
 from __future__ import annotations
 
-import argparse
 import json
 import secrets
 import sys
 import time
-from pathlib import Path
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True, help="folder with config, tokenizer and safetensors (loaded for real)")
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--sglang-python", default="python3")
-    parser.add_argument("--sglang-env", nargs="*", default=[], metavar="KEY=VALUE")
+    from live_check import exit_status, server_arguments, write_results  # next to this script
+
+    parser = server_arguments()
     parser.add_argument("--attention-backend", default="fa3")
     parser.add_argument("--mem-fraction-static", type=float, default=0.6)
     parser.add_argument("--long-tokens", type=int, default=3000, help="a request that runs for seconds (SmolLM2 size: ~2 s)")
@@ -34,7 +29,6 @@ def main() -> int:
     parser.add_argument("--memory-saver", action="store_true", help="--enable-memory-saver (real GPU memory release)")
     args = parser.parse_args()
 
-    from check_report import exit_status, write_results  # next to this script
     from miles.executor.local import LocalExecutor
     from miles_contracts import EngineSpec
     from miles_contracts.testing.engine import ENGINE_CHECKS, EngineCheckSkipped, EngineUnderTest

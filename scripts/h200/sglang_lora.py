@@ -15,12 +15,10 @@ JSON line per check to ``--out``/sglang_lora.jsonl and stdout; exits 1 if any fa
 
 from __future__ import annotations
 
-import argparse
 import json
 import secrets
 import sys
 import time
-from pathlib import Path
 
 PROMPT = [1, 504, 3458, 282, 253, 1345, 28, 314, 2843, 357, 8, 5922, 2030, 30, 198, 2016, 2016, 506, 701, 3120]
 
@@ -59,17 +57,13 @@ def _adapter(model_dir: str, spec, seed: int) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True, help="folder with config, tokenizer and safetensors")
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--sglang-python", default="python3")
-    parser.add_argument("--sglang-env", nargs="*", default=[], metavar="KEY=VALUE")
+    from live_check import exit_status, server_arguments, write_results  # next to this script
+
+    parser = server_arguments()
     parser.add_argument("--tolerance", type=float, default=0.05, help="max |log-prob difference| (SGLang runs bf16)")
     args = parser.parse_args()
 
     import httpx
-    from check_report import exit_status, write_results  # next to this script
     from miles.executor.local import LocalExecutor
     from miles_contracts import EngineSpec
     from miles_contracts.lora import LoRASpec
