@@ -97,3 +97,10 @@ def test_lora_adapters_have_fsdp_names_and_both_exports_load(tiny_dense, backend
 def test_lora_refuses_targets_the_backend_cannot_place(tiny_dense, backend_factory) -> None:
     with pytest.raises(ValueError, match=r"train.lora.target_modules: \['lm_head'\]"):
         backend_factory(tiny_dense, lora=LoRASpec(target_modules=["q_proj", "lm_head"]))
+
+
+def test_lora_refuses_transformer_engine_layers(tiny_dense, backend_factory) -> None:
+    """Transformer Engine's linear_qkv / linear_fc1 apply the layer norm inside: an adapter on them
+    would see the input before the norm."""
+    with pytest.raises(ValueError, match="train.lora .* megatron.transformer_impl: local or auto"):
+        backend_factory(tiny_dense, lora=LoRASpec(rank=4), megatron={"transformer_impl": "transformer_engine"})

@@ -106,7 +106,14 @@ class MegatronBackend:
         megatron_config = self.bridge.megatron_config(self.hf_config)
         name = config.model.dtype if config.model.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = getattr(torch, name)
-        self.transformer_engine = use_transformer_engine(self.options.transformer_impl, self.device)
+        lora_spec = config.train.lora
+        if lora_spec is not None and self.options.transformer_impl == "transformer_engine":
+            # its linear_qkv / linear_fc1 apply the layer norm inside: the adapters would see pre-norm inputs
+            raise ValueError("train.lora with the megatron backend runs its local layers: set megatron.transformer_impl: "
+                             "local or auto (Transformer Engine fuses the norm into the linears that carry adapters)")
+        # auto: Transformer Engine where it imports on a GPU, the local layers under LoRA
+        impl = "local" if lora_spec is not None else self.options.transformer_impl
+        self.transformer_engine = use_transformer_engine(impl, self.device)
         self.compiled = self.options.compile if self.options.compile is not None else self.device.type == "cuda"
         varlen = self.options.attention_kernel == "varlen"
         if varlen:

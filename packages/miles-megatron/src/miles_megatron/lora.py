@@ -130,7 +130,7 @@ class LinearAdapters(nn.Module):
         """This rank's part of ``scaling * B A x`` in the layout of the base output."""
         from megatron.core import tensor_parallel as tp
 
-        x = self.dropout(x)
+        x = self._dropped(x)
         if not self.fused.column:
             (projection,) = self.targets
             code = tp.reduce_from_tensor_model_parallel_region(x @ self.lora_A[projection].to(x.dtype).t())
@@ -154,6 +154,19 @@ class LinearAdapters(nn.Module):
                   for b, p in zip(blocks, self.fused.projections, strict=True)]
         # fused layout: per group, every projection's rows of that group ([q k v] per query group)
         return torch.cat([b.reshape(*lead, self.groups, -1) for b in filled], -1).reshape(*lead, -1)
+
+    def _dropped(self, x: torch.Tensor) -> torch.Tensor:
+        """Adapter dropout. Where ``x`` is split over TP (row-parallel input columns, or tokens under
+        sequence parallelism) each rank draws from megatron-core's model-parallel generator (one
+        stream per TP rank: independent masks for the different slices); where ``x`` is the same on
+        every rank, from the default generator (the same on every TP rank: the same mask)."""
+        split = self.tp > 1 and (self.sequence_parallel or not self.fused.column)
+        if not self.training or isinstance(self.dropout, nn.Identity) or not split:
+            return self.dropout(x)
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        with get_cuda_rng_tracker().fork():
+            return self.dropout(x)
 
     def hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if not self.adapter_enabled:
