@@ -10,21 +10,16 @@ per check to ``--out``/sglang_contract.jsonl (and stdout); exits 1 if any check 
 
 from __future__ import annotations
 
-import argparse
 import json
 import secrets
 import sys
 import time
-from pathlib import Path
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True, help="folder with config, tokenizer and safetensors (loaded for real)")
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--sglang-python", default="python3")
-    parser.add_argument("--sglang-env", nargs="*", default=[], metavar="KEY=VALUE")
+    from live_check import exit_status, server_arguments, write_results  # next to this script
+
+    parser = server_arguments()
     parser.add_argument("--attention-backend", default="fa3")
     parser.add_argument("--mem-fraction-static", type=float, default=0.6)
     parser.add_argument("--long-tokens", type=int, default=3000, help="a request that runs for seconds (SmolLM2 size: ~2 s)")
@@ -72,10 +67,8 @@ def main() -> int:
             print(json.dumps(row), flush=True)
     finally:
         executor.shutdown()
-        (args.out / "sglang_contract.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
-    failed = [r["check"] for r in results if r["outcome"] == "failed"]
-    print(f"{len(results) - len(failed)} of {len(results)} checks passed; failed: {failed or 'none'}", flush=True)
-    return 1 if failed or not results else 0
+        write_results(args.out / "sglang_contract.jsonl", results)
+    return exit_status(results)
 
 
 if __name__ == "__main__":

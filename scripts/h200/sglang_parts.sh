@@ -13,6 +13,8 @@
 #                   SGLang and the trainer load the same real checkpoint (~20 s)
 #   contract        the engine contract suite against a live SGLang server started by miles_sglang
 #                   (~2 min on a fresh machine: SGLang's first start builds its JIT kernels)
+#   lora            LoRA adapters on a live SGLang server: three versions synced with the calls of
+#                   miles_sglang.lora, each served against transformers with the adapter (~3 min)
 #   sync-ipc        `miles train` 2 steps, rollout.engine=sglang, weights.transport=shared_memory
 #                   (CUDA IPC, SGLang and FSDP on GPU 0), weights.check=true (~2 min)
 #   sync-megatron   sync-ipc with train.backend=megatron (~2 min)
@@ -71,6 +73,14 @@ miles_train() {  # name config overrides...
     "$OUT/$name.metrics.jsonl" 2>/dev/null | tail -3 | cut -c1-400
 }
 
+live_check() {  # name script: a check script against a live SGLang server on GPU 0
+  local name=$1 script=$2 start=$SECONDS
+  CUDA_VISIBLE_DEVICES=0 python3 "$script" --model $MODEL --out "$OUT/$name" \
+    --sglang-python python3 --sglang-env "${SG_ENV[@]}" >"$OUT/$name.log" 2>&1
+  echo "$name: exit $? in $((SECONDS - start)) s"
+  grep -E '"outcome"|checks passed|healthy after' "$OUT/$name.log" | cut -c1-300
+}
+
 for part in "$@"; do
   case $part in
     prepare)
@@ -89,13 +99,12 @@ PY
       ;;
     contract)
       need_sglang; need_model
-      start=$SECONDS
-      CUDA_VISIBLE_DEVICES=0 python3 scripts/h200/sglang_contract.py --model $MODEL --out "$OUT/contract" \
-        --sglang-python python3 --sglang-env "${SG_ENV[@]}" >"$OUT/contract.log" 2>&1
-      echo "contract: exit $? in $((SECONDS - start)) s"
-      grep -E '"outcome"|checks passed|healthy after' "$OUT/contract.log" | cut -c1-300
+      live_check contract scripts/h200/sglang_contract.py
       # SGLang's JIT kernels, for a faster first start next time (put it into .peer/3/)
       tar -C /tmp/sgjit -cJf "$OUT/sgjit.tar.xz" . 2>/dev/null && echo "JIT cache -> \$OUT/sgjit.tar.xz" ;;
+    lora)
+      need_sglang; need_model
+      live_check lora scripts/h200/sglang_lora.py ;;
     sync-ipc)
       need_sglang; need_model
       run_config /tmp/sync.json -  # colocated (the default): trainer rank and engine on GPU 0

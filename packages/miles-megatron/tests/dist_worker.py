@@ -25,6 +25,8 @@ LAYOUTS = {
     "ep2": ("moe", {"expert_parallel": 2}),
     # torch.compile'd layers (the CUDA default) with TP=2 + sequence parallelism: the collectives inside
     "tp2-compiled": ("dense", {"tensor_parallel": 2, "compile_layers": True}),
+    # LoRA adapters on the column- and row-parallel linears, sequence parallel (testing.lora_steps)
+    "tp2-lora": ("dense", {"tensor_parallel": 2}),
 }
 CONFORMANCE = {"tp2", "pp2", "ep2"}
 
@@ -34,13 +36,13 @@ def _trainable(batch, logprobs):
     return replace(batch, advantages=advantages, old_logprobs=logprobs, rollout_logprobs=logprobs)
 
 
-def _context(model_dir: Path, **megatron):
+def _context(model_dir: Path, train: dict | None = None, **megatron):
     """This rank's context for a CPU config of ``model_dir`` with the ``megatron`` options."""
     from miles.context import context_for
     from miles_contracts import Process
     from miles_megatron.testing import config_for
 
-    return context_for(config_for(model_dir, megatron=megatron), Process.trainer_rank(dist.get_rank()))
+    return context_for(config_for(model_dir, megatron=megatron, **(train or {})), Process.trainer_rank(dist.get_rank()))
 
 
 def _scenario(name: str, model_dir: Path, layout: dict, out: Path) -> dict:
@@ -48,6 +50,14 @@ def _scenario(name: str, model_dir: Path, layout: dict, out: Path) -> dict:
     from miles_megatron.backend import MegatronBackend
     from miles_megatron.testing import hf_gradients
 
+    if name == "tp2-lora":
+        from miles_megatron.testing import lora_steps, lora_train_settings
+
+        backend = MegatronBackend(_context(model_dir, lora_train_settings(),
+                                           **{**layout, "distributed_optimizer": False}))
+        result = lora_steps(backend, make_test_batch(model_dir))
+        backend.close()
+        return result
     result: dict = {}
     # the router's load-balancing loss is a function of each micro-batch's own tokens, so it (alone)
     # differs between layouts: off for the comparison, on (the model's) in the conformance run

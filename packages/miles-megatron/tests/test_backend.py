@@ -311,11 +311,3 @@ def test_transformer_engine_without_its_torch_extension_counts_as_absent(tmp_pat
         # would take it for Transformer Engine
         for name in [n for n in sys.modules if n == "transformer_engine" or n.startswith("transformer_engine.")]:
             del sys.modules[name]
-
-
-def test_lora_is_refused_until_the_parallel_linears_have_adapters(tiny_dense, make_config) -> None:
-    from miles_contracts import LoRASpec
-    from miles_megatron.backend import MegatronBackend
-
-    with pytest.raises(ValueError, match=r"does not support train.lora yet; use train.backend: fsdp"):
-        MegatronBackend(context_for(make_config(tiny_dense, lora=LoRASpec(rank=4)), Process.trainer_rank(0)))

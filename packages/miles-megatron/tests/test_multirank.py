@@ -20,6 +20,7 @@ from miles_contracts.testing.backend import make_test_batch, plain_logprobs
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 LAYOUTS = ("tp2", "tp2-compiled", "pp2", "cp2", "ep2")
+LAUNCHED = (*LAYOUTS, "tp2-lora")  # every layout dist_worker.py runs
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def ranks(tiny_dense, tiny_moe, tmp_path_factory) -> dict[str, list[dict]]:
                 p.wait()
     for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
         assert p.returncode == 0, f"rank {rank} failed (exit {p.returncode}):\n{log[-4000:]}"
-    return {name: [torch.load(out / f"{name}_rank{r}.pt", weights_only=False) for r in range(2)] for name in LAYOUTS}
+    return {name: [torch.load(out / f"{name}_rank{r}.pt", weights_only=False) for r in range(2)] for name in LAUNCHED}
 
 
 def _one_process(model_dir, backend_factory) -> dict:
@@ -92,3 +93,28 @@ def test_each_pipeline_stage_reads_only_its_layers_of_the_checkpoint(ranks) -> N
     both ranks need every layer."""
     assert [r["layers_read"] for r in ranks["pp2"]] == [[None, 0], [None, 1]]
     assert [r["layers_read"] for r in ranks["tp2"]] == [[None, 0, 1]] * 2
+
+
+@pytest.mark.slow
+def test_lora_at_tp2_matches_one_process(ranks, tiny_dense, backend_factory) -> None:
+    """Adapters on column-parallel (q, v, gate: A replicated, B split by rows) and row-parallel
+    (o, down: A split by columns, B replicated) linears with sequence parallelism: log-probs,
+    adapter gradients, step metrics and the trained adapters at TP=2 equal one process's."""
+    from miles_megatron.testing import lora_steps, lora_train_settings
+
+    backend = backend_factory(tiny_dense, megatron={"distributed_optimizer": False}, **lora_train_settings())
+    want = lora_steps(backend, make_test_batch(tiny_dense))
+    got = ranks["tp2-lora"]
+    assert want["adapters"] and all(".lora_" in name for name in want["adapters"])
+    assert got[0]["adapters"].keys() == want["adapters"].keys() and not got[1]["adapters"]  # rank 0 yields
+    for name, tensor in want["adapters"].items():
+        torch.testing.assert_close(got[0]["adapters"][name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+    assert got[0]["gradients"].keys() == want["gradients"].keys()
+    for name, grad in want["gradients"].items():
+        assert grad.abs().sum() > 0, name  # after a step every adapter (A too) gets a gradient
+        torch.testing.assert_close(got[0]["gradients"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    for r in got:
+        torch.testing.assert_close(r["logprobs"], want["logprobs"], rtol=0, atol=2e-5)
+        for key in ("loss", "grad_norm"):
+            assert r["first"][key] == pytest.approx(want["first"][key], rel=1e-4, abs=1e-6), key
+            assert r["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-4, abs=1e-6), key

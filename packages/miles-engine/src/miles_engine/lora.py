@@ -12,6 +12,7 @@ of the base are unchanged) and gains ``...q_proj.lora_A.weight [r, in]`` and
 The adapter stays unmerged (never folded into ``W``): the base is shared, an update is the small
 adapter tensors only, and the base can be scored with the adapters switched off
 (:func:`adapters_disabled`), which is how a trainer gets its KL reference without a second copy.
+:func:`write_peft_adapter` writes adapter tensors as a PEFT folder (both train backends export with it).
 The wrapper is not an ``nn.Linear`` on purpose: the CPU engine's packed linears replace the
 forward of every ``nn.Linear`` they find, which would drop the adapter term (the adapter's own
 two ``nn.Linear`` are packed as usual).
@@ -20,9 +21,11 @@ two ``nn.Linear`` are packed as usual).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +35,9 @@ if TYPE_CHECKING:
     from miles_contracts.lora import LoRASpec
 
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+PEFT_PREFIX = "base_model.model."  # PEFT stores adapter keys under the wrapped model's path
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
 
 
 def is_adapter_tensor(name: str) -> bool:
@@ -115,7 +121,19 @@ def lora_layers(model: nn.Module) -> list[LoRALinear]:
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """Inside, ``model`` computes its base (every adapter off); restored on exit, error or not."""
-    layers = lora_layers(model)
+    with switched_off(lora_layers(model)):
+        yield
+
+
+class Switchable(Protocol):
+    """An adapter that can be switched off (:class:`LoRALinear`, and the megatron backend's)."""
+
+    adapter_enabled: bool
+
+
+@contextlib.contextmanager
+def switched_off(layers: Sequence[Switchable]) -> Iterator[None]:
+    """Inside, every one of ``layers`` computes without its adapter; restored on exit, error or not."""
     previous = [layer.adapter_enabled for layer in layers]
     for layer in layers:
         layer.adapter_enabled = False
@@ -124,3 +142,31 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     finally:
         for layer, enabled in zip(layers, previous, strict=True):
             layer.adapter_enabled = enabled
+
+
+def peft_config(spec: LoRASpec, base_model_name: str | None) -> dict[str, object]:
+    """The ``adapter_config.json`` of a PEFT LoRA adapter with these settings."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": sorted(spec.target_modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "inference_mode": True,
+    }
+
+
+def write_peft_adapter(path: Path, tensors: dict[str, torch.Tensor], spec: LoRASpec, base_model_name: str | None) -> None:
+    """A PEFT adapter folder: ``adapter_config.json`` + ``adapter_model.safetensors``
+    (``PeftModel.from_pretrained(base, path)`` loads it)."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({PEFT_PREFIX + name: t.cpu().contiguous() for name, t in tensors.items()}, str(path / PEFT_WEIGHTS),
+              metadata={"format": "pt"})
+    (path / PEFT_CONFIG).write_text(json.dumps(peft_config(spec, base_model_name), indent=2) + "\n")

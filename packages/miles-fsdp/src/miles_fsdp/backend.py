@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from miles.trainer.collectives import sum_over_ranks
 from miles_algorithms.sdpa import sdpa_preference
-from miles_engine.lora import adapters_disabled
+from miles_engine.lora import adapters_disabled, write_peft_adapter
 
 from miles_fsdp.checkpoint import TrainedModule, load_checkpoint, save_checkpoint
 from miles_fsdp.config import FSDPSection
@@ -32,7 +32,6 @@ from miles_fsdp.lora import (
     attach_adapters,
     merged_weights,
     wrapped_weight_names,
-    write_peft_adapter,
 )
 from miles_fsdp.models import (
     PolicyModel,

@@ -222,9 +222,10 @@ def run_miles(preset: str, batch, *, ctx: RunContext, device: Device, options: d
 
 def run_registered(backend_name: str, preset: str, batch, *, ctx: RunContext, device: Device, options: dict[str, Any],
                    section: str | None, gradient_checkpointing: bool, micro_batch_tokens: int, warmup: int, steps: int,
-                   work_dir: Any, profile_to: Path | None = None) -> dict[str, Any]:
+                   work_dir: Any, profile_to: Path | None = None, lora: LoRASpec | None = None) -> dict[str, Any]:
     """The step of any train backend registered with ``ctx.kernel`` (e.g. ``megatron``) on the
-    preset's random model, saved once as a checkpoint folder the backend loads like any model."""
+    preset's random model, saved once as a checkpoint folder the backend loads like any model;
+    with ``lora``, adapters on its frozen base (``train.lora``)."""
     import tempfile
 
     from miles.config import MilesConfig
@@ -238,7 +239,7 @@ def run_registered(backend_name: str, preset: str, batch, *, ctx: RunContext, de
     config = MilesConfig(
         model=ModelSection(name=str(folder), device=device), run=RunSection(steps=warmup + steps + 1),
         train=TrainSection(backend=backend_name, lr=1e-6, micro_batch_tokens=micro_batch_tokens,
-                           gradient_checkpointing=gradient_checkpointing),
+                           gradient_checkpointing=gradient_checkpointing, lora=lora),
         extra=extra,
     )
     backend = ctx.kernel.train_backends().get(backend_name).create(ctx.with_config(config))
@@ -296,7 +297,7 @@ def run_benchmark(
         the backends; each is built with the benchmark's own config (``ctx.with_config``).
     :param backend: other than ``fsdp``, built through ``ctx.kernel``'s train-backend registry with
         ``options`` as its config ``section`` (e.g. ``megatron`` with ``{"tensor_parallel": 2}``).
-    :param lora: also measure the fsdp step with these adapters on a frozen base (``miles_lora``),
+    :param lora: also measure the backend's step with these adapters on a frozen base (``miles_lora``),
         and the full / LoRA ratios of step time and peak memory."""
     from miles.trainer.device import pick_device
 
@@ -356,6 +357,11 @@ def run_benchmark(
             adapted = run_miles(preset, batch, ctx=ctx, device=device, options=options, lora=lora,
                                 gradient_checkpointing=gradient_checkpointing, micro_batch_tokens=budget, warmup=warmup,
                                 steps=steps)
+        elif lora is not None:
+            adapted = run_registered(backend, preset, batch, ctx=ctx, device=device, options=options, section=section,
+                                     gradient_checkpointing=gradient_checkpointing, micro_batch_tokens=budget,
+                                     warmup=warmup, steps=steps, work_dir=work_dir, lora=lora)
+        if lora is not None:
             entry["miles_lora"] = {**adapted, "rank": lora.rank, "target_modules": lora.target_modules}
             entry["lora_step_speedup"] = miles["step_s"] / adapted["step_s"]
             if miles["peak_memory_gb"] and adapted["peak_memory_gb"]:

@@ -11,15 +11,13 @@ same ``W x + (alpha / r) B A x`` under the same names. Here:
   takes ``requires_grad`` parameters only).
 - The KL reference is the actor with its adapters switched off (``adapters_disabled``): the base,
   without a second copy.
-- :func:`adapter_state` / :func:`write_peft_adapter` / :func:`write_merged`: the adapter tensors
-  (what weight syncs and checkpoints carry) and the two export formats.
+- :func:`adapter_state` / :func:`merged_weights`: the adapter tensors (what weight syncs and
+  checkpoints carry) and the merged export (the PEFT files: :func:`miles_engine.lora.write_peft_adapter`).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,9 +29,6 @@ if TYPE_CHECKING:
 
     from miles_fsdp.models import Precision
 
-PEFT_PREFIX = "base_model.model."  # PEFT stores adapter keys under the wrapped model's path
-PEFT_CONFIG = "adapter_config.json"
-PEFT_WEIGHTS = "adapter_model.safetensors"
 
 
 def attach_adapters(hf: nn.Module, spec: LoRASpec, precision: Precision) -> list[str]:
@@ -75,34 +70,6 @@ def adapter_state(hf: nn.Module, dtype: torch.dtype | None = None) -> Iterator[t
         full = param.full_tensor() if isinstance(param, DTensor) else param
         full = full.detach()
         yield name, (full.to(dtype) if dtype is not None else full).contiguous()
-
-
-def peft_config(spec: LoRASpec, base_model_name: str | None) -> dict[str, object]:
-    """The ``adapter_config.json`` of a PEFT LoRA adapter with these settings."""
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model_name,
-        "r": spec.rank,
-        "lora_alpha": spec.alpha,
-        "lora_dropout": spec.dropout,
-        "target_modules": sorted(spec.target_modules),
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "inference_mode": True,
-    }
-
-
-def write_peft_adapter(path: Path, tensors: dict[str, torch.Tensor], spec: LoRASpec, base_model_name: str | None) -> None:
-    """A PEFT adapter folder: ``adapter_config.json`` + ``adapter_model.safetensors``
-    (``PeftModel.from_pretrained(base, path)`` loads it)."""
-    from safetensors.torch import save_file
-
-    path.mkdir(parents=True, exist_ok=True)
-    save_file({PEFT_PREFIX + name: t.cpu().contiguous() for name, t in tensors.items()}, str(path / PEFT_WEIGHTS),
-              metadata={"format": "pt"})
-    (path / PEFT_CONFIG).write_text(json.dumps(peft_config(spec, base_model_name), indent=2) + "\n")
 
 
 def merged_weights(named: Iterator[tuple[str, torch.Tensor]], wrapped: set[str],

@@ -25,8 +25,9 @@ import torch
 from miles.trainer.collectives import sum_over_ranks
 from miles.trainer.device import pick_device
 from miles_algorithms.sdpa import sdpa_preference
+from miles_engine.lora import switched_off, write_peft_adapter
 
-from miles_megatron import checkpoint, parallel
+from miles_megatron import checkpoint, lora, parallel
 from miles_megatron.config import MegatronSection
 from miles_megatron.cpu_shim import cpu_megatron
 from miles_megatron.loading import weight_source
@@ -81,8 +82,7 @@ class MegatronBackend:
         self.kernel = ctx.kernel
         self.options = config.section(NAME, MegatronSection)
         train = config.train
-        switches = (("train.use_critic", train.use_critic), ("train.teacher_model", train.teacher_model),
-                    ("train.lora", train.lora))  # LoRA on the parallel linears: not built yet (docs/design/lora.md)
+        switches = (("train.use_critic", train.use_critic), ("train.teacher_model", train.teacher_model))
         unsupported = [s for s, on in switches if on]
         if unsupported:
             raise ValueError(f"the megatron backend does not support {', '.join(unsupported)} yet; use train.backend: fsdp")
@@ -106,7 +106,14 @@ class MegatronBackend:
         megatron_config = self.bridge.megatron_config(self.hf_config)
         name = config.model.dtype if config.model.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = getattr(torch, name)
-        self.transformer_engine = use_transformer_engine(self.options.transformer_impl, self.device)
+        lora_spec = config.train.lora
+        if lora_spec is not None and self.options.transformer_impl == "transformer_engine":
+            # its linear_qkv / linear_fc1 apply the layer norm inside: the adapters would see pre-norm inputs
+            raise ValueError("train.lora with the megatron backend runs its local layers: set megatron.transformer_impl: "
+                             "local or auto (Transformer Engine fuses the norm into the linears that carry adapters)")
+        # auto: Transformer Engine where it imports on a GPU, the local layers under LoRA
+        impl = "local" if lora_spec is not None else self.options.transformer_impl
+        self.transformer_engine = use_transformer_engine(impl, self.device)
         self.compiled = self.options.compile if self.options.compile is not None else self.device.type == "cuda"
         varlen = self.options.attention_kernel == "varlen"
         if varlen:
@@ -120,7 +127,9 @@ class MegatronBackend:
         recompute = self.options.recompute or ("full" if config.train.gradient_checkpointing else "none")
         layers = self.options.compile_layers
         # recomputation runs layer pieces under megatron-core's checkpoint function: left eager
-        compile_layers = (self.compiled if layers is None else layers) and not self.transformer_engine and recompute == "none"
+        # LoRA's forward hooks run megatron-core's autograd collectives: those layers stay eager
+        compile_layers = (self.compiled if layers is None else layers) and not self.transformer_engine and recompute == "none" \
+            and config.train.lora is None
         tc = transformer_config(megatron_config, self.options, self.layout, dtype=self.dtype, device=self.device,
                                 transformer_engine=self.transformer_engine, recompute=recompute)
         vocab = int(megatron_config["gpt_model"]["vocab_size"])
@@ -139,8 +148,13 @@ class MegatronBackend:
         source.release()
         self.layers_read = source.layers_read  # streamed: the checkpoint layers this rank read (None: the rest)
         train = config.train
+        self.adapters: list[lora.LinearAdapters] = []
+        if train.lora is not None:
+            # only the adapters train; the KL reference is the actor with them off (no second model)
+            self.adapters = lora.attach(chunks, tc, train.lora, config.run.seed)
+            lora.check_targets_found(self.adapters, train.lora)
         ref_chunks = None
-        if train.use_reference:
+        if train.use_reference and train.lora is None:
             # the reference starts as the actor: copied from it, not read from the checkpoint again
             ref_chunks = new_chunks()
             for ref, actor in zip(ref_chunks, chunks, strict=True):
@@ -156,6 +170,12 @@ class MegatronBackend:
                     chunk.to(self.dtype)
             self.ref = ModelParts(ref_chunks, ref_chunks, None, tc, vocab, padded)
         self.gather = WeightGather(shards, self.bridge_names, self.bridge, self.hf_config, vocab)
+        # what trains and syncs: every weight, or (LoRA) the adapters under their PEFT names
+        self.trained = self.gather
+        if self.adapters:
+            adapter_shards = lora.adapter_shards(self.adapters)
+            self.trained = WeightGather(adapter_shards, lora.adapter_order(adapter_shards), lora.NamesAsTheyAre(),
+                                        self.hf_config, vocab)
         from miles_algorithms.schedule import LRMultiplier
 
         self.schedule = LRMultiplier(train.lr_schedule, train.warmup_steps, config.run.steps * train.updates_per_step)
@@ -186,6 +206,10 @@ class MegatronBackend:
         if model not in phases:
             raise ValueError(f"the megatron backend scores 'actor' and 'ref' models, not {model!r}")
         phase, parts = phases[model]
+        if model == "ref" and self.adapters and self.config.train.use_reference:
+            with switched_off(self.adapters):
+                outputs = self._runner(self.actor).score(phase, batch, with_entropy=with_entropy)
+            return outputs[0], (outputs[1] if with_entropy else None)
         if parts is None:
             raise RuntimeError("this backend has no ref model; set train.use_reference: true")
         outputs = self._runner(parts).score(phase, batch, with_entropy=with_entropy)
@@ -244,19 +268,28 @@ class MegatronBackend:
     # ------------------------------------------------------------------ weights
 
     def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full actor weights with HF names on rank 0 (collective: iterate to the end on every rank).
+        """Full actor weights with HF names on rank 0 (collective: iterate to the end on every rank);
+        with ``train.lora`` the adapters only, under the names the fsdp backend gives them.
 
         :param dtype: of the yielded tensors; default the compute dtype (what an engine serves).
         """
-        return self.gather.gather(dtype or self.dtype, self.device)
+        return self.trained.gather(dtype or self.dtype, self.device)
 
     def export_hf(self, path: Path) -> None:
-        """An HF folder of the actor (dtype of the source checkpoint), tokenizer files copied along."""
+        """An HF folder of the actor (dtype of the source checkpoint), tokenizer files copied along;
+        with ``train.lora`` the merged model (``W + (alpha/r) B A``) and the PEFT adapter in
+        ``path/lora_adapter/``, as the fsdp backend writes them."""
         from safetensors.torch import save_file
 
         path = Path(path)
         dtype = self._export_dtype()
-        tensors = {name: t.cpu() for name, t in self.gather.gather(dtype, self.device)}
+        spec = self.config.train.lora
+        adapters: dict[str, torch.Tensor] = {}
+        if spec is not None:
+            adapters = {name: t.cpu() for name, t in self.trained.gather(torch.float32, self.device)}
+            tensors = dict(lora.merged(self.gather.gather(None, self.device), adapters, spec, dtype))
+        else:
+            tensors = {name: t.cpu() for name, t in self.gather.gather(dtype, self.device)}
         if self.ranks.is_main:
             path.mkdir(parents=True, exist_ok=True)
             for old in path.iterdir():
@@ -268,6 +301,8 @@ class MegatronBackend:
                     if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != "config.json":
                         shutil.copy2(item, path / item.name)
             (path / "config.json").write_text(json.dumps({**self.hf_config, "dtype": str(dtype).removeprefix("torch.")}, indent=2) + "\n")
+            if spec is not None:  # a subfolder: transformers would load a folder holding adapter_config.json as an adapter
+                write_peft_adapter(path / "lora_adapter", adapters, spec, self.config.model.name)
         parallel.barrier()
 
     def _export_dtype(self) -> torch.dtype:
@@ -280,13 +315,20 @@ class MegatronBackend:
     @_on_megatron
     def save_checkpoint(self, path: Path, extra_state: Mapping[str, Any]) -> None:
         checkpoint.save(Path(path), self.actor.chunks, self.actor.optimizer, self.optimizer_steps, self.layout,
-                        extra_state, self.ranks, skipped_steps=self.skipped_steps)
+                        extra_state, self.ranks, skipped_steps=self.skipped_steps, keep=self._checkpointed)
 
     @_on_megatron
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         self.optimizer_steps, self.skipped_steps, extra = checkpoint.load(Path(path), self.actor.chunks,
-                                                                          self.actor.optimizer, self.ranks)
+                                                                          self.actor.optimizer, self.ranks,
+                                                                          keep=self._checkpointed)
         return extra
+
+    @property
+    def _checkpointed(self) -> Callable[[str], bool] | None:
+        """Which model keys a checkpoint holds: all, or (LoRA) the adapters; the base is re-read
+        from ``model.name`` when a run resumes."""
+        return lora.is_adapter_key if self.adapters else None
 
     def close(self) -> None:
         """Free the models and leave the parallel state (torn down by the last backend of the process)."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +37,10 @@ EXTRA_FILE = "extra_state.json"
 _OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def _sharded_state(chunks: list[Any], optimizer: Any, *, loading: bool) -> dict[str, Any]:
-    models = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+def _sharded_state(chunks: list[Any], optimizer: Any, *, loading: bool, keep: Callable[[str], bool] | None) -> dict[str, Any]:
+    """``keep``: which model keys to include (None: all); a LoRA run keeps its adapters only."""
+    models = {f"model{i}": {k: v for k, v in chunk.sharded_state_dict().items() if keep is None or keep(k)}
+              for i, chunk in enumerate(chunks)}
     flat: dict[str, Any] = {}
     for part in models.values():
         flat.update(part)
@@ -161,7 +163,7 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 def save(path: Path, chunks: list[Any], optimizer: Any, step: int, layout: Any, extra_state: Mapping[str, Any], ranks: Ranks,
-         *, skipped_steps: int = 0) -> None:
+         *, skipped_steps: int = 0, keep: Callable[[str], bool] | None = None) -> None:
     """Collective: every rank calls it with the same ``path``. ``step`` counts optimizer steps taken,
     ``skipped_steps`` the ones skipped (a gradient that was not finite): the schedule advances on both."""
     from megatron.core import dist_checkpointing
@@ -176,7 +178,7 @@ def save(path: Path, chunks: list[Any], optimizer: Any, step: int, layout: Any, 
         (path / "rng").mkdir(exist_ok=True)
     barrier()
     _fork_result_queue()
-    dist_checkpointing.save(_sharded_state(chunks, optimizer, loading=False), str(path / "megatron"))
+    dist_checkpointing.save(_sharded_state(chunks, optimizer, loading=False, keep=keep), str(path / "megatron"))
     torch.save(_rng_state(), path / "rng" / f"rank_{ranks.rank}.pt")
     barrier()
     if ranks.is_main:
@@ -189,7 +191,8 @@ def save(path: Path, chunks: list[Any], optimizer: Any, step: int, layout: Any, 
     barrier()
 
 
-def load(path: Path, chunks: list[Any], optimizer: Any, ranks: Ranks) -> tuple[int, int, dict[str, Any]]:
+def load(path: Path, chunks: list[Any], optimizer: Any, ranks: Ranks,
+         keep: Callable[[str], bool] | None = None) -> tuple[int, int, dict[str, Any]]:
     """Collective. Restores weights, optimizer and RNG; returns ``(step, skipped_steps, extra_state)``."""
     from miles_megatron.safe_load import load_distributed, without_extra_state
 
@@ -201,7 +204,7 @@ def load(path: Path, chunks: list[Any], optimizer: Any, ranks: Ranks) -> tuple[i
         raise ValueError(f"{path}: checkpoint format {trainer.get('format')} is not {FORMAT_VERSION}")
     _materialize_adam_state(optimizer)
     # a folder given to --resume may come from anywhere: every file through safe_load's checks
-    loaded = load_distributed(_sharded_state(chunks, optimizer, loading=True), path / "megatron")
+    loaded = load_distributed(_sharded_state(chunks, optimizer, loading=True, keep=keep), path / "megatron")
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(without_extra_state(loaded[f"model{i}"], f"{path}: model chunk {i}"), strict=False)
     with _keep_adam_step(optimizer):

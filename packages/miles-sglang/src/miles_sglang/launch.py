@@ -37,6 +37,7 @@ from miles_sglang.settings import SGLangSection
 
 if TYPE_CHECKING:
     from miles_contracts import EngineSpec, ServiceLaunch
+    from miles_contracts.lora import LoRASpec
 
 TOKEN_ENV = "MILES_AUTH_TOKEN"
 API_KEY_FROM_ENV = (
@@ -76,7 +77,7 @@ _HEALTH_GENERATION = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
 
 
 def launch_plan(spec: EngineSpec, section: SGLangSection, *, authenticated: bool = False,
-                gpus: Sequence[int | str] | None = None) -> LaunchPlan:
+                gpus: Sequence[int | str] | None = None, lora: LoRASpec | None = None) -> LaunchPlan:
     """The argv and environment that serve ``spec`` with SGLang.
 
     :param spec: model folder, host, port, device and dtype (``auto`` leaves SGLang's default),
@@ -87,6 +88,7 @@ def launch_plan(spec: EngineSpec, section: SGLangSection, *, authenticated: bool
         is in neither the argv nor the ``env`` of the plan. ``False``: an open server.
     :param gpus: the GPUs this engine may use, as ``CUDA_VISIBLE_DEVICES`` entries; ``None`` leaves
         the inherited ones. Their number must be what the layout needs (``tp_size * dp_size``).
+    :param lora: serve LoRA adapters of these settings next to the base (:mod:`miles_sglang.lora`).
     """
     if gpus is not None and len(gpus) != gpus_needed(section):
         raise ValueError(f"an engine with tp_size={section.tp_size} and dp_size={section.dp_size} runs on "
@@ -98,6 +100,10 @@ def launch_plan(spec: EngineSpec, section: SGLangSection, *, authenticated: bool
             "--weight-version", "0",  # as the embedded engine: the first weight sync makes it 1
             "--log-level", section.log_level]
     argv += _value_flags(spec, section) + _switches(spec, section)
+    if lora is not None:
+        from miles_sglang.lora import lora_flags
+
+        argv += lora_flags(lora)
     argv += list(section.sglang_args)
     env = dict(section.env)
     if spec.port + _GRPC_OFFSET > 65535 and "SGLANG_GRPC_PORT" not in env:
@@ -195,8 +201,11 @@ class SGLangService:
         config = launch.config
         section = config.section("sglang", SGLangSection)
         if config.train.lora is not None:  # weight syncs would send adapter tensors SGLang's model lacks
-            raise ValueError("train.lora: Miles does not sync LoRA adapters to SGLang engines yet (its "
-                             "/load_lora_adapter route is not wired); use rollout.engine: embedded, or train full weights")
+            # the launch flags and the sync's calls exist (miles_sglang.lora); no weight transport
+            # makes those calls yet, nor do rollout requests name the adapter
+            raise ValueError("train.lora: Miles does not sync LoRA adapters to SGLang engines yet (no weight "
+                             "transport loads them through /load_lora_adapter); use rollout.engine: embedded, "
+                             "or train full weights")
         if launch.gpus and launch.gpus != gpus_needed(section):
             raise ValueError(f"an SGLang engine with tp_size={section.tp_size} and dp_size={section.dp_size} runs on "
                              f"{gpus_needed(section)} GPUs, but placement gives it {launch.gpus}; set "
