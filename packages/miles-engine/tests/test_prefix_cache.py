@@ -62,7 +62,7 @@ def plain_answers(dense_path) -> list[GenerateResponse]:
 
 
 def test_a_session_with_the_cache_matches_one_without_and_prefills_less(dense_path, plain_answers) -> None:
-    engine = Engine(dense_path, device="cpu")
+    engine = Engine(dense_path, device="cpu", disable_radix_cache=False)
     try:
         answers = _session(engine, [1, 504, 3458, 282], 5)
         info = engine.server_info()
@@ -81,7 +81,7 @@ def test_a_weight_update_between_turns_never_serves_stale_kv(dense_path) -> None
 
     other = tiny_model("dense", seed=1)
     first = [1, 77, 78, 79, 80]
-    engine = Engine(dense_path, device="cpu", weight_dir=[str(other)])
+    engine = Engine(dense_path, device="cpu", weight_dir=[str(other)], disable_radix_cache=False)
 
     async def go() -> tuple[list[int], GenerateResponse]:
         turn_one = await engine.generate(_request(first))
@@ -104,7 +104,7 @@ def test_a_weight_update_between_turns_never_serves_stale_kv(dense_path) -> None
 
 
 def test_requests_that_span_a_weight_update_are_not_stored(dense_path) -> None:
-    engine = Engine(dense_path, device="cpu")
+    engine = Engine(dense_path, device="cpu", disable_radix_cache=False)
 
     async def go() -> dict[str, Any]:
         running = asyncio.ensure_future(engine.generate(_request([1, 2, 3, 4, 5], max_new=150)))
@@ -125,7 +125,7 @@ def test_requests_that_span_a_weight_update_are_not_stored(dense_path) -> None:
 
 
 def test_a_small_cache_evicts_and_answers_stay_the_same(dense_path, plain_answers) -> None:
-    engine = Engine(dense_path, device="cpu", radix_cache_tokens=40)
+    engine = Engine(dense_path, device="cpu", radix_cache_tokens=40, disable_radix_cache=False)
     try:
         noise = [_session(engine, [1, 900 + i, 901 + i, 902 + i, 903 + i, 904 + i], 1) for i in range(4)]
         answers = _session(engine, [1, 504, 3458, 282], 5)
@@ -140,7 +140,7 @@ def test_a_small_cache_evicts_and_answers_stay_the_same(dense_path, plain_answer
 
 def test_aborts_and_retracts_leave_nothing_pinned_and_retracted_requests_resume_from_the_cache(
         dense_path) -> None:
-    engine = Engine(dense_path, device="cpu")
+    engine = Engine(dense_path, device="cpu", disable_radix_cache=False)
 
     async def go() -> tuple[list[GenerateResponse], dict[str, Any]]:
         tasks = [asyncio.ensure_future(engine.generate(_request([1, 50 + i, 60, 70], max_new=300)))
@@ -168,7 +168,7 @@ def test_aborts_and_retracts_leave_nothing_pinned_and_retracted_requests_resume_
 
 
 def test_generate_reports_cached_tokens_over_http(dense_path) -> None:
-    with serve_engine(dense_path, device="cpu") as running:
+    with serve_engine(dense_path, device="cpu", disable_radix_cache=False) as running:
         body = {"input_ids": [1, 11, 12, 13, 14, 15], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True,
                                                                           "temperature": 0.0}}
         first = running.generate(body)

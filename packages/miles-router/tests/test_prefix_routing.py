@@ -83,7 +83,7 @@ def embedded_pair():
     from miles_models.testing import tiny_model
 
     path = tiny_model("dense")
-    engines = [Engine(path, device="cpu", max_running_requests=8) for _ in range(2)]
+    engines = [Engine(path, device="cpu", max_running_requests=8, disable_radix_cache=False) for _ in range(2)]
     servers = [ThreadedServer(create_app(engine)).start() for engine in engines]
     try:
         yield servers

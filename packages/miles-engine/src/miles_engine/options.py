@@ -37,11 +37,13 @@ class EngineSection(BaseModel):
         linear weights in memory; see ``cpu_linear.py``).
     :ivar disable_cuda_graph: run decode steps eagerly on CUDA; by default each decode step is a
         replayed CUDA graph (see ``cuda_graphs.py``; not used for MoE models recording routes).
-    :ivar disable_radix_cache: prefill every request in full. By default (unset) the KV of requests'
-        token prefixes is kept and a request that starts with one prefills only the rest (see
-        ``prefix_cache.py`` and ``docs/design/prefix-reuse.md``), except in deterministic mode: a
-        copied prefix's KV was computed by other forwards (decode steps) than a full prefill's and
-        differs in the last bits, so a request's bits would depend on what ran before it.
+    :ivar disable_radix_cache: ``false`` turns the prefix cache on: the KV of requests' token
+        prefixes is kept and a request that starts with one prefills only the rest (see
+        ``prefix_cache.py`` and ``docs/design/prefix-reuse.md``). Unset (the default) or ``true``:
+        every request is prefilled in full. Off by default because a copied prefix's KV was computed
+        by other forwards (decode steps) than a full prefill's and differs in the last bits (~1e-6 in
+        fp32), so a request's log-probs would depend on what the engine ran before it, and on the
+        H200 it saved prefill but not turn latency at 135M (docs/benchmarks/prefix-cache.md).
     :ivar radix_cache_tokens: most tokens the prefix cache keeps (least recently used prefixes are
         evicted beyond it); default: half of ``max_kv_tokens``. Its memory grows with use.
     :ivar seed: seeds the sampler of requests that carry no ``sampling_seed``.
@@ -84,8 +86,8 @@ class EngineSection(BaseModel):
         default=False, description="CUDA: run decode steps eagerly instead of as replayed CUDA graphs",
     )
     disable_radix_cache: bool | None = Field(
-        default=None, description="prefill every request in full (no prefix cache); default: off only in "
-        "deterministic mode",
+        default=None, description="false: keep token prefixes' KV and prefill only the rest (the radix "
+        "prefix cache); unset or true: prefill every request in full",
     )
     radix_cache_tokens: int | None = Field(
         default=None, ge=1, description="most tokens the prefix cache keeps; default: half of max_kv_tokens",

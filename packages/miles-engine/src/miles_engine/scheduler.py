@@ -453,7 +453,6 @@ class Scheduler:
 
 def prefix_cache_tokens(config: EngineConfig, max_kv_tokens: int) -> int:
     """Tokens the prefix cache may keep (0: no prefix cache); see ``EngineSection.radix_cache_tokens``."""
-    disabled = config.disable_radix_cache
-    if disabled or (disabled is None and config.enable_deterministic_inference):
+    if config.disable_radix_cache is not False:  # opt-in: unset means off (EngineSection.disable_radix_cache)
         return 0
     return config.radix_cache_tokens or max(max_kv_tokens // 2, 1)
