@@ -79,7 +79,7 @@ def test_a_config_naming_switched_off_packages_reports_each_at_once() -> None:
     v = metadata.version("miles-kernel")  # every member's version (lockstep)
     assert info.value.errors == [
         f"rollout.engine: unknown service 'embedded': it comes with miles-engine, whose plugin 'engine' {off}; "
-        f"installed: router (miles-router {v}), sglang (miles-sglang {v}), session (miles-tito {v})",
+        f"installed: router (miles-router {v}), sandbox (miles-sandbox {v}), sglang (miles-sglang {v}), session (miles-tito {v})",
         f"weights.transport: unknown weight transport 'shared_memory': it comes with miles-weights, whose plugin "
         f"'weights' {off}; installed: mooncake (miles-mooncake {v})",
     ]  # the switched-off plugin's own section is left alone (plugins.disable keeps its settings)

@@ -43,7 +43,7 @@ KERNEL = "miles-kernel"
 
 FIRST_PARTY: tuple[Provider, ...] = (
     _row("core", KERNEL, command=("plugins", "config show")),
-    _row("train", KERNEL, command=("train", "replay", "rollout", "ledger")),
+    _row("train", KERNEL, command=("train", "replay", "rollout", "ledger", "chaos")),
     _row("view", KERNEL, command=("view",)),
     _row("data", KERNEL, data_source=("jsonl", "parquet", "hf_dataset", "arithmetic")),
     _row("executors", KERNEL, executor=("local",)),
@@ -67,7 +67,7 @@ FIRST_PARTY: tuple[Provider, ...] = (
          architectures=("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "qwen3", "qwen3_moe")),
     _row("tito", "miles-tito", generator=("multi_turn", "agentic"), tool=("calculator",), service=("session",),
          config_section=("tito",), command=("serve session", "verify-template", "bench session", "bench tito", "bench isolation",
-                                             "bench episode-tokens")),
+                                             "bench episode-tokens", "bench conformance")),
     _row("r3", "miles-r3", config_section=("r3",), command=("bench r3",)),
     _row("sglang", "miles-sglang", service=("sglang",), config_section=("sglang",)),
     _row("mooncake", "miles-mooncake", weight_transport=("mooncake",), config_section=("mooncake",)),
@@ -79,6 +79,12 @@ FIRST_PARTY: tuple[Provider, ...] = (
     _row("prometheus", "miles-tracker-prometheus", tracker=("prometheus",), config_section=("prometheus",)),
     _row("longtail", "miles-longtail", agent=("long_tail",), reward=("repeated_tokens",), config_section=("longtail",),
          command=("bench async",)),
+    _row("sandbox", "miles-sandbox", agent=("mini_swe_agent",), reward=("swe_tests",), service=("sandbox",),
+         config_section=("sandbox",), command=("serve sandbox", "bench sandbox")),
+    _row("verifiers", "miles-verifiers", agent=("verifiers",), data_source=("verifiers",), reward=("verifiers",),
+         config_section=("verifiers",)),
+    _row("openenv", "miles-openenv", agent=("openenv",), data_source=("openenv",), reward=("openenv",),
+         config_section=("openenv",)),
     _row("calculator-agent", "miles-example-calculator-agent", agent=("calculator_agent",)),
     _row("compacting-agent", "miles-example-compacting-agent", agent=("compacting_agent",)),
     _row("delegating-agent", "miles-example-delegating-agent", agent=("delegating_agent",)),
@@ -86,7 +92,8 @@ FIRST_PARTY: tuple[Provider, ...] = (
 )
 """Every first-party plugin, the kernel's built-ins first."""
 
-SERVICE_ROLES: dict[str, str] = {"embedded": "engine", "sglang": "engine", "router": "router", "session": "session"}
+SERVICE_ROLES: dict[str, str] = {"embedded": "engine", "sglang": "engine", "router": "router", "session": "session",
+                                 "sandbox": "sandbox"}
 """The role (``miles_contracts.cluster``) of each first-party service."""
 
 
