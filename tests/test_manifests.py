@@ -55,13 +55,12 @@ NOT_IMPORTED: dict[tuple[str, str], str] = {
     **{(example, "miles-tito"): "the agentic generator and session server the agent runs under (rollout.generator: agentic)"
        for example in ("miles-example-delegating-agent", "miles-example-solver-verifier")},
     # plugins found by entry point at run time, not imported
+    ("miles-sandbox", "miles-tito"): "mini_swe_agent runs under the agentic generator and its session server",
     ("miles-fsdp", "miles-models"): "resolves catalogued model names (model.name's default) via miles_resolve_model",
     ("miles-megatron", "miles-models"): "resolves catalogued model names (model.name's default) via miles_resolve_model",
     ("miles-fsdp", "miles-weights"): "the weight transports (weights.transport, default shared_memory) its ranks push through",
     ("miles-megatron", "miles-weights"): "the weight transports (weights.transport, default shared_memory) its ranks push through",
     # a train backend brings the rest of what `miles train` runs on one machine (docs/design/packaging.md)
-    **{(b, "miles-engine"): "the embedded engine (rollout.engine's default), a service started by entry point"
-       for b in ("miles-fsdp", "miles-megatron")},
     **{(b, "miles-router"): "the router every run starts in front of its engines, a service started by entry point"
        for b in ("miles-fsdp", "miles-megatron")},
     **{(b, d): "first-party model plugin: bridges, chat families and MoE layer maps, claimed through miles_model_bridge"
