@@ -1,5 +1,6 @@
 """``miles bench conformance`` on a small setting: every SDK agent (Chat, Messages, Responses) and
-the verifiers and OpenEnv adapters (the OpenEnv environment served by openenv-core on loopback)
+the verifiers, OpenEnv and mini-swe-agent adapters (the OpenEnv environment served by openenv-core
+on loopback, mini-swe-agent's commands in a bubblewrap sandbox)
 run real episodes on the tiny model through a real session server; every turn is token-exact, no
 fork is spurious, no tool call is dropped silently."""
 
@@ -20,14 +21,15 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_every_row_conforms(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     out = subprocess.run(
-        [sys.executable, "-m", "miles.cli.main", "bench", "conformance", "--rows", "verifiers,openenv", "--require-all",
+        [sys.executable, "-m", "miles.cli.main", "bench", "conformance", "--rows", "verifiers,openenv,mini-swe-agent", "--require-all",
          "--episodes", "2", "--max-turns", "2", "--max-tokens", "8", "--json", str(tmp_path / "report.json")],
         capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     rows = {(r["harness"], r["api"]): r for r in report["rows"]}
     assert set(rows) == {("chat SDK agent", "chat"), ("messages SDK agent", "messages"), ("responses SDK agent", "responses"),
-                         ("verifiers SingleTurnEnv", "chat"), ("verifiers ToolEnv", "chat"), ("OpenEnv guess_number", "chat")}
+                         ("verifiers SingleTurnEnv", "chat"), ("verifiers ToolEnv", "chat"), ("OpenEnv guess_number", "chat"),
+                         ("mini-swe-agent", "chat")}
     assert report["missing"] == {} and report["conforms"]
     for row in rows.values():
         assert row["episodes"] == 2 and row["turns"] >= 2 and not row["failed_episodes"]

@@ -3,7 +3,7 @@
 # this folder says which call carries which). From the repository root of the main checkout:
 #   bash scripts/h200/prepare.sh                   # all parts
 #   bash scripts/h200/prepare.sh tokonly benchcfg  # only these
-# Parts: whl (third-party + workspace wheels, ~45 MB), trl (TRL's wheel), tokonly (a MILES_HOME
+# Parts: whl (third-party + workspace wheels, ~45 MB, and .swe: mini-swe-agent's, ~44 MB, with bubblewrap), trl (TRL's wheel), tokonly (a MILES_HOME
 # with SmolLM2's tokenizer), benchcfg (SmolLM2's config + tokenizer), gguf (the SmolLM2 GGUF in two
 # halves, .gpu_a and .gpu_b), te (Transformer Engine for the megatron backend: the core wheel in
 # parts .te/1 ... .te/N, the torch extension's source and cuDNN frontend's wheel in .te/build; see
@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 exclude="$(git rev-parse --git-common-dir)/info/exclude"
 mkdir -p "$(dirname "$exclude")"
-for folder in .whl .trl .tokonly .benchcfg .gpu_a .gpu_b .te; do
+for folder in .whl .swe .trl .tokonly .benchcfg .gpu_a .gpu_b .te; do
   grep -qxF "/$folder/" "$exclude" 2>/dev/null || echo "/$folder/" >> "$exclude"
 done
 MODEL=smollm2-135m-instruct
@@ -34,7 +34,18 @@ for part in "${parts[@]}"; do
       # .whl, .tokonly and the tree fit one call's 64 MiB
       rm -f .whl/mypy-*.whl .whl/mypy_extensions-*.whl .whl/ast_serialize-*.whl .whl/librt-*.whl \
             .whl/types_pyyaml-*.whl .whl/pathspec-*.whl
-      python3 -m pip download -q py-spy --no-deps --only-binary=:all: --platform manylinux2014_x86_64 -d .whl ;;
+      python3 -m pip download -q py-spy --no-deps --only-binary=:all: --platform manylinux2014_x86_64 -d .whl
+      # The agent harnesses' dependencies travel apart (litellm alone is 42 MB): .swe holds
+      # mini-swe-agent's (scripts/h200/swe.sh) and Debian's bubblewrap (the device has neither apt
+      # nor bwrap); no device script uses the verifiers and OpenEnv adapters, so theirs stay here.
+      # datasets stays in .whl: .trl's TRL needs it.
+      rm -rf .swe && drop=$(mktemp -d)
+      python3 scripts/h200/wheel_split.py .whl --move-to .swe --keep datasets "miles-sandbox[swe]"
+      python3 scripts/h200/wheel_split.py .whl --move-to "$drop" --keep datasets miles-verifiers miles-openenv
+      rm -rf "$drop"
+      # boto3 and its kin (17 MB): litellm's Bedrock client, never imported by an OpenAI-compatible call
+      rm -f .swe/boto3-*.whl .swe/botocore-*.whl .swe/s3transfer-*.whl .swe/jmespath-*.whl
+      (cd .swe && apt-get download -q bubblewrap 2>/dev/null) ;;
     trl)
       rm -rf .trl
       python3 -m pip download -q trl==1.16.0 --no-deps --only-binary=:all: --python-version 3.12 -d .trl ;;

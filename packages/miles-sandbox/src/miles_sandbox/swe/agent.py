@@ -67,12 +67,19 @@ def stock_config() -> dict[str, Any]:
     return dict(yaml.safe_load((Path(minisweagent.__file__).parent / "config" / "default.yaml").read_text()))
 
 
-def run_swe_episode(model_url: str, api_key: str, sandbox_url: str, episode: SweEpisode) -> dict[str, Any]:
+def run_swe_episode(model_url: str, api_key: str, sandbox_url: str, episode: SweEpisode, *,
+                    token: str | None = None) -> dict[str, Any]:
     """Run mini-swe-agent on ``episode`` against the OpenAI endpoint ``model_url`` (a session's
     ``.../v1``) with commands in a sandbox of ``sandbox_url``; then run the task's tests there.
-    Returns the harness's exit status and submission, its model calls and the test result."""
+    ``token`` is the sandbox service's (default: the run's). Returns the harness's exit status and
+    submission, its model calls and the test result."""
+    import litellm
     from minisweagent.agents.default import DefaultAgent
     from minisweagent.models.litellm_textbased_model import LitellmTextbasedModel
+
+    # litellm prints its provider list on every exception it maps, and pricing a local policy is
+    # one (ignored above): 1,851 such lines in a 20-step H200 run's log, nothing else changed
+    litellm.suppress_debug_info = True
 
     from miles_sandbox.swe.environment import SandboxEnvironment
 
@@ -81,7 +88,7 @@ def run_swe_episode(model_url: str, api_key: str, sandbox_url: str, episode: Swe
                     **{k: v for k, v in episode.sampling.items() if k in _SAMPLING_KEYS}}
     model = LitellmTextbasedModel(**{**config["model"], "model_name": "openai/policy", "model_kwargs": model_kwargs,
                                      "cost_tracking": "ignore_errors"})
-    client = SandboxClient(sandbox_url, timeout_s=float(episode.command_timeout_s) + 60.0)
+    client = SandboxClient(sandbox_url, token=token, timeout_s=float(episode.command_timeout_s) + 60.0)
     try:
         with client.lease(episode.template) as lease:
             environment = SandboxEnvironment(lease, **{**config.get("environment", {}), "timeout": episode.command_timeout_s})
