@@ -49,6 +49,7 @@ class Router:
         self.policy = (CacheAware(affinity, section.prefix_max_imbalance) if section.policy == "cache_aware"
                        else LeastInFlight(affinity))
         self.middlewares = list(middlewares)
+        self.adapters = adapters  # LoRA on SGLang (miles_router.adapters), handed to the forwarder
         self._chain = compose(self.middlewares, self._dispatch)
         self._client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task[None] | None = None
@@ -68,7 +69,7 @@ class Router:
         self.forwarder = Forwarder(self.fleet, self.policy, self._client, max_attempts=self.section.max_attempts,
                                    request_timeout=self.section.request_timeout,
                                    lean=self.section.forward_client == "lean", auth_token=self.auth_token,
-                                   adapters=adapters, **timeouts)
+                                   adapters=self.adapters, **timeouts)
         self.broadcaster = Broadcaster(self.fleet, self._client, request_timeout=self.section.request_timeout,
                                        probe_timeout=self.section.health_timeout, **timeouts)
         await self.monitor.check_all()
