@@ -15,7 +15,10 @@ parameters of those names); it serves adapters next to its base, loaded from a P
     POST /unload_lora_adapter {"lora_name": "miles-v<v-2>"}, remove its folder
 
 The pause, flush, version and continue are :class:`~miles_weights.sync.BucketedTransport`'s; this
-transport adds the load while paused and the retirement after. Engines and trainer share the
+transport adds the load while paused and the retirement after. Version 0 (the sync a run makes
+before its first step under ``weights.check``) is the base: nothing is loaded, and the adapters
+must still be the identity. A version pushed again (engines restarted) is unloaded and loaded
+anew; an unload an engine refuses (it restarted without the adapter) is logged, not fatal. Engines and trainer share the
 machine or a filesystem: the folder's path is what SGLang opens. A folder stays until its adapter
 is unloaded (at most three), so an engine that reads it lazily still finds it.
 
@@ -28,7 +31,9 @@ compared with the trainer's, and SGLang must answer the load with the adapter am
 
 from __future__ import annotations
 
+import logging
 import shutil
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,13 +44,15 @@ from miles_contracts.weights import TransferReport, WeightBucket
 
 from miles_weights.checksums import TensorTally, compare_checksums, tensor_checksum
 from miles_weights.engines import normalize_targets
-from miles_weights.errors import WeightCheckError
+from miles_weights.errors import WeightCheckError, WeightSyncError
 from miles_weights.sync import BucketedTransport, TransportOptions
 
 if TYPE_CHECKING:
     import torch
     from miles_contracts import RunContext
     from miles_contracts.lora import LoRASpec
+
+log = logging.getLogger(__name__)
 
 ADAPTERS_DIR = "lora_adapters"
 
@@ -71,6 +78,7 @@ class SGLangAdapterTransport(BucketedTransport):
         self.spec = spec
         self.base_model = base_model
         self._loaded: tuple[WrittenAdapter, dict[str, dict[str, Any]]] | None = None  # the last load, for check mode
+        self._versions: dict[str, int] = {}  # engine -> the newest version loaded there
 
     @classmethod
     def from_context(cls, ctx: RunContext) -> SGLangAdapterTransport:
@@ -85,13 +93,23 @@ class SGLangAdapterTransport(BucketedTransport):
     def push(self, tensors: Iterable[tuple[str, torch.Tensor]], *, targets: Sequence[str] | str,
              version: int) -> TransferReport:
         """Load version ``version``'s adapter on every engine in ``targets`` (see the module
-        docstring); versions start at 1 (0 is the base every engine starts with)."""
-        from miles_sglang.lora import adapter_name
-
-        adapter_name(version)  # refuses version 0 before anything is written or paused
+        docstring). Version 0 is the base every engine starts with: nothing is loaded, and the
+        adapters must still be the identity (every ``lora_B`` zero, as initialised)."""
+        if version == 0:
+            return self._base_version(tensors)
         report = super().push(tensors, targets=targets, version=version)
         self._retire(normalize_targets(targets), version)
         return report
+
+    def _base_version(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> TransferReport:
+        start = time.perf_counter()
+        tally = TensorTally(tensors, checksums=False)
+        moved = [name for name, tensor in tally if ".lora_B." in name and bool(tensor.count_nonzero())]
+        if moved:
+            raise ValueError(f"version 0 is the base model, but {len(moved)} adapter(s) already change it "
+                             f"({moved[0]}, ...): push trained adapters as version 1 or later")
+        return TransferReport(version=0, num_tensors=tally.count, num_bytes=0, seconds=time.perf_counter() - start,
+                              num_buckets=0, paused_seconds=0.0, checked_engines=())
 
     # ------------------------------------------------------------------ the sync's steps
 
@@ -114,11 +132,15 @@ class SGLangAdapterTransport(BucketedTransport):
         yield WrittenAdapter(final, len(tensors), sum(t.numel() * t.element_size() for t in tensors.values()))
 
     def _deliver(self, staged: WrittenAdapter, urls: list[str], version: int) -> int:
-        from miles_sglang.lora import load_call
+        from miles_sglang.lora import adapter_name, load_call
 
+        again = [url for url in urls if self._versions.get(url, 0) >= version]
+        if again:  # the same version once more (an engine restarted): SGLang refuses a name it holds
+            self._unload(again, adapter_name(version), f"version {version}: unload the adapter pushed before")
         call = load_call(version, str(staged.path))
         answers = self._calls.post_all(urls, call.path, call.body,
                                        step=f"version {version}: load LoRA adapter {call.body['lora_name']} from {staged.path}")
+        self._versions.update(dict.fromkeys(urls, version))
         self._loaded = (staged, answers)
         return 1
 
@@ -126,9 +148,18 @@ class SGLangAdapterTransport(BucketedTransport):
         from miles_sglang.lora import KEPT_VERSIONS, retire_calls
 
         for call in retire_calls(version):
-            self._calls.post_all(urls, call.path, call.body,
-                                 step=f"version {version}: unload LoRA adapter {call.body['lora_name']}")
+            self._unload(urls, call.body["lora_name"], f"version {version}: unload LoRA adapter {call.body['lora_name']}")
         shutil.rmtree(self.directory / f"v{version - KEPT_VERSIONS}", ignore_errors=True)
+
+    def _unload(self, urls: list[str], name: str, step: str) -> None:
+        """Unload ``name``; an engine that does not hold it (restarted since) is only logged: an
+        adapter left loaded costs host memory, not correctness."""
+        futures = self._calls.submit(urls, "POST", "/unload_lora_adapter", {"lora_name": name}, step=step)
+        for url, future in futures.items():
+            try:
+                future.result()
+            except WeightSyncError as exc:
+                log.warning("engine %s did not unload LoRA adapter %s: %s", url, name, exc)
 
     # ------------------------------------------------------------------ check mode
 
