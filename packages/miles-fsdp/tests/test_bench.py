@@ -154,6 +154,7 @@ def test_episode_rows_share_the_system_prompt_and_train_only_answers() -> None:
 
 def test_the_qwen3_8b_preset_is_qwen3_8bs_published_shape() -> None:
     """The largest LoRA shape (scripts/h200/lora_largest.py): built on the meta device, no memory."""
+    import torch
     from miles_fsdp.bench import PRESETS
     from transformers import AutoConfig, AutoModelForCausalLM
 
