@@ -171,7 +171,7 @@ def test_version_0_is_the_base_and_a_version_pushed_again_is_reloaded(standin: S
         assert standin.loaded == {"miles-v1": str(tmp_path / "run" / "lora_adapters" / "v1")}
 
 
-def test_a_run_without_lora_cannot_build_the_transport(tmp_path: Path) -> None:
+def test_the_run_builds_the_transport_only_for_lora_on_sglang(tmp_path: Path) -> None:
     from miles.config import build_config
     from miles.kernel import Kernel
     from miles_contracts import Process, RunContext
@@ -181,6 +181,13 @@ def test_a_run_without_lora_cannot_build_the_transport(tmp_path: Path) -> None:
                      Process.trainer_rank(0), tmp_path)
     with pytest.raises(ValueError, match="train.lora is not set"):
         SGLangAdapterTransport.from_context(ctx)
+    embedded = build_config({"weights": {"transport": "sglang_lora"}, "train": {"lora": {"rank": 4}}}, kernel=kernel)
+    with pytest.raises(ValueError, match="rollout.engine is 'embedded'"):
+        SGLangAdapterTransport.from_context(RunContext(embedded, kernel, Process.trainer_rank(0), tmp_path))
+    on_sglang = build_config({"weights": {"transport": "sglang_lora"}, "train": {"lora": {"rank": 4}},
+                              "rollout": {"engine": "sglang"}}, kernel=kernel)
+    transport = SGLangAdapterTransport.from_context(RunContext(on_sglang, kernel, Process.trainer_rank(0), tmp_path))
+    assert transport.directory == tmp_path.resolve() / "lora_adapters" and transport.spec.rank == 4
 
 
 def test_check_mode_proves_the_folder_and_the_engines_answer(standin: StandinSGLang, adapted: Any,

@@ -35,8 +35,8 @@ from miles.http11 import ConnectFailed, ConnectionLost, HttpClient, ProtocolErro
 from miles_contracts import RouterRequest, RouterResponse
 from miles_contracts.wire.engine import ROUTING_KEY_HEADER
 
-from miles_router.adapters import AdapterPerVersion
 from miles_router.aborts import GENERATE_PATH, abort_event, router_abort
+from miles_router.adapters import AdapterPerVersion
 from miles_router.fleet import Fleet
 from miles_router.health import describe_error
 from miles_router.middleware import STATE_ATTEMPTS, STATE_QUERY, STATE_TRIED

@@ -87,6 +87,10 @@ class SGLangAdapterTransport(BucketedTransport):
         if config.train.lora is None:
             raise ValueError("weights.transport sglang_lora syncs LoRA adapters, but train.lora is not set; set "
                              "train.lora, or pick another weights.transport (disk, shared_memory, broadcast)")
+        if config.rollout.engine != "sglang":
+            raise ValueError(f"weights.transport sglang_lora loads adapters into SGLang engines, but rollout.engine is "
+                             f"{config.rollout.engine!r}; the embedded engine takes adapters from every other transport "
+                             "(e.g. weights.transport: shared_memory)")
         directory = ctx.require_run_dir("the sglang_lora transport") / ADAPTERS_DIR
         return cls(directory, config.train.lora, config.model.name, TransportOptions.from_config(config))
 
