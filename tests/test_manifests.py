@@ -65,7 +65,6 @@ NOT_IMPORTED: dict[tuple[str, str], str] = {
        for b in ("miles-fsdp", "miles-megatron")},
     **{(b, d): "first-party model plugin: bridges, chat families and MoE layer maps, claimed through miles_model_bridge"
        for b in ("miles-fsdp", "miles-megatron") for d in ("miles-model-llama", "miles-model-qwen3")},
-    ("miles-weights", "miles-engine"): "extra bench: miles bench weights starts the registered embedded engine service",
     **{("miles-longtail", d): "miles bench async trains with it (engine, backend, router, session server, transport)"
        for d in ("miles-engine", "miles-fsdp", "miles-router", "miles-tito", "miles-weights")},
     # libraries other code uses on the package's behalf

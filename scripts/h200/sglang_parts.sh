@@ -5,6 +5,7 @@
 #   bash scripts/h200/setup.sh && bash scripts/h200/sglang_parts.sh prepare        # call 1
 #   (calls 2-4 stage SGLang: .peer/1, .peer/2, .peer/3 with `stage install`), then
 #   bash scripts/h200/sglang_parts.sh contract sync-ipc                             # call 4, after the install
+#   bash scripts/h200/sglang_parts.sh lora sync-lora                                # call 4 instead (issue 32)
 #   STEPS=4 bash scripts/h200/sglang_parts.sh train                                 # call 5 (and sync-megatron)
 #   bash scripts/h200/sglang_parts.sh bench                                         # call 6
 #   bash scripts/h200/sglang_parts.sh sync-broadcast                                # nvidia-h200-x2 only
@@ -15,6 +16,9 @@
 #                   (~2 min on a fresh machine: SGLang's first start builds its JIT kernels)
 #   lora            LoRA adapters on a live SGLang server: three versions synced with the calls of
 #                   miles_sglang.lora, each served against transformers with the adapter (~3 min)
+#   sync-lora       `miles train` 3 steps with train.lora (rank 16) on SGLang: weights.transport=sglang_lora
+#                   (adapters as PEFT folders loaded by name), weights.check=true; the router names each
+#                   engine's adapter in its requests (issue 32; ~2.5 min)
 #   sync-ipc        `miles train` 2 steps, rollout.engine=sglang, weights.transport=shared_memory
 #                   (CUDA IPC, SGLang and FSDP on GPU 0), weights.check=true (~2 min)
 #   sync-megatron   sync-ipc with train.backend=megatron (~2 min)
@@ -111,6 +115,16 @@ PY
       miles_train sglang-sync-ipc /tmp/sync.json run.steps=2 data.source=arithmetic rollout.prompts_per_step=4 \
         rollout.samples_per_prompt=4 rollout.max_new_tokens=16 train.backend=fsdp fsdp.compile=false \
         weights.transport=shared_memory weights.check=true eval.every=0 ;;
+    sync-lora)
+      need_sglang; need_model
+      run_config /tmp/sync.json -  # colocated: trainer rank and engine on GPU 0, sharing /tmp/runs
+      miles_train sglang-sync-lora /tmp/sync.json run.steps=3 data.source=arithmetic rollout.prompts_per_step=4 \
+        rollout.samples_per_prompt=4 rollout.max_new_tokens=16 train.backend=fsdp fsdp.compile=false \
+        "train.lora={rank: 16, alpha: 32}" train.lr=1e-4 weights.transport=sglang_lora weights.check=true \
+        eval.every=0 run.export_hf=false
+      # SGLang's own record of the adapter calls, and the versions the samples were served by
+      grep -hoE '(load|unload)_lora_adapter[^,]{0,80}|lora_name[^,]{0,40}' "$OUT"/sglang-sync-lora-logs/engine-*.log 2>/dev/null | sort | uniq -c | head
+      grep -hoE '"weights/(version|sync_bytes|check_passed)": [0-9.e+]+' "$OUT/sglang-sync-lora.metrics.jsonl" | sort | uniq -c ;;
     sync-megatron)
       need_sglang; need_model
       run_config /tmp/sync.json -  # as sync-ipc, trained by the megatron backend

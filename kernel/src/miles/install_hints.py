@@ -58,7 +58,7 @@ FIRST_PARTY: tuple[Provider, ...] = (
          command=("serve engine", "bench engine")),
     _row("router", "miles-router", service=("router",), router_middleware=("metrics", "access_log", "concurrency_limit"),
          config_section=("router",), command=("serve router", "bench rollout-path")),
-    _row("weights", "miles-weights", weight_transport=("shared_memory", "disk", "broadcast"),
+    _row("weights", "miles-weights", weight_transport=("shared_memory", "disk", "broadcast", "sglang_lora"),
          config_section=("weight_transport",), command=("bench weights", "weights cleanup")),
     _row("fsdp", "miles-fsdp", train_backend=("fsdp",), config_section=("fsdp",), command=("bench train",)),
     _row("megatron", "miles-megatron", train_backend=("megatron",), config_section=("megatron",)),

@@ -150,3 +150,18 @@ def test_episode_rows_share_the_system_prompt_and_train_only_answers() -> None:
     tree = build_prefix_tree(batch.tokens, lengths)
     # shared: system + task by the four epoch rows, task-led sub-agent rows by each other
     assert tree.num_nodes == sum(lengths) - 3 * 9 - 8
+
+
+def test_the_qwen3_8b_preset_is_qwen3_8bs_published_shape() -> None:
+    """The largest LoRA shape (scripts/h200/lora_largest.py): built on the meta device, no memory."""
+    import torch
+    from miles_fsdp.bench import PRESETS
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = dict(PRESETS["qwen3-8b"])
+    config = AutoConfig.for_model(shape.pop("model_type"), **shape)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == 8_190_735_360  # Qwen3-8B's model card: 8.2 B
+    assert model.model.layers[0].self_attn.q_proj.weight.shape == (4096, 4096)
+    assert model.model.layers[0].self_attn.k_proj.weight.shape == (1024, 4096)

@@ -297,9 +297,21 @@ def test_the_executor_starts_and_restarts_an_sglang_engine(tmp_path, monkeypatch
     assert stat.S_IMODE(log.stat().st_mode) == 0o600 and stat.S_IMODE(log.parent.stat().st_mode) == 0o700
 
 
-def test_lora_runs_refuse_sglang_engines_until_adapter_sync_exists():
+def test_lora_runs_start_sglang_with_room_for_adapters_and_need_the_adapter_transport():
+    """A train.lora run on SGLang: the engine's argv makes room for the adapters (rank, targets),
+    and the driver refuses any weight transport but sglang_lora, naming the key and the fix."""
+    from miles_contracts import Process, RunContext
+
     kernel = Kernel.load()
-    cfg = build_config({"rollout": {"engine": "sglang"}, "train": {"lora": {"rank": 8}}}, kernel=kernel)
+    lora = {"rank": 8, "target_modules": ["q_proj", "v_proj"]}
+    cfg = build_config({"rollout": {"engine": "sglang"}, "train": {"lora": lora},
+                        "weights": {"transport": "sglang_lora"}}, kernel=kernel)
     launch = ServiceLaunch(cfg, "/runs/r/config.yaml", "/m", Endpoint("127.0.0.1", 5), gpus=1, run_dir="/runs/r")
-    with pytest.raises(ValueError, match="train.lora.*rollout.engine: embedded"):
-        SGLangService({}).command(launch)
+    argv = SGLangService({}).command(launch)
+    at = argv.index("--enable-lora")
+    assert argv[at:at + 6] == ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "q_proj", "v_proj"]
+    kernel.configure(RunContext(cfg, kernel, Process.driver(), None))
+    wrong = build_config({"rollout": {"engine": "sglang"}, "train": {"lora": lora}}, kernel=kernel)
+    with pytest.raises(ConfigError, match=r"train.lora on SGLang engines needs weights.transport: sglang_lora "
+                                          r"\(got 'shared_memory'\)"):
+        kernel.configure(RunContext(wrong, kernel, Process.driver(), None))

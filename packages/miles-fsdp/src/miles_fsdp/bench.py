@@ -42,6 +42,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6,
         max_position_embeddings=40960, rope_theta=1_000_000.0,
     ),
+    # Qwen3-8B's published config.json (8.19 B parameters, untied head): the largest LoRA shape (issue 32)
+    "qwen3-8b": dict(
+        model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, rope_theta=1_000_000.0,
+    ),
     "llama-1b": dict(
         model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True, rms_norm_eps=1e-5,

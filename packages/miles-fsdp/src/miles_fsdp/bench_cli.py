@@ -11,7 +11,7 @@ from miles_contracts import CommandSpec, LoRASpec, RunContext
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="qwen3-0.6b", help="random-weight preset: qwen3-0.6b, llama-1b, smollm2-135m, tiny")
+    p.add_argument("--model", default="qwen3-0.6b", help="random-weight preset: qwen3-0.6b, qwen3-8b, llama-1b, smollm2-135m, tiny")
     p.add_argument("--tiny", action="store_true", help="CPU-sized run: tiny model, 128/256-token sequences, 2 steps")
     p.add_argument("--seq-lens", default="4096,16384", help="comma-separated tokens per sequence")
     p.add_argument("--tokens-per-step", type=int, default=65536, help="tokens per optimiser step (rows = this / seq len)")

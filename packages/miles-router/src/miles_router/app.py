@@ -30,6 +30,7 @@ from miles_contracts.wire.engine import CONTROL, HEALTH, ROUTING_KEY_HEADER
 from miles_contracts.wire.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
 
 from miles_router.aborts import router_abort
+from miles_router.adapters import served_adapters
 from miles_router.config import RouterSection
 from miles_router.fleet import UnknownWorker
 from miles_router.middleware import STATE_QUERY, NamedMiddleware, build_middlewares
@@ -64,7 +65,9 @@ def create_app(section: RouterSection | None = None, workers: Sequence[str] = ()
     the specs ``ctx.kernel`` registers with ``section.middleware_options`` (a section that names
     middlewares needs one of the two). ``auth_token`` (default the run's, ``MILES_AUTH_TOKEN``, made
     and set there when unset) is what callers must send and what the router sends to its engines;
-    ``allowed_hosts`` are host names the guard accepts besides addresses and ``localhost``."""
+    ``allowed_hosts`` are host names the guard accepts besides addresses and ``localhost``. With
+    ``ctx`` of a ``train.lora`` run on SGLang, requests name their engine's adapter
+    (:mod:`miles_router.adapters`)."""
     section = section or RouterSection()
     if middlewares is None:
         if section.middlewares and ctx is None:
@@ -72,7 +75,8 @@ def create_app(section: RouterSection | None = None, workers: Sequence[str] = ()
                              "them: pass ctx= (or the built chain as middlewares=)")
         middlewares = build_middlewares(section.middlewares, section.middleware_options, ctx) if ctx else []
     token = auth_token or ensure_run_token()
-    router = Router(section, workers, middlewares, auth_token=token)
+    router = Router(section, workers, middlewares, auth_token=token,
+                    adapters=served_adapters(ctx.config) if ctx is not None else None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

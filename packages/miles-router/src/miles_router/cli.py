@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError([f"--worker: {exc}"]) from None
     middlewares = build_middlewares(section.middlewares, section.middleware_options, ctx)
     token = server_token(args.auth_token, name="router")
-    serve(workers, port=args.port, host=args.host, section=section, middlewares=middlewares, log_level=args.log_level,
+    serve(workers, port=args.port, host=args.host, section=section, middlewares=middlewares, ctx=ctx, log_level=args.log_level,
           auth_token=token, max_body_bytes=int(args.max_body_mb * 2**20), allowed_hosts=allowed_hosts(args))
     return 0
 

@@ -36,6 +36,7 @@ from miles_contracts import RouterRequest, RouterResponse
 from miles_contracts.wire.engine import ROUTING_KEY_HEADER
 
 from miles_router.aborts import GENERATE_PATH, abort_event, router_abort
+from miles_router.adapters import AdapterPerVersion
 from miles_router.fleet import Fleet
 from miles_router.health import describe_error
 from miles_router.middleware import STATE_ATTEMPTS, STATE_QUERY, STATE_TRIED
@@ -69,8 +70,9 @@ class _Abandoned(Exception):
 class Forwarder:
     def __init__(self, fleet: Fleet, policy: LeastInFlight, client: httpx.AsyncClient, *,
                  max_attempts: int, request_timeout: float, connect_timeout: float, lean: bool = True,
-                 auth_token: str | None = None) -> None:
+                 auth_token: str | None = None, adapters: AdapterPerVersion | None = None) -> None:
         self.fleet = fleet
+        self.adapters = adapters  # LoRA on SGLang: /generate names the chosen engine's adapter
         self.auth_token = auth_token
         self.policy = policy
         self.client = client
@@ -172,13 +174,14 @@ class Forwarder:
         request's ``request_timeout``); raises :class:`_Retry` when another worker should try."""
         if not self.lean or (isinstance(request.body, dict) and request.body.get("stream")):
             return await self._attempt_httpx(worker, request, timeout)
+        body, fields = self._body_for(worker, request)
         worker.in_flight += 1
         worker.dispatched += 1
         try:
             try:
                 with self._waiting_on(worker):
                     answer = await self._lean_client(worker.url).request(
-                        request.method, _path_and_query(request), body=_payload(request.body) or b"",
+                        request.method, _path_and_query(request), body=_payload(body) or b"",
                         headers=_forwarded_headers(request), timeout=timeout,
                     )
             except _LEAN_FAILOVER_ERRORS as exc:
@@ -192,26 +195,36 @@ class Forwarder:
         if answer.status == 503:
             raise _Retry("engine answered HTTP 503 (unavailable)")
         content_type = answer.headers.get("content-type", "application/json")
-        return self._answered(worker, request, answer.status, content_type, answer.body)
+        return self._answered(worker, request, answer.status, content_type, answer.body, fields)
+
+    def _body_for(self, worker: Worker, request: RouterRequest) -> tuple[dict[str, Any] | None, dict[str, str]]:
+        """The body sent to ``worker``, and the adapter fields added to it (see :mod:`miles_router.adapters`)."""
+        if self.adapters is None or request.path != GENERATE_PATH or not isinstance(request.body, dict):
+            return request.body, {}
+        fields = self.adapters.fields(worker.weight_version)
+        return ({**request.body, **fields} if fields else request.body), fields
 
     def _answered(self, worker: Worker, request: RouterRequest, status: int, content_type: str,
-                  content: bytes) -> RouterResponse:
+                  content: bytes, fields: dict[str, str]) -> RouterResponse:
         self.fleet.record_success(worker)
         body = _decode(content, content_type)
         if request.path == GENERATE_PATH and status == 200:
             worker.paused = False  # it generated: whatever held it has been continued
             self._observe_version(worker, body)
+            if self.adapters is not None:
+                self.adapters.label(body, fields)
         return RouterResponse(status_code=status, body=body, worker_url=worker.url,
                               headers={"content-type": content_type, WORKER_HEADER: worker.url})
 
     async def _attempt_httpx(self, worker: Worker, request: RouterRequest, timeout: float) -> RouterResponse:
+        body, fields = self._body_for(worker, request)
         worker.in_flight += 1
         worker.dispatched += 1
         handed_to_stream = False
         try:
             outgoing = self.client.build_request(
                 request.method, worker.url + wire_path(request.path), params=request.state.get(STATE_QUERY) or None,
-                headers=_forwarded_headers(request), content=_payload(request.body),
+                headers=_forwarded_headers(request), content=_payload(body),
                 timeout=httpx.Timeout(timeout, connect=min(self.connect_timeout, timeout), pool=None),
             )
             try:
@@ -244,7 +257,7 @@ class Forwarder:
             if not handed_to_stream:
                 worker.in_flight -= 1
         content_type = upstream.headers.get("content-type", "application/json")
-        return self._answered(worker, request, upstream.status_code, content_type, content)
+        return self._answered(worker, request, upstream.status_code, content_type, content, fields)
 
     def _connection_failed(self, worker: Worker, exc: Exception) -> NoReturn:
         worker.failed_requests += 1

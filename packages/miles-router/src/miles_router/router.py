@@ -13,6 +13,7 @@ import httpx
 from miles_contracts import RouterRequest, RouterResponse
 from miles_contracts.wire.auth import auth_headers
 
+from miles_router.adapters import AdapterPerVersion
 from miles_router.config import RouterSection
 from miles_router.fanout import FANOUT_PATHS, Broadcaster
 from miles_router.fleet import Fleet
@@ -36,7 +37,8 @@ class Router:
     """
 
     def __init__(self, section: RouterSection, workers: Sequence[str] = (),
-                 middlewares: Sequence[NamedMiddleware] = (), *, auth_token: str | None = None) -> None:
+                 middlewares: Sequence[NamedMiddleware] = (), *, auth_token: str | None = None,
+                 adapters: AdapterPerVersion | None = None) -> None:
         self.section = section
         self.auth_token = auth_token  # sent to the engines (None: the run's, MILES_AUTH_TOKEN)
         self.fleet = Fleet(failure_threshold=section.failure_threshold,
@@ -47,6 +49,7 @@ class Router:
         self.policy = (CacheAware(affinity, section.prefix_max_imbalance) if section.policy == "cache_aware"
                        else LeastInFlight(affinity))
         self.middlewares = list(middlewares)
+        self.adapters = adapters  # LoRA on SGLang (miles_router.adapters), handed to the forwarder
         self._chain = compose(self.middlewares, self._dispatch)
         self._client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task[None] | None = None
@@ -66,7 +69,7 @@ class Router:
         self.forwarder = Forwarder(self.fleet, self.policy, self._client, max_attempts=self.section.max_attempts,
                                    request_timeout=self.section.request_timeout,
                                    lean=self.section.forward_client == "lean", auth_token=self.auth_token,
-                                   **timeouts)
+                                   adapters=self.adapters, **timeouts)
         self.broadcaster = Broadcaster(self.fleet, self._client, request_timeout=self.section.request_timeout,
                                        probe_timeout=self.section.health_timeout, **timeouts)
         await self.monitor.check_all()

@@ -170,9 +170,10 @@ class SGLangEngine:
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         self._environ = os.environ if environ is None else environ
 
-    def command(self, spec: EngineSpec) -> list[str]:
+    def command(self, spec: EngineSpec, *, lora: LoRASpec | None = None) -> list[str]:
+        """``lora``: make room for the run's adapters (``train.lora``), which weight syncs load."""
         section = SGLangSection.model_validate(dict(spec.options))
-        return launch_plan(spec, section, authenticated=bool(self._environ.get(TOKEN_ENV))).command()
+        return launch_plan(spec, section, authenticated=bool(self._environ.get(TOKEN_ENV)), lora=lora).command()
 
 
 class SGLangService:
@@ -185,7 +186,8 @@ class SGLangService:
     SGLang is not a Miles process: it cannot read the run's config file
     (``ServiceLaunch.config_path``, what Miles' own servers are started with), so its argv is
     derived here, in the driver, from ``launch.config`` (the ``sglang`` and ``model`` sections,
-    ``run.deterministic``).
+    ``run.deterministic``), and with ``train.lora`` the flags that make room for its adapters
+    (:mod:`miles_sglang.lora`; the ``sglang_lora`` weight transport loads them).
     """
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
@@ -200,12 +202,6 @@ class SGLangService:
 
         config = launch.config
         section = config.section("sglang", SGLangSection)
-        if config.train.lora is not None:  # weight syncs would send adapter tensors SGLang's model lacks
-            # the launch flags and the sync's calls exist (miles_sglang.lora); no weight transport
-            # makes those calls yet, nor do rollout requests name the adapter
-            raise ValueError("train.lora: Miles does not sync LoRA adapters to SGLang engines yet (no weight "
-                             "transport loads them through /load_lora_adapter); use rollout.engine: embedded, "
-                             "or train full weights")
         if launch.gpus and launch.gpus != gpus_needed(section):
             raise ValueError(f"an SGLang engine with tp_size={section.tp_size} and dp_size={section.dp_size} runs on "
                              f"{gpus_needed(section)} GPUs, but placement gives it {launch.gpus}; set "
@@ -213,7 +209,7 @@ class SGLangService:
         spec = EngineSpec(model_path=launch.model_path, port=launch.endpoint.port, host=launch.endpoint.host,
                           device=config.model.device, dtype=config.model.dtype, options=section.options(),
                           deterministic=config.run.deterministic)
-        return self._engine.command(spec)
+        return self._engine.command(spec, lora=config.train.lora)
 
 
 SGLANG_SERVICE = SGLangService().spec()

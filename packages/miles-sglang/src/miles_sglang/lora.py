@@ -13,7 +13,8 @@ before stays loaded: requests admitted under it may still be running when genera
 (``pause_mode: in_place``), and a request must finish on the version it started on; so at most
 three adapters are loaded at once, within SGLang's default ``--max-loras-per-batch`` (8).
 
-Pure functions of their arguments (no HTTP here): the run's transport and the GPU check
+Pure functions of their arguments (no HTTP here): the ``sglang_lora`` weight transport
+(``miles_weights.adapters``), the router (``request_fields`` per engine) and the GPU check
 (``scripts/h200/sglang_lora.py``) make the calls.
 """
 
@@ -50,21 +51,40 @@ class EngineCall:
     body: dict[str, Any]
 
 
-def adapter_sync_calls(version: int, adapter_folder: str) -> tuple[list[EngineCall], list[EngineCall]]:
-    """``(while paused, after continuing)``: the calls that make ``version``'s adapter, written at
-    ``adapter_folder`` (a path the engine can read), the one new requests use.
+def load_call(version: int, adapter_folder: str) -> EngineCall:
+    """The call, made while generation is paused, that loads ``version``'s adapter (the PEFT folder
+    at ``adapter_folder``, a path the engine can read) under :func:`adapter_name`."""
+    return EngineCall("/load_lora_adapter", {"lora_name": adapter_name(version), "lora_path": adapter_folder})
 
-    While paused: load it, set the weight version. After generation continued: unload the adapter
-    of ``version - 2`` (nothing for the first two versions)."""
-    name = adapter_name(version)
-    paused = [EngineCall("/load_lora_adapter", {"lora_name": name, "lora_path": adapter_folder}),
-              EngineCall("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})]
+
+def retire_calls(version: int) -> list[EngineCall]:
+    """The calls, made after generation continued with ``version``, that unload the adapter of
+    ``version - 2`` (nothing for the first two versions)."""
     retired = version - KEPT_VERSIONS
-    after = [EngineCall("/unload_lora_adapter", {"lora_name": adapter_name(retired)})] if retired >= 1 else []
-    return paused, after
+    return [EngineCall("/unload_lora_adapter", {"lora_name": adapter_name(retired)})] if retired >= 1 else []
+
+
+def adapter_sync_calls(version: int, adapter_folder: str) -> tuple[list[EngineCall], list[EngineCall]]:
+    """``(while paused, after continuing)``: every call that makes ``version``'s adapter, written at
+    ``adapter_folder``, the one new requests use: load it and set the weight version while paused
+    (:func:`load_call`), unload the one of ``version - 2`` after (:func:`retire_calls`)."""
+    paused = [load_call(version, adapter_folder),
+              EngineCall("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})]
+    return paused, retire_calls(version)
 
 
 def request_fields(version: int) -> dict[str, str]:
     """What a generation request to an SGLang engine carries to be served by ``version``'s
     adapter (``{}`` for version 0: the base model, before the first sync)."""
     return {"lora_path": adapter_name(version)} if version >= 1 else {}
+
+
+def served_version(fields: dict[str, str]) -> int:
+    """The weight version whose adapter a request carrying ``fields`` (:func:`request_fields`) was
+    served by: the version it names, 0 (the base) when it names none."""
+    name = fields.get("lora_path")
+    if name is None:
+        return 0
+    if not name.startswith(ADAPTER_PREFIX) or not name[len(ADAPTER_PREFIX):].isdigit():
+        raise ValueError(f"{name!r} is not a Miles adapter name ({ADAPTER_PREFIX}<version>)")
+    return int(name[len(ADAPTER_PREFIX):])

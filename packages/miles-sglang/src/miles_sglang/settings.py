@@ -83,9 +83,19 @@ class SGLangSection(Section):
 def run_errors(config: MilesConfig) -> list[str]:
     """What a run's other sections ask of SGLang that its ``sglang`` section does not give."""
     section = config.section("sglang", SGLangSection)
+    errors = []
     release = config.resources.release_engine_memory
     if release != "none" and not section.enable_memory_saver:
-        return [f"resources.release_engine_memory ({release}) needs SGLang's memory saver: set "
-                f"sglang.enable_memory_saver: true (without --enable-memory-saver SGLang's "
-                f"/release_memory_occupation frees nothing)"]
-    return []
+        errors.append(f"resources.release_engine_memory ({release}) needs SGLang's memory saver: set "
+                      f"sglang.enable_memory_saver: true (without --enable-memory-saver SGLang's "
+                      f"/release_memory_occupation frees nothing)")
+    if config.train.lora is not None and config.weights.transport != LORA_TRANSPORT:
+        # SGLang's model has no parameters named like the adapters: it loads them as adapters
+        errors.append(f"train.lora on SGLang engines needs weights.transport: {LORA_TRANSPORT} (got "
+                      f"{config.weights.transport!r}): SGLang loads LoRA adapters by name from a PEFT folder, "
+                      "not as weight updates")
+    return errors
+
+
+LORA_TRANSPORT = "sglang_lora"
+"""The weight transport of ``train.lora`` runs on SGLang engines (``miles_weights.adapters``)."""

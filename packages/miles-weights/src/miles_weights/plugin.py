@@ -1,4 +1,4 @@
-"""Plugin ``weights``: the ``disk``, ``shared_memory`` and ``broadcast`` weight transports, the
+"""Plugin ``weights``: the ``disk``, ``shared_memory``, ``broadcast`` and ``sglang_lora`` weight transports, the
 ``weight_transport`` config section, and the ``miles bench weights`` and ``miles weights cleanup`` commands.
 
 Transports are imported inside their factories, so loading this plugin costs nothing.
@@ -36,6 +36,12 @@ def broadcast(ctx: RunContext) -> WeightTransport:
     return BroadcastTransport.from_context(ctx)
 
 
+def sglang_lora(ctx: RunContext) -> WeightTransport:
+    from miles_weights.adapters import SGLangAdapterTransport
+
+    return SGLangAdapterTransport.from_context(ctx)
+
+
 @hookimpl
 def miles_register_weight_transports(register: Register[WeightTransportSpec]) -> None:
     register("disk", WeightTransportSpec(disk))
@@ -43,6 +49,8 @@ def miles_register_weight_transports(register: Register[WeightTransportSpec]) ->
     # (a colocated placement); the run refuses a disaggregated one before anything starts
     register("shared_memory", WeightTransportSpec(shared_memory, needs_shared_gpu=True))
     register("broadcast", WeightTransportSpec(broadcast))
+    # train.lora on SGLang engines: adapters as a PEFT folder SGLang loads by name (miles_weights.adapters)
+    register("sglang_lora", WeightTransportSpec(sglang_lora))
 
 
 @hookimpl
