@@ -169,6 +169,17 @@ class RolloutSection(Section):
         "when it is full); default 2 x prompts_per_step",
     )
 
+    true_on_policy: bool = Field(
+        default=False, description="engine and trainer run the same batch-invariant forward (miles_engine.invariant): "
+        "in sync mode every token's train/rollout log-prob diff is exactly 0; embedded engine, fsdp backend, "
+        "fp32 on CPU (docs/design/true-on-policy.md)",
+    )
+    true_on_policy_check: Literal["error", "metric"] = Field(
+        default="error", description="with true_on_policy in sync mode, a token whose trainer log-prob differs from "
+        "the rollout's: error = the step fails naming step, sample and position; metric = counted in "
+        "train/true_on_policy_mismatched_tokens",
+    )
+
     @field_validator("temperature")
     @classmethod
     def _greedy_or_a_real_temperature(cls, value: float) -> float:
