@@ -33,6 +33,7 @@ import torch
 
 if TYPE_CHECKING:
     from torch import nn
+    from transformers import PreTrainedModel
 
 NAME = "miles_invariant"
 _ALIGN = 64  # bytes; torch's CPU allocator aligns fresh tensors to 64
@@ -81,10 +82,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def install_linears(model: nn.Module) -> int:
+def install_linears(model: PreTrainedModel) -> int:
     """Route every ``nn.Linear`` of ``model`` through :func:`linear` (a per-instance forward: the
-    module, its weight and its name stay as they are). Returns how many layers it covered."""
+    module, its weight and its name stay as they are). Returns how many layers it covered.
+
+    Mixture-of-experts models are refused: transformers keeps their experts as 3-D parameters
+    multiplied with ``F.linear`` on however many tokens each expert got, and routes with
+    ``F.linear`` too, none of which is an ``nn.Linear`` this can route (measured: the tiny
+    Qwen3-MoE differed by 1.5e-7 between a row alone and padded with others)."""
     from torch import nn
+
+    text = model.config.get_text_config()
+    experts = max(int(getattr(text, name, 0) or 0) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
+    if experts:
+        raise NotImplementedError(f"rollout.true_on_policy supports dense models only; this one has {experts} experts "
+                                  f"per MoE layer (see docs/design/true-on-policy.md); turn true_on_policy off")
 
     layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
     for layer in layers:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -221,16 +221,18 @@ class FSDPBackend:
 
         critic = _Trainee(self, "critic_train", self.trained[1]) if self.critic is not None else None
         check = self.on_policy_check
-        logprobs = self.compute_logprobs
+        logprobs: Callable[[TrainBatch], torch.Tensor] = self.compute_logprobs
         if check is not None:
             check.start_step((self.optimizer_steps + self.skipped_steps) // self.config.train.updates_per_step + 1)
             if batch.old_logprobs is not None:
                 check.check(batch.old_logprobs, batch)
 
-            def logprobs(b: TrainBatch) -> torch.Tensor:
+            def checked_logprobs(b: TrainBatch) -> torch.Tensor:
                 out = self.compute_logprobs(b)
                 check.check(out, b)
                 return out
+
+            logprobs = checked_logprobs
 
         totals = policy_update(batch, self.config, self.kernel, actor=_Trainee(self, "train", self.trained[0], check),
                                logprobs=logprobs, critic=critic, log_entropy=self.options.log_entropy)

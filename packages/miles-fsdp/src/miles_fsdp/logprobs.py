@@ -192,5 +192,6 @@ def invariant_token_logprobs(
     if temperature != 1.0:
         logits = logits / torch.full((1, 1), temperature, dtype=torch.float32, device=logits.device)
     logp = invariant.token_logprobs(logits)
-    logprobs = logp.gather(1, targets[:, None])[:, 0]
+    # advanced indexing returns a fresh tensor: a view output would lose FSDP's pre-backward hook
+    logprobs = logp[torch.arange(targets.shape[0], device=targets.device), targets]
     return logprobs, (-(logp.exp() * logp).sum(dim=-1) if with_entropy else None)
