@@ -1,6 +1,6 @@
-"""`rollout.true_on_policy` end to end: `miles train` (sync) on the tiny dense model, a reward that
-moves the weights every step (so steps 2 and 3 sample with freshly synced weights), 6 concurrent
-samples whose decode batch shrinks as they finish: every trainable token's trainer log-prob equals
+"""`rollout.true_on_policy` end to end: `miles train` (sync, temperature 0.8) on the tiny dense
+model, a reward that moves the weights every step (so steps 2 and 3 sample with freshly synced
+weights), 6 concurrent samples whose decode batch shrinks as they finish: every trainable token's trainer log-prob equals
 the rollout's exactly (the metric is 0.0 and the check, in `error` mode, counted no mismatch). The
 config errors are checked without starting anything."""
 
@@ -27,7 +27,7 @@ def _train(*args: str) -> subprocess.CompletedProcess[str]:
 def test_true_on_policy_run_has_zero_diff_on_every_token(tiny_dense: Path, tmp_path: Path, vowel_reward: str) -> None:
     out = _train(f"model.name={tiny_dense}", f"run.output_dir={tmp_path}", "run.name=top", "run.steps=3",
                  "run.dump_tokens=true", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=3",
-                 "rollout.max_new_tokens=8", "rollout.true_on_policy=true", "reward.name=remote",
+                 "rollout.max_new_tokens=8", "rollout.temperature=0.8", "rollout.true_on_policy=true", "reward.name=remote",
                  f"reward.remote_url={vowel_reward}", "train.lr=1e-3", "data.options={digits: 1}")
     assert out.returncode == 0, out.stdout + out.stderr[-4000:]
     run = tmp_path / "top"
