@@ -107,3 +107,17 @@ def test_the_tiny_model_is_batch_invariant_end_to_end(dense_path):
     for r, n in enumerate(lengths):
         assert torch.equal(padded[r, :n], alone[r])
         assert torch.equal(packed[starts[r] : starts[r] + n], alone[r])
+
+
+def test_a_prefill_continued_over_cached_keys_equals_one_prefill(dense_path):
+    # what a second turn does: its tokens attend to the first turn's keys from the cache
+    model = _model(dense_path)
+    ids = torch.randint(3, 1000, (1, 12))
+    with torch.no_grad():
+        whole = model(input_ids=ids).logits[0]
+        first = model(input_ids=ids[:, :7], use_cache=True)
+        rest = model(input_ids=ids[:, 7:], past_key_values=first.past_key_values, use_cache=True).logits[0]
+        step = model(input_ids=ids[:, 7:8], past_key_values=model(input_ids=ids[:, :7], use_cache=True).past_key_values,
+                     use_cache=True).logits[0]
+    assert torch.equal(rest, whole[7:])
+    assert torch.equal(step, whole[7:8])  # a one-token decode over the cache, too
