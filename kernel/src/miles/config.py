@@ -226,6 +226,7 @@ def _cross_section_errors(cfg: MilesConfig) -> list[str]:
         errors.append(f"resources.release_engine_memory ({release}) hands the engines' memory to the trainer on the GPUs "
                       f"they share, but resources.colocate is false (engines have GPUs of their own, nothing would "
                       f"use it); set resources.release_engine_memory: none, or resources.colocate: true")
+    errors += true_on_policy_errors(cfg)
     from miles.loop.modes import loop_mode
 
     errors += loop_mode(cfg).config_errors(cfg)
@@ -234,6 +235,29 @@ def _cross_section_errors(cfg: MilesConfig) -> list[str]:
             f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) must be below rollout.max_context_len "
             f"({cfg.rollout.max_context_len}) to leave room for the prompt"
         )
+    return errors
+
+
+def true_on_policy_errors(cfg: MilesConfig) -> list[str]:
+    """What ``rollout.true_on_policy`` cannot hold with (every one, each naming its fix)."""
+    if not cfg.rollout.true_on_policy:
+        return []
+    errors = []
+    where = "rollout.true_on_policy needs"
+    if cfg.rollout.engine != "embedded":
+        errors.append(f"{where} rollout.engine: embedded (the engine whose forward Miles controls), got "
+                      f"{cfg.rollout.engine!r}")
+    if cfg.train.backend != "fsdp":
+        errors.append(f"{where} train.backend: fsdp (megatron's tensor-parallel reductions have no batch-invariant "
+                      f"path), got {cfg.train.backend!r}")
+    if cfg.model.device == "cuda" or cfg.model.dtype == "bfloat16":
+        errors.append(f"{where} model.device: cpu and model.dtype: float32 (the invariant kernels are fp32 CPU ones "
+                      f"so far), got device {cfg.model.device!r}, dtype {cfg.model.dtype!r}")
+    if cfg.rollout.top_p < 1.0 or cfg.rollout.top_k > 0:
+        errors.append(f"{where} rollout.top_p: 1.0 and rollout.top_k: -1 (the trainer scores the whole distribution, "
+                      f"not a truncated one), got top_p {cfg.rollout.top_p}, top_k {cfg.rollout.top_k}")
+    if cfg.train.lora is not None:
+        errors.append(f"{where} train.lora unset (adapter layers are not routed through the invariant linear)")
     return errors
 
 

@@ -169,6 +169,14 @@ class RolloutSection(Section):
         "when it is full); default 2 x prompts_per_step",
     )
 
+    # true on-policy: docs/design/true-on-policy.md
+    true_on_policy: bool = Field(default=False, description=(
+        "engine and trainer run one batch-invariant forward (miles_engine.invariant), so in sync mode every "
+        "token's train/rollout log-prob diff is exactly 0 (embedded engine, fsdp backend, fp32 CPU, dense models)"))
+    true_on_policy_check: Literal["error", "metric"] = Field(default="error", description=(
+        "true_on_policy in sync mode, a trainer log-prob that differs from the rollout's: error = the step fails "
+        "naming step, sample and position; metric = counted in train/true_on_policy_mismatched_tokens"))
+
     @field_validator("temperature")
     @classmethod
     def _greedy_or_a_real_temperature(cls, value: float) -> float:

@@ -37,6 +37,10 @@ class EngineConfig(EngineSection):
         the packed oneDNN path, decode attention row by row, new requests prefilled one at a time:
         slower); elsewhere the engine logs that only the seeds apply. See
         ``docs/design/reproducibility.md``.
+    :ivar true_on_policy: the batch-invariant forward of :mod:`miles_engine.invariant`, the one the
+        fsdp trainer runs with ``rollout.true_on_policy``: every linear row by row, attention per
+        query over exactly its own keys, new requests prefilled one at a time. fp32 CPU only (an
+        error elsewhere); see ``docs/design/true-on-policy.md``.
     :ivar lora: adapters the engine serves unmerged on its base (``train.lora`` of the run, so
         trainer and engine agree); weight updates then carry adapter tensors only, and check mode
         covers those (:mod:`miles_engine.lora`).
@@ -47,6 +51,7 @@ class EngineConfig(EngineSection):
                         description="auto (CUDA when present), cpu, cuda or cuda:N")
     dtype: DType = "auto"
     enable_deterministic_inference: bool = False
+    true_on_policy: bool = False
     lora: LoRASpec | None = None
 
 
@@ -61,13 +66,14 @@ def engine_config(model_path: str | Path, **options: Any) -> EngineConfig:
 
 def engine_config_of(config: MilesConfig, model_path: str | Path, *, run_dir: str | Path | None = None) -> EngineConfig:
     """The settings of the engine a run (or ``miles serve engine``) starts: the ``engine`` section,
-    ``model.device`` / ``model.dtype``, ``run.deterministic``, ``train.lora``; the run's folder (where the disk
+    ``model.device`` / ``model.dtype``, ``run.deterministic``, ``rollout.true_on_policy``, ``train.lora``; the run's folder (where the disk
     transport writes) is a weight folder too."""
     options = config.section("engine", EngineSection).model_dump()
     if run_dir:
         options["weight_dir"] = [*options["weight_dir"], str(run_dir)]
     return engine_config(model_path, device=config.model.device, dtype=config.model.dtype,
-                         enable_deterministic_inference=config.run.deterministic, lora=config.train.lora, **options)
+                         enable_deterministic_inference=config.run.deterministic, true_on_policy=config.rollout.true_on_policy,
+                         lora=config.train.lora, **options)
 
 
 def _describe(error: Any) -> str:

@@ -44,5 +44,5 @@ def engine_command(launch: ServiceLaunch) -> list[str]:
                        config_path=launch.config_path, run_dir=launch.run_dir or None)
 
 
-ENGINE_SERVICE = ServiceSpec(ENGINE, engine_command, config_sections=("model", "run", "engine"))
+ENGINE_SERVICE = ServiceSpec(ENGINE, engine_command, config_sections=("model", "run", "rollout", "engine"))
 """What this package registers as service ``embedded``."""

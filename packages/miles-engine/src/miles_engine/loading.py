@@ -55,18 +55,27 @@ def load_model(config: EngineConfig) -> LoadedModel:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from miles_engine import invariant
+
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path)
     # CPU decode attention is faster as two batched matmuls than through SDPA (see attention.py).
     per_row = config.enable_deterministic_inference
     attn = attention.register(per_row=per_row) if device.type == "cpu" else "sdpa"
+    if config.true_on_policy:
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError(f"true_on_policy needs an fp32 CPU engine (the batch-invariant kernels are CPU ones so far), "
+                             f"got {device.type} {dtype}; set model.device: cpu and model.dtype: float32")
+        attn = invariant.register()
     model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype, attn_implementation=attn)
     if config.lora is not None:  # before moving: the adapters are created next to the base weights
         from miles_engine.lora import attach_lora
 
         attach_lora(model, config.lora)
     model.to(device)  # type: ignore[arg-type]  # transformers' @wraps(nn.Module.to) hides the real signature
+    if config.true_on_policy:
+        invariant.install_linears(model)
     model.eval()
     model.requires_grad_(False)
     hf = model.config.get_text_config()

@@ -82,6 +82,8 @@ def _sample(logits: torch.Tensor, rows: Sequence[RowSampling], outputs: Sequence
             ) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
 
+    from miles_engine.invariant import token_logprobs
+
     edits = any(row.penalised or (row.banned_until_min and len(outputs[i]) < row.min_new_tokens)
                 for i, row in enumerate(rows))
     original = logits
@@ -93,11 +95,11 @@ def _sample(logits: torch.Tensor, rows: Sequence[RowSampling], outputs: Sequence
     _apply_penalties(logits, rows, outputs, prompts)
     _ban_until_min_tokens(logits, rows, outputs)
     if all(row.greedy for row in rows):
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = token_logprobs(logits)
         tokens = logits.argmax(dim=-1)
         return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
     scaled = _truncate(logits / _column(rows, "temperature", logits.device, greedy_value=1.0), rows)
-    logprobs = torch.log_softmax(scaled, dim=-1)  # [B, V]
+    logprobs = token_logprobs(scaled)  # [B, V]: what the trainer recomputes (true on-policy)
     cdf = logprobs.exp().cumsum_(dim=-1)  # [B, V]
     # One uniform draw in (0, 1] per row; scaled by the row's total so rounding cannot overshoot.
     uniform = 1.0 - torch.rand(len(rows), device=logits.device, generator=default_generator)

@@ -74,7 +74,9 @@ class Scheduler:
 
         self.config = config
         self.max_kv_tokens = max_kv_tokens
-        self.runner = ModelRunner(loaded, config.max_running_requests, pack_linears=not config.plain_linear,
+        # true on-policy: the model's linears are the invariant ones already (loading.py), not packed
+        self.runner = ModelRunner(loaded, config.max_running_requests,
+                                  pack_linears=not (config.plain_linear or config.true_on_policy),
                                   cuda_graphs=not config.disable_cuda_graph,
                                   batch_invariant=config.enable_deterministic_inference,
                                   prefix_cache_tokens=prefix_cache_tokens(config, max_kv_tokens))
@@ -310,7 +312,8 @@ class Scheduler:
                 fresh.append(seq)
             else:  # part of it cached (prefix cache, or an in-place pause): prefilled on its own
                 self._prefill([seq])
-        if fresh and self.config.enable_deterministic_inference:  # a batched prefill pads to the longest prompt
+        # a batched prefill pads to the longest prompt
+        if fresh and (self.config.enable_deterministic_inference or self.config.true_on_policy):
             for seq in fresh:
                 self._prefill([seq])
         elif fresh:

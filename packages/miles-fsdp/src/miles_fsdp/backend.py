@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from miles.trainer.collectives import sum_over_ranks
 from miles_algorithms.sdpa import sdpa_preference
+from miles_engine import invariant
 from miles_engine.lora import adapters_disabled, write_peft_adapter
 
 from miles_fsdp.checkpoint import TrainedModule, load_checkpoint, save_checkpoint
@@ -41,6 +42,7 @@ from miles_fsdp.models import (
     prepare_and_shard,
     resolve_precision,
 )
+from miles_fsdp.on_policy import OnPolicyCheck, incompatible_options
 from miles_fsdp.optim import LRMultiplier, build_optimizer, build_scheduler
 from miles_fsdp.passes import PassRunner, attention_pair_cost
 from miles_fsdp.prefix_tree import TreePolicy
@@ -86,12 +88,24 @@ class FSDPBackend:
         self.compiled = compiled if compiled is not None else self.dist.device.type == "cuda"
         torch.manual_seed(config.run.seed)  # same on every rank: identical critic head init before sharding
         attn = self.options.attn_implementation
+        self.true_on_policy = config.rollout.true_on_policy
+        self.on_policy_check: OnPolicyCheck | None = None
+        if self.true_on_policy:
+            errors = incompatible_options(self.options)
+            if errors:
+                raise ValueError("rollout.true_on_policy: " + "; ".join(errors))
+            attn = invariant.register()
+            self.compiled = False
+            if config.run.mode == "sync":
+                self.on_policy_check = OnPolicyCheck(config.rollout.true_on_policy_check)
 
         # model names (actor, teacher, critic) resolve through the kernel: a folder, or a plugin's model
         self.model_dir: Path | None = None
         if actor is None:
             self.model_dir = self.kernel.resolve_model(config.model.name)
             actor = load_causal_lm(self.model_dir, attn)
+        elif self.true_on_policy:
+            actor.set_attn_implementation(attn)
         # LoRA: the reference is the actor with its adapters off (no second copy)
         self.lora = config.train.lora
         copy_reference = config.train.use_reference and self.model_dir is None and self.lora is None
@@ -102,17 +116,18 @@ class FSDPBackend:
         self.bridge = self.kernel.find_model_bridge(self.hf_config)
 
         train = config.train
-        self.actor = self._shard(PolicyModel(actor), trainable=True)
+        self.actor = self._shard(PolicyModel(actor, invariant=self.true_on_policy), trainable=True)
         self.ref: PolicyModel | None = None
         if train.use_reference and self.lora is None:
             if reference is None:
                 assert self.model_dir is not None  # an in-memory actor's reference is its copy
                 reference = load_causal_lm(self.model_dir, attn)
-            self.ref = self._shard(PolicyModel(reference), trainable=False)
+            self.ref = self._shard(PolicyModel(reference, invariant=self.true_on_policy), trainable=False)
         self.teacher: PolicyModel | None = None
         if train.teacher_model:
             teacher_dir = self.kernel.resolve_model(train.teacher_model)
-            self.teacher = self._shard(PolicyModel(load_causal_lm(teacher_dir, attn)), trainable=False)
+            self.teacher = self._shard(PolicyModel(load_causal_lm(teacher_dir, attn), invariant=self.true_on_policy),
+                                       trainable=False)
         self.critic: ValueModel | None = None
         if train.use_critic:
             critic = self.options.critic_model
@@ -132,7 +147,8 @@ class FSDPBackend:
             compile_head=self.compiled if self.options.compile_head is None else self.options.compile_head,
             attention=sdpa_preference(self.options.sdpa_backends, self.dist.device.type),
             pair_cost=attention_pair_cost(self.hf_config),
-            prefix_tree=TreePolicy(self.options.prefix_tree, attn, attention_pair_cost(self.hf_config)),
+            prefix_tree=TreePolicy("off" if self.true_on_policy else self.options.prefix_tree, attn,
+                                   attention_pair_cost(self.hf_config)),
         )
         self.optimizer_steps = 0
         self.skipped_steps = 0
@@ -204,8 +220,24 @@ class FSDPBackend:
         from miles_algorithms.update import policy_update
 
         critic = _Trainee(self, "critic_train", self.trained[1]) if self.critic is not None else None
-        totals = policy_update(batch, self.config, self.kernel, actor=_Trainee(self, "train", self.trained[0]),
-                               logprobs=self.compute_logprobs, critic=critic, log_entropy=self.options.log_entropy)
+        check = self.on_policy_check
+        logprobs: Callable[[TrainBatch], torch.Tensor] = self.compute_logprobs
+        if check is not None:
+            check.start_step((self.optimizer_steps + self.skipped_steps) // self.config.train.updates_per_step + 1)
+            if batch.old_logprobs is not None:
+                check.check(batch.old_logprobs, batch)
+
+            def checked_logprobs(b: TrainBatch) -> torch.Tensor:
+                out = self.compute_logprobs(b)
+                check.check(out, b)
+                return out
+
+            logprobs = checked_logprobs
+
+        totals = policy_update(batch, self.config, self.kernel, actor=_Trainee(self, "train", self.trained[0], check),
+                               logprobs=logprobs, critic=critic, log_entropy=self.options.log_entropy)
+        if check is not None:
+            totals |= check.metrics()
         totals["optimizer_steps"] = float(self.optimizer_steps)
         totals["skipped_steps"] = float(self.skipped_steps)
         return totals
@@ -295,14 +327,20 @@ class FSDPBackend:
 class _Trainee:
     """One trained module of the backend as :func:`~miles_algorithms.update.policy_update` drives it."""
 
-    def __init__(self, backend: FSDPBackend, phase: str, trained: TrainedModule) -> None:
-        self.backend, self.phase, self.trained = backend, phase, trained
+    def __init__(self, backend: FSDPBackend, phase: str, trained: TrainedModule,
+                 check: OnPolicyCheck | None = None) -> None:
+        self.backend, self.phase, self.trained, self.check = backend, phase, trained, check
 
     def accumulate(self, batch: TrainBatch, loss: MicroLoss, *, with_entropy: bool,
                    keep_outputs: bool) -> tuple[dict[str, float], torch.Tensor | None]:
         shares, kept = self.backend.runner.accumulate(self.phase, self.trained.module, batch, loss,
                                                       with_entropy=with_entropy, keep_outputs=keep_outputs)
-        return sum_over_ranks(shares), (all_reduce_sum(kept) if kept is not None else None)
+        if kept is None:
+            return sum_over_ranks(shares), None
+        kept = all_reduce_sum(kept)
+        if self.check is not None:  # the forward before this mini-batch's update: the old policy
+            self.check.check(kept, batch)
+        return sum_over_ranks(shares), kept
 
     def step(self) -> dict[str, float]:
         return self.backend._apply(self.trained)

@@ -198,11 +198,12 @@ def measure_cpu_peak_tflops(size: int = 1024, repeats: int = 5) -> float:
 
 def run_miles(preset: str, batch, *, ctx: RunContext, device: Device, options: dict[str, Any], gradient_checkpointing: bool,
               micro_batch_tokens: int, warmup: int, steps: int, profile_to: Path | None = None,
-              lora: LoRASpec | None = None) -> dict[str, Any]:
+              lora: LoRASpec | None = None, true_on_policy: bool = False) -> dict[str, Any]:
     """The fsdp backend's step on the preset's random model, built in memory (no checkpoint);
-    with ``lora``, adapters on the frozen base (``train.lora``)."""
+    with ``lora``, adapters on the frozen base (``train.lora``); with ``true_on_policy``, the
+    batch-invariant forward (its check counts: the benchmark's rollout log-probs are zeros)."""
     from miles.config import MilesConfig
-    from miles.sections import ModelSection, RunSection, TrainSection
+    from miles.sections import ModelSection, RolloutSection, RunSection, TrainSection
 
     from miles_fsdp.backend import FSDPBackend
     from miles_fsdp.config import FSDPSection
@@ -212,6 +213,7 @@ def run_miles(preset: str, batch, *, ctx: RunContext, device: Device, options: d
         run=RunSection(steps=warmup + steps + 1),
         train=TrainSection(lr=1e-6, micro_batch_tokens=micro_batch_tokens, gradient_checkpointing=gradient_checkpointing,
                            lora=lora),
+        rollout=RolloutSection(true_on_policy=true_on_policy, true_on_policy_check="metric"),
         extra={"fsdp": FSDPSection(**options)},
     )
     from miles.trainer.device import pick_device
@@ -296,6 +298,7 @@ def run_benchmark(
     gradient_checkpointing: bool, options: dict[str, Any], baseline: bool, peak_tflops: float | None,
     micro_batch_tokens: int | None = None, backend: str = "fsdp", section: str | None = None, work_dir: Any = None,
     profile_dir: Path | None = None, length_spread: float = 0.0, lora: LoRASpec | None = None,
+    true_on_policy: bool = False,
 ) -> dict[str, Any]:
     """Every sequence length: the backend's step and (optionally) the baseline; returns the JSON report.
 
@@ -359,6 +362,12 @@ def run_benchmark(
                                    gradient_checkpointing=gradient_checkpointing, micro_batch_tokens=budget,
                                    warmup=warmup, steps=steps, work_dir=work_dir, profile_to=profile_to)
         entry["miles"] = _rates(miles, tokens, flops, peak_tflops, devices)
+        if true_on_policy and backend == "fsdp":
+            invariant = run_miles(preset, batch, ctx=ctx, device=device, options=options, true_on_policy=True,
+                                  gradient_checkpointing=gradient_checkpointing, micro_batch_tokens=budget,
+                                  warmup=warmup, steps=steps)
+            entry["miles_true_on_policy"] = _rates(invariant, tokens, flops, peak_tflops, devices)
+            entry["true_on_policy_step_slowdown"] = invariant["step_s"] / miles["step_s"]
         if lora is not None and backend == "fsdp":
             adapted = run_miles(preset, batch, ctx=ctx, device=device, options=options, lora=lora,
                                 gradient_checkpointing=gradient_checkpointing, micro_batch_tokens=budget, warmup=warmup,

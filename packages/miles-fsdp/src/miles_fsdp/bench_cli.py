@@ -33,6 +33,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-baseline", action="store_true", help="skip the plain transformers baseline")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="also measure the step with LoRA adapters of this rank on every projection (train.lora)")
+    p.add_argument("--true-on-policy", action="store_true",
+                   help="also measure the fsdp step with rollout.true_on_policy (the batch-invariant forward) and "
+                        "the on/off step-time ratio")
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="train.micro_batch_tokens (default: the sequence length, one row per micro-batch)")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak; default 989 on CUDA, measured on CPU")
@@ -162,7 +165,7 @@ def _run(args: argparse.Namespace, ctx: RunContext) -> int:
         options=_fsdp_options(args) if fsdp else _section_options(args, ctx), baseline=not args.no_baseline,
         peak_tflops=args.peak_tflops, micro_batch_tokens=args.micro_batch_tokens, backend=args.backend,
         section=None if fsdp else args.backend, work_dir=args.work_dir, profile_dir=args.profile,
-        length_spread=args.length_spread, lora=_lora(args.lora_rank),
+        length_spread=args.length_spread, lora=_lora(args.lora_rank), true_on_policy=args.true_on_policy,
     )
     import os
 

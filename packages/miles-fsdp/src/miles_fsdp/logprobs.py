@@ -173,3 +173,25 @@ def token_logprobs(
         hidden, weight, bias, targets, float(temperature), int(chunk), with_entropy, bool(compiled),
     )
     return logprobs, (entropy if with_entropy else None)
+
+
+def invariant_token_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, *,
+    temperature: float = 1.0, with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`token_logprobs` as the embedded engine's sampler computes it (true on-policy): the
+    head row by row (:func:`miles_engine.invariant.linear`), fp32 logits divided by the
+    temperature as a tensor (the sampler's per-row column), one log-softmax over the whole
+    vocabulary (:func:`miles_engine.invariant.token_logprobs`). Not chunked: ``K x V`` fp32 logits
+    are held, which the CPU sizes true on-policy runs at allow."""
+    from miles_engine import invariant
+
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    logits = invariant.linear(hidden, weight, bias).float()
+    if temperature != 1.0:
+        logits = logits / torch.full((1, 1), temperature, dtype=torch.float32, device=logits.device)
+    logp = invariant.token_logprobs(logits)
+    # advanced indexing returns a fresh tensor: a view output would lose FSDP's pre-backward hook
+    logprobs = logp[torch.arange(targets.shape[0], device=targets.device), targets]
+    return logprobs, (-(logp.exp() * logp).sum(dim=-1) if with_entropy else None)

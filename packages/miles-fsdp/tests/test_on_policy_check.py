@@ -1,0 +1,47 @@
+"""``rollout.true_on_policy_check``: the first differing token fails the step by step, sample and
+response position (error), or differing tokens are counted (metric); fsdp settings that break the
+invariant forward are refused together."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from miles_contracts import TrainBatch
+from miles_fsdp.config import FSDPSection
+from miles_fsdp.on_policy import OnPolicyCheck, OnPolicyMismatch, incompatible_options
+
+
+def _batch() -> TrainBatch:
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 0, 0]], dtype=torch.float32)
+    rollout = torch.tensor([[0, 0, -1.5, -2.0, -0.25], [0, -3.0, -1.0, 0, 0]])
+    return TrainBatch(tokens=torch.arange(10).reshape(2, 5), attention_mask=torch.ones(2, 5, dtype=torch.long),
+                      loss_mask=loss_mask, rollout_logprobs=rollout, rewards=torch.zeros(2),
+                      group_ids=torch.zeros(2, dtype=torch.long), rollout_ids=torch.tensor([40, 41]))
+
+
+def test_equal_logprobs_pass_and_are_counted():
+    check = OnPolicyCheck("error")
+    check.start_step(3)
+    batch = _batch()
+    check.check(batch.rollout_logprobs.clone(), batch)
+    assert check.metrics() == {"true_on_policy_checked_tokens": 5.0, "true_on_policy_mismatched_tokens": 0.0}
+
+
+def test_error_names_step_sample_and_position_of_the_first_differing_token():
+    batch = _batch()
+    trainer = batch.rollout_logprobs.clone()
+    trainer[0, 3] = torch.nextafter(trainer[0, 3], torch.tensor(0.0))  # one ulp off
+    trainer[1, 0] = 9.0  # outside the loss mask: not compared
+    check = OnPolicyCheck("error")
+    check.start_step(7)
+    with pytest.raises(OnPolicyMismatch, match=r"step 7, sample 40 \(batch row 0\), response token 1 \(column 3"):
+        check.check(trainer, batch)
+    counting = OnPolicyCheck("metric")
+    counting.check(trainer, batch)
+    assert counting.metrics()["true_on_policy_mismatched_tokens"] == 1.0
+
+
+def test_fsdp_settings_that_break_the_invariant_forward_are_all_named():
+    errors = incompatible_options(FSDPSection(compile=True, prefix_tree="on"))
+    assert len(errors) == 2 and "fsdp.compile" in errors[0] and "fsdp.prefix_tree" in errors[1]
+    assert incompatible_options(FSDPSection()) == []
