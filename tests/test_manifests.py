@@ -55,7 +55,6 @@ NOT_IMPORTED: dict[tuple[str, str], str] = {
     **{(example, "miles-tito"): "the agentic generator and session server the agent runs under (rollout.generator: agentic)"
        for example in ("miles-example-delegating-agent", "miles-example-solver-verifier")},
     # plugins found by entry point at run time, not imported
-    ("miles-sandbox", "miles-tito"): "mini_swe_agent runs under the agentic generator and its session server",
     ("miles-fsdp", "miles-models"): "resolves catalogued model names (model.name's default) via miles_resolve_model",
     ("miles-megatron", "miles-models"): "resolves catalogued model names (model.name's default) via miles_resolve_model",
     ("miles-fsdp", "miles-weights"): "the weight transports (weights.transport, default shared_memory) its ranks push through",
