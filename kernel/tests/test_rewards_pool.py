@@ -43,3 +43,47 @@ def test_a_restart_does_not_fail_other_batches_in_flight(pool: WorkerPool) -> No
     stuck, other = asyncio.run(both())
     assert isinstance(stuck[0], Failed)
     assert other == [None]  # resubmitted to the new pool if the restart caught it in flight
+
+
+def test_a_restart_under_an_abandoned_batch_is_one_line_not_a_traceback_per_item(
+        pool: WorkerPool, capfd: pytest.CaptureFixture[str]) -> None:
+    """A batch whose caller gave up (the kernel's own deadline cancelled its ``map``) still has items
+    in the pool when another batch's deadline restarts it: they used to print asyncio's "Future
+    exception was never retrieved" traceback each (dozens per restart in chaos runs)."""
+    import gc
+
+    async def abandon_then_restart() -> list:
+        abandoned = asyncio.ensure_future(pool.map(time.sleep, [30, 30, 30], timeout=60))
+        await asyncio.sleep(0.5)
+        abandoned.cancel()
+        return await pool.map(time.sleep, [600], timeout=2)
+
+    stuck = asyncio.run(abandon_then_restart())
+    gc.collect()  # the abandoned futures' unretrieved exceptions were reported when collected
+    assert isinstance(stuck[0], Failed) and pool.restarts == 1
+    err = capfd.readouterr().err
+    assert "never retrieved" not in err and "_PoolRestarted" not in err
+    assert err.count("the worker pool restarts") == 1
+
+
+def test_killed_workers_neither_hang_the_pool_nor_the_exit(pool: WorkerPool) -> None:
+    """SIGKILL every worker (what ``miles chaos`` does to one): an idle worker holds the task
+    queue's read lock, so the items after it are never picked up; they fail at the deadline, the
+    restart goes through (it hung in ``Pool.terminate``), the next batch is served, and closing the
+    pool (what the driver's exit does) returns."""
+    import os
+    import signal
+    import threading
+
+    assert asyncio.run(pool.map(abs, [-1, -2], timeout=60)) == [1, 2]
+    for pid in pool.worker_pids():
+        os.kill(pid, signal.SIGKILL)
+    time.sleep(0.5)
+    assert asyncio.run(pool.map(abs, [-3], timeout=3)) == [Failed("not finished within 3 s")]
+    assert asyncio.run(pool.map(abs, [-4], timeout=60)) == [4]
+    for pid in pool.worker_pids():
+        os.kill(pid, signal.SIGKILL)
+    closing = threading.Thread(target=pool.close, daemon=True)
+    closing.start()
+    closing.join(timeout=30)
+    assert not closing.is_alive()

@@ -9,10 +9,12 @@ moment are resubmitted once to the new pool rather than failed.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import multiprocessing
 import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +30,16 @@ class Failed:
 
 class _PoolRestarted(Exception):
     """The pool was terminated while this item was in flight (another batch timed out)."""
+
+
+def _watched(future: asyncio.Future[Any]) -> asyncio.Future[Any]:
+    """``future``, its outcome marked as seen whoever waits for it. A ``map`` whose caller was
+    cancelled (its scoring missed the kernel's own deadline) leaves its futures behind; the pool
+    restart then fails them with :class:`_PoolRestarted`, and asyncio printed a "Future exception
+    was never retrieved" traceback for each (dozens per restart in ``miles chaos`` runs). The
+    restart is said once, in one line, by the ``map`` that caused it."""
+    future.add_done_callback(lambda done: done.cancelled() or done.exception())
+    return future
 
 
 class WorkerPool:
@@ -47,12 +59,15 @@ class WorkerPool:
         self._pool: Any = None
         self._in_flight: set[concurrent.futures.Future[Any]] = set()
         self.restarts = 0
+        # before multiprocessing's own exit handler (atexit runs last-registered first), which
+        # would hang on a pool whose worker was killed (see _stop)
+        atexit.register(self.close)
 
     async def map(self, fn: Callable[[Any], Any], items: Sequence[Any], timeout: float) -> list[Any]:
         results: list[Any] = [None] * len(items)
         todo = list(range(len(items)))
         for _attempt in range(2):
-            futures = {i: asyncio.wrap_future(self._submit(fn, items[i])) for i in todo}
+            futures = {i: _watched(asyncio.wrap_future(self._submit(fn, items[i]))) for i in todo}
             if not futures:
                 break
             _, late = await asyncio.wait(futures.values(), timeout=timeout)
@@ -60,6 +75,9 @@ class WorkerPool:
                 for future in late:  # nobody will wait for these any more
                     future.cancel()
                 self.restarts += 1
+                print(f"miles rewards: {len(late)} reward item(s) missed their deadline of {timeout:g} s (a worker "
+                      f"died or hangs); they fail with reward_error and the worker pool restarts "
+                      f"(restart {self.restarts})", file=sys.stderr, flush=True)
                 await asyncio.to_thread(self._restart)
             todo = []
             for i, future in futures.items():
@@ -75,6 +93,11 @@ class WorkerPool:
         for i in todo:
             results[i] = Failed("the worker pool was restarted twice while this item was in flight")
         return results
+
+    def worker_pids(self) -> list[int]:
+        """The pids of the worker processes now running (none before the first ``map``)."""
+        with self._lock:
+            return [w.pid for w in self._pool._pool if w.pid is not None] if self._pool is not None else []
 
     def close(self) -> None:
         """Stop the worker processes (the pool starts again if used later)."""
@@ -114,5 +137,26 @@ class WorkerPool:
             with contextlib.suppress(concurrent.futures.InvalidStateError):  # settled or cancelled meanwhile
                 future.set_exception(_PoolRestarted())
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            _stop(pool)
+
+
+def _stop(pool: Any) -> None:
+    """``pool.terminate()``, also when a worker was SIGKILLed. An idle worker waits for its next
+    task holding the task queue's read lock; one killed then (``miles chaos`` kills reward workers)
+    holds it forever, and ``terminate`` first takes that lock (CPython's ``_help_stuff_finish``):
+    the driver hung there at exit after "run completed", and a restart after a deadline hung the
+    same way. So the workers are killed first; then nobody alive can hold the lock, it is freed
+    whoever held it, and ``terminate`` goes through. (Pool keeps workers and queue private.)"""
+    workers = list(pool._pool)
+    for worker in workers:
+        if worker.exitcode is None:
+            worker.kill()
+    for worker in workers:
+        worker.join(timeout=10)
+    lock = pool._inqueue._rlock
+    if not lock.acquire(block=False):
+        lock.release()  # held by a worker that is now dead
+    else:
+        lock.release()
+    pool.terminate()
+    pool.join()
