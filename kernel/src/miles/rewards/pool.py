@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from miles.executor.children import die_with_parent
+
 
 @dataclass(frozen=True, slots=True)
 class Failed:
@@ -30,6 +32,17 @@ class Failed:
 
 class _PoolRestarted(Exception):
     """The pool was terminated while this item was in flight (another batch timed out)."""
+
+
+def _start_worker(parent: int, initializer: Callable[[], None] | None) -> None:
+    """In each worker, first: die with the pool's process. A driver SIGKILLed (``miles chaos``, the
+    OOM killer) left its reward workers behind for good: one waiting on the task queue's lock, which
+    a killed sibling held, never saw the queue close. (The signal follows the thread that started
+    the worker: the event loop's, or for a replacement the pool's own handler thread, both as
+    long-lived as the pool.)"""
+    die_with_parent(parent)()
+    if initializer is not None:
+        initializer()
 
 
 def _watched(future: asyncio.Future[Any]) -> asyncio.Future[Any]:
@@ -109,7 +122,8 @@ class WorkerPool:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             if self._pool is None:
-                self._pool = self._context.Pool(self.processes, initializer=self._initializer)
+                self._pool = self._context.Pool(self.processes, initializer=_start_worker,
+                                                initargs=(os.getpid(), self._initializer))
             self._in_flight.add(future)
             self._pool.apply_async(
                 fn, (item,),
@@ -141,22 +155,25 @@ class WorkerPool:
 
 
 def _stop(pool: Any) -> None:
-    """``pool.terminate()``, also when a worker was SIGKILLed. An idle worker waits for its next
-    task holding the task queue's read lock; one killed then (``miles chaos`` kills reward workers)
-    holds it forever, and ``terminate`` first takes that lock (CPython's ``_help_stuff_finish``):
-    the driver hung there at exit after "run completed", and a restart after a deadline hung the
-    same way. So the workers are killed first; then nobody alive can hold the lock, it is freed
-    whoever held it, and ``terminate`` goes through. (Pool keeps workers and queue private.)"""
+    """``pool.terminate()``, also when a worker was SIGKILLed. ``multiprocessing.Pool`` is not made
+    for that: an idle worker waits for its next task holding the task queue's read lock, a worker
+    handing back a result holds the result queue's write lock, and one killed meanwhile holds it for
+    good; ``terminate`` takes both (CPython's ``_help_stuff_finish`` and its sentinel), so the driver
+    hung there at exit after "run completed", and a restart after a deadline hung the same way.
+    So: no more replacements (the pool's handler would start new workers, which would take the
+    locks), every worker killed, the two locks freed whoever held them (nobody alive can), then
+    ``terminate``. (Pool keeps its workers, queues and handler private.)"""
+    from multiprocessing.pool import TERMINATE
+
+    pool._worker_handler._state = TERMINATE
     workers = list(pool._pool)
     for worker in workers:
         if worker.exitcode is None:
             worker.kill()
     for worker in workers:
         worker.join(timeout=10)
-    lock = pool._inqueue._rlock
-    if not lock.acquire(block=False):
-        lock.release()  # held by a worker that is now dead
-    else:
+    for lock in (pool._inqueue._rlock, pool._outqueue._wlock):
+        lock.acquire(block=False)  # taken now if it was free: either way it is held, and freed once
         lock.release()
     pool.terminate()
     pool.join()
