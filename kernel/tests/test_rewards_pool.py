@@ -131,3 +131,28 @@ def _running(pid: int) -> bool:
     except OSError:
         return False
     return state not in ("Z", "X")
+
+
+EXITING_CODE = """
+import asyncio, os, signal, time
+from miles.rewards import WorkerPool
+if __name__ == "__main__":
+    pool = WorkerPool(processes=2)
+    asyncio.run(pool.map(abs, [-1, -2], timeout=60))
+    time.sleep(0.5)  # idle: one worker waits for a task holding the queue's read lock
+    for pid in pool.worker_pids():
+        os.kill(pid, signal.SIGKILL)
+    print("exiting", flush=True)
+"""
+
+
+def test_a_process_whose_workers_were_killed_still_exits(tmp_path: Path) -> None:
+    """The driver printed "run completed" and hung in multiprocessing's exit handler when a reward
+    worker had been SIGKILLed: the pool must be closed before that handler runs."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exiting.py"
+    script.write_text(EXITING_CODE)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "exiting", done.stderr

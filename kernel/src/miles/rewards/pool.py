@@ -72,9 +72,6 @@ class WorkerPool:
         self._pool: Any = None
         self._in_flight: set[concurrent.futures.Future[Any]] = set()
         self.restarts = 0
-        # before multiprocessing's own exit handler (atexit runs last-registered first), which
-        # would hang on a pool whose worker was killed (see _stop)
-        atexit.register(self.close)
 
     async def map(self, fn: Callable[[Any], Any], items: Sequence[Any], timeout: float) -> list[Any]:
         results: list[Any] = [None] * len(items)
@@ -124,6 +121,12 @@ class WorkerPool:
             if self._pool is None:
                 self._pool = self._context.Pool(self.processes, initializer=_start_worker,
                                                 initargs=(os.getpid(), self._initializer))
+                # closed before multiprocessing's own exit handler, which would hang on a pool whose
+                # worker was killed (see _stop): atexit runs the last registered first, and that
+                # handler is registered when multiprocessing.util is first imported, which may be
+                # after this object was made; registering anew with each pool keeps this one last
+                atexit.unregister(self.close)
+                atexit.register(self.close)
             self._in_flight.add(future)
             self._pool.apply_async(
                 fn, (item,),
