@@ -55,3 +55,20 @@ def test_discover_lists_the_driver_its_services_and_reward_workers_and_nothing_o
     while discover(tmp_path, driver.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert discover(tmp_path, driver.pid) == []  # a driver that is gone has nothing to kill
+
+
+def test_deterministic_chaos_refuses_kinds_that_are_not_rollout_and_reads_the_last_digest(tmp_path: Path) -> None:
+    """``miles chaos --deterministic`` claims equal final weights for rollout faults only: other
+    kinds are refused with the kinds to use; the digest compared is the last step's record (a
+    resume's superseded record is in another file)."""
+    import pytest
+    from miles.chaos.reference import check_deterministic_kinds, last_step_digest
+    from miles.errors import MilesError
+
+    check_deterministic_kinds(("engine", "router", "reward_worker"))
+    with pytest.raises(MilesError, match=r"--kinds has trainer, driver: use --kinds engine,router,session"):
+        check_deterministic_kinds(("engine", "trainer", "driver"))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "train/weights_digest": 5.0}\n{"step": 2, "train/weights_digest": 7.0}\n'
+                                            '{"step": 2, "train/weights_digest": 9.0}\n{"step": 3, "tr')
+    assert last_step_digest(tmp_path, 2) == 9.0 and last_step_digest(tmp_path, 3) is None
+    assert last_step_digest(tmp_path / "missing", 1) is None

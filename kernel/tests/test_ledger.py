@@ -13,6 +13,7 @@ import asyncio
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from miles import hookimpl
@@ -388,3 +389,36 @@ def test_an_endless_source_keeps_its_events_file_bounded_and_a_lost_group_fails_
     with pytest.raises(LedgerError, match=rf"1 prompt group\(s\) in flight .* held by no part of the loop .*"
                                           rf"\[{dropped[0].group_index}\]"):
         again.checkpoint_state(held={held[0].group_index})
+
+
+def test_a_deterministic_round_redoes_a_group_a_dead_engine_spoiled_in_place(fresh_kernels: None, tmp_path: Path) -> None:
+    """run.deterministic: a sample aborted by a dead engine makes its group generated again, same
+    sample ids and sampling seeds, after the services are back (``recover``), instead of the
+    over-sampler drawing another prompt: the step trains the groups a fault-free step trains."""
+    (tmp_path / "run").mkdir()
+    manager = _manager(tmp_path)
+    manager.config.run.deterministic = True
+    assert manager.ledger is not None
+    manager.ledger.begin(None, 0)
+    calls: list[tuple[int, int | None]] = []
+
+    async def dies_once(sample: Sample, ctx: Any) -> Sample:
+        calls.append((sample.index, ctx.sampling_params.sampling_seed))
+        if sample.index == 1 and len(calls) <= 4:  # the first round: the engine died under sample 1
+            return sample.finish(Status.ABORTED, ExitReason.ENGINE_ERROR, "connection refused")
+        return await answer(sample, ctx)
+
+    manager.generator = dies_once
+    recovered: list[bool] = []
+
+    async def recover() -> None:
+        recovered.append(True)
+
+    rollout = asyncio.run(manager.collect(1, recover=recover))
+    assert recovered == [True] and rollout.metrics["rollout/groups_redone"] == 1.0
+    assert [[s.index for s in g] for g in rollout.groups] == [[0, 1], [2, 3]]  # the groups drawn, none replaced
+    assert all(s.status is Status.COMPLETED for g in rollout.groups for s in g)
+    first = dict(calls[:4])
+    assert sorted(calls[4:]) == sorted((i, first[i]) for i in (0, 1))  # the group again, with its seeds
+    lines = [json.loads(line) for line in (tmp_path / "run" / LEDGER_DIR / EVENTS_FILE).read_text().splitlines()]
+    assert [(line["group"], line["reason"]) for line in lines if line.get("state") == "recycled"] == [(0, "redo")]

@@ -24,14 +24,20 @@ Each attempt's output is in <run>/chaos/. docs/design/async.md, "Fault injection
 
   miles chaos examples/arithmetic/config.yaml --injections 10 --seed 1
   miles chaos cfg.yaml run.steps=40 --injections 100 --kinds engine,router,driver --out chaos.json
+  miles chaos cfg.yaml run.mode=sync --injections 3 --kinds engine,router,reward_worker --deterministic
 """
 
 
 def _chaos(args: argparse.Namespace, ctx: RunContext) -> int:
     from miles.chaos.harness import ChaosPlan, run_chaos
+    from miles.chaos.reference import DETERMINISTIC_OVERRIDES, check_deterministic_kinds
     from miles.config import load_config
 
     config_path, overrides = split_config_args(args.items)
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    if args.deterministic:
+        check_deterministic_kinds(kinds)
+        overrides = [*overrides, *DETERMINISTIC_OVERRIDES]
     config = load_config(config_path, overrides)
     name = config.run.name or time.strftime("chaos-%Y%m%d-%H%M%S")
     run_dir = config.run.output_dir / name
@@ -43,8 +49,8 @@ def _chaos(args: argparse.Namespace, ctx: RunContext) -> int:
     except ValueError as exc:
         raise MilesError(f"--gap takes LOW,HIGH seconds (e.g. 1,6), got {args.gap!r}") from exc
     plan = ChaosPlan(config_path, (*overrides, f"run.name={name}"), run_dir, args.injections, seed=args.seed,
-                     kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()), gap=gap,
-                     recovery_timeout=args.recovery_timeout, timeout=args.timeout, max_resumes=args.max_resumes)
+                     kinds=kinds, gap=gap, recovery_timeout=args.recovery_timeout, timeout=args.timeout,
+                     max_resumes=args.max_resumes, deterministic=args.deterministic)
     report = run_chaos(plan)
     text = json.dumps(report, indent=2)
     print(text)
@@ -69,6 +75,9 @@ def _chaos_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-resumes", type=int, metavar="N",
                    help="at most N kills of kinds that end the driver (trainer ranks, the driver); after them only "
                         "rollout kinds are chosen (each resume costs a full start-up: a time budget for short runs)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="run.deterministic (sync or one_step_off), rollout kinds only; at the end, run the same steps "
+                        "without faults and require the same final weights (weights.final_weights_equal)")
     p.add_argument("--out", metavar="FILE", help="also write the JSON report here")
 
 

@@ -63,6 +63,7 @@ class ChaosPlan:
     timeout: float = 3600.0
     extend_steps: int = 4
     max_resumes: int | None = None  # kills of kinds that end the driver (trainer, driver); then rollout kinds only
+    deterministic: bool = False  # run.deterministic; at the end, compare the final weights with a run without faults
 
 
 @dataclass
@@ -105,6 +106,8 @@ class Chaos:
         self.extensions = 0
         self.seen_kinds: set[str] = set()
         self.steps = 0
+        self.completed_early = False  # a deterministic run is not extended: more steps would change its schedule
+        self.weights: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ the run
 
@@ -115,12 +118,26 @@ class Chaos:
         (self.plan.run_dir / "chaos").mkdir(parents=True, exist_ok=True)
         self._start(resume=False)
         try:
-            while len(self.injections) < self.plan.injections and not self._out_of_time():
+            while len(self.injections) < self.plan.injections and not self._out_of_time() \
+                    and not self.completed_early:
                 self._inject_one()
             self._finish()
         finally:
             self._stop_current()
+        if self.plan.deterministic:
+            self.weights = self._compare_with_reference()
         return self._report()
+
+    def _compare_with_reference(self) -> dict[str, Any]:
+        from miles.chaos.reference import run_reference
+
+        name = f"{self.plan.run_dir.name}-reference"
+        config = [str(self.plan.config)] if self.plan.config is not None else []
+        argv = [*config, *self.plan.overrides, f"run.name={name}", f"run.steps={self.steps}"]
+        self.say(f"running the same {self.steps} steps without faults ({name}) to compare the final weights")
+        left = self.plan.timeout - (time.monotonic() - self.started)
+        verdict = run_reference(argv, self.plan.run_dir, self.plan.run_dir.parent / name, self.steps, self.env, left)
+        return verdict.to_json()
 
     def _inject_one(self) -> None:
         attempt = self.attempts[-1]
@@ -213,9 +230,12 @@ class Chaos:
     def _driver_ended(self, attempt: _Attempt) -> None:
         """The driver exited while no kill was being watched."""
         code = attempt.process.wait()
-        if code == 0:  # completed before every injection was done: continue it with more steps
+        if code == 0 and self.plan.deterministic:
+            self.completed_early = True
+        elif code == 0:  # completed before every injection was done: continue it with more steps
             self.extensions += 1
-            self.steps += self.plan.extend_steps
+            # at least doubled: each extension is a full start-up, which costs more than many steps
+            self.steps += max(self.plan.extend_steps, self.steps)
             self._start(resume=True, extra=[f"run.steps={self.steps}"])
         else:
             self.failures.append(f"the run failed with exit code {code} without a kill (log {attempt.path})")
@@ -290,7 +310,10 @@ class Chaos:
         if ledger.get("lost") != 0 or ledger.get("duplicated") != 0:
             failures.append(f"ledger: {ledger.get('lost')} lost, {ledger.get('duplicated')} duplicated")
         if len(self.injections) < self.plan.injections:
-            failures.append(f"only {len(self.injections)} of {self.plan.injections} injections were made")
+            why = " (the run completed first: raise run.steps)" if self.completed_early else ""
+            failures.append(f"only {len(self.injections)} of {self.plan.injections} injections were made{why}")
+        if self.weights is not None and not self.weights["final_weights_equal"]:
+            failures.append(self.weights.get("error") or "the final weights differ from those of the run without faults")
         by_kind = Counter(i.kind for i in self.injections)
         recoveries = Counter(i.recovery for i in self.injections)
         absent = [kind for kind in self.plan.kinds if kind not in self.seen_kinds]
@@ -308,7 +331,7 @@ class Chaos:
                                                        "duplicated", "closed") if k in e}
                                     for e in ledger.get("epochs", [])]},
             "events": [i.to_json() for i in self.injections],
-        }
+        } | ({"weights": self.weights} if self.weights is not None else {})
 
 
 # ---------------------------------------------------------------------- the ledger, read live

@@ -17,7 +17,7 @@ import hashlib
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,7 @@ from miles.filtering import apply_filters, over_sampler_for
 from miles.loop.episodes import episode_metrics, training_rows
 from miles.loop.ledger import Draw, Ledger, regroup
 from miles.loop.progress import RolloutProgress
+from miles.loop.redo import REDO_ATTEMPTS, REDO_REASON, pristine, spoiled_by_a_fault
 from miles.loop.redraw import INVALID_SETTINGS, check_redraws, resized
 from miles.rewards import score_samples
 
@@ -246,14 +247,19 @@ class RolloutManager:
         seed = sampling_seed(self.config.run.seed, sample.index)
         return dataclasses.replace(ctx, sampling_params=ctx.sampling_params.model_copy(update={"sampling_seed": seed}))
 
-    async def collect(self, step: int, progress: Callable[[RolloutProgress], None] | None = None) -> StepRollout:
+    async def collect(self, step: int, progress: Callable[[RolloutProgress], None] | None = None, *,
+                      recover: Callable[[], Awaitable[None]] | None = None) -> StepRollout:
+        """Step ``step``'s kept groups. ``recover`` waits until every service serves again with the
+        trainer's weights; given it, a ``run.deterministic`` run redoes in place each group a dead
+        service spoiled (:mod:`miles.loop.redo`) before the filters see it."""
         r = self.config.rollout
+        redo = recover if self.config.run.deterministic else None
         wanted = r.prompts_per_step
         kept: list[list[Sample]] = []
         everything: list[Sample] = []
         drops: Counter[str] = Counter()
         reward_metrics: Counter[str] = Counter()
-        generated_groups = 0
+        generated_groups = groups_redone = 0
         start = time.perf_counter()
         ctx = self.context()
         for round_no in range(1, MAX_ROUNDS + 1):
@@ -268,11 +274,17 @@ class RolloutManager:
                                           groups_kept=len(kept))
             if progress is not None:
                 progress(round_start)
+            as_drawn = pristine(groups) if redo is not None else []
             self.record(groups, "in_flight")
             await self.generate(samples, ctx, _reporter(progress, round_start))
             report = await score_samples(samples, self.run)
             self.record(groups, "generated")
             reward_metrics.update(report.metrics())
+            if redo is not None:
+                spoiled, redone = await self._redo_in_place(groups, as_drawn, ctx, redo)
+                everything += spoiled  # in the step's dump, for the post-mortem; never trained
+                groups_redone += redone
+                samples = [s for g in groups for s in g]
             everything += samples
             generated_groups += len(groups)
             if all(s.status is Status.ABORTED for s in samples):
@@ -289,9 +301,37 @@ class RolloutManager:
         kept = kept[:wanted]
         metrics = rollout_metrics(everything, kept, drops, generated_groups, surplus, time.perf_counter() - start)
         metrics.update(reward_metrics)
+        if redo is not None:
+            metrics["rollout/groups_redone"] = float(groups_redone)
         metrics.update(self.over_sampler.metrics())
         metrics.update(source_metrics(self.data))
         return StepRollout(kept, everything, metrics)
+
+    async def _redo_in_place(self, groups: list[list[Sample]], as_drawn: list[list[Sample]], ctx: GenerateContext,
+                             recover: Callable[[], Awaitable[None]]) -> tuple[list[Sample], int]:
+        """Generate again, from their copies as drawn (same ids, same seeds), the groups of
+        ``groups`` a dead service spoiled, once ``recover`` says the services are back; at most
+        :data:`~miles.loop.redo.REDO_ATTEMPTS` times. Replaces them in ``groups``; returns the
+        spoiled samples and how many group generations were redone."""
+        spoiled_samples: list[Sample] = []
+        redone = 0
+        for _ in range(REDO_ATTEMPTS):
+            spoiled = [i for i, group in enumerate(groups) if spoiled_by_a_fault(group)]
+            if not spoiled:
+                break
+            self.record([groups[i] for i in spoiled], "recycled", reason=REDO_REASON)
+            await recover()
+            for i in spoiled:
+                spoiled_samples += groups[i]
+                groups[i] = pristine([as_drawn[i]])[0]  # as_drawn stays untouched for a further attempt
+            again = [groups[i] for i in spoiled]
+            samples = [s for g in again for s in g]
+            self.record(again, "in_flight")
+            await self.generate(samples, ctx)
+            await score_samples(samples, self.run)
+            self.record(again, "generated")
+            redone += len(spoiled)
+        return spoiled_samples, redone
 
     def _filter(self, groups: list[list[Sample]], drops: Counter[str]) -> list[list[Sample]]:
         """The groups every ``rollout.filters`` keeps; each dropped one counted in ``drops`` and

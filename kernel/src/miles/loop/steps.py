@@ -110,12 +110,21 @@ class StepOps:
         if not self._services.stale_engines:
             await self.wait_engines(router=True)
         started = time.perf_counter()
-        rollout = await self.rollouts.collect(step, progress=lambda p: self.progress.rollout(step, p))
+        rollout = await self.rollouts.collect(step, progress=lambda p: self.progress.rollout(step, p),
+                                              recover=self._services_back if resync else None)
         if self._rollout_ended is not None:  # what the engines did not generate for since the last rollout
             rollout.metrics["time/engines_idle"] = max(0.0, started - self._rollout_ended)
         self._rollout_ended = time.perf_counter()
         rollout.metrics.update(resynced)
         return rollout
+
+    async def _services_back(self) -> None:
+        """Until every engine and the router serve again and a restarted engine has the trainer's
+        weights (the trainer is idle: only a rollout collected with ``resync`` calls it): what a
+        group redone in place needs to come out as it would have without the fault."""
+        await self.wait_engines(probe=True)
+        self.resync_restarted_engines()
+        await self.wait_engines(router=True, probe=True)
 
     async def rollout_step(self, step: int, pending: Awaitable[StepRollout] | None = None, *,
                            before_retry: Callable[[], dict[str, float]] | None = None) -> StepRollout:

@@ -9,14 +9,18 @@ moment are resubmitted once to the new pool rather than failed.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import multiprocessing
 import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from miles.executor.children import die_with_parent
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +32,27 @@ class Failed:
 
 class _PoolRestarted(Exception):
     """The pool was terminated while this item was in flight (another batch timed out)."""
+
+
+def _start_worker(parent: int, initializer: Callable[[], None] | None) -> None:
+    """In each worker, first: die with the pool's process. A driver SIGKILLed (``miles chaos``, the
+    OOM killer) left its reward workers behind for good: one waiting on the task queue's lock, which
+    a killed sibling held, never saw the queue close. (The signal follows the thread that started
+    the worker: the event loop's, or for a replacement the pool's own handler thread, both as
+    long-lived as the pool.)"""
+    die_with_parent(parent)()
+    if initializer is not None:
+        initializer()
+
+
+def _watched(future: asyncio.Future[Any]) -> asyncio.Future[Any]:
+    """``future``, its outcome marked as seen whoever waits for it. A ``map`` whose caller was
+    cancelled (its scoring missed the kernel's own deadline) leaves its futures behind; the pool
+    restart then fails them with :class:`_PoolRestarted`, and asyncio printed a "Future exception
+    was never retrieved" traceback for each (dozens per restart in ``miles chaos`` runs). The
+    restart is said once, in one line, by the ``map`` that caused it."""
+    future.add_done_callback(lambda done: done.cancelled() or done.exception())
+    return future
 
 
 class WorkerPool:
@@ -52,7 +77,7 @@ class WorkerPool:
         results: list[Any] = [None] * len(items)
         todo = list(range(len(items)))
         for _attempt in range(2):
-            futures = {i: asyncio.wrap_future(self._submit(fn, items[i])) for i in todo}
+            futures = {i: _watched(asyncio.wrap_future(self._submit(fn, items[i]))) for i in todo}
             if not futures:
                 break
             _, late = await asyncio.wait(futures.values(), timeout=timeout)
@@ -60,6 +85,9 @@ class WorkerPool:
                 for future in late:  # nobody will wait for these any more
                     future.cancel()
                 self.restarts += 1
+                print(f"miles rewards: {len(late)} reward item(s) missed their deadline of {timeout:g} s (a worker "
+                      f"died or hangs); they fail with reward_error and the worker pool restarts "
+                      f"(restart {self.restarts})", file=sys.stderr, flush=True)
                 await asyncio.to_thread(self._restart)
             todo = []
             for i, future in futures.items():
@@ -76,6 +104,11 @@ class WorkerPool:
             results[i] = Failed("the worker pool was restarted twice while this item was in flight")
         return results
 
+    def worker_pids(self) -> list[int]:
+        """The pids of the worker processes now running (none before the first ``map``)."""
+        with self._lock:
+            return [w.pid for w in self._pool._pool if w.pid is not None] if self._pool is not None else []
+
     def close(self) -> None:
         """Stop the worker processes (the pool starts again if used later)."""
         self._restart()
@@ -86,7 +119,14 @@ class WorkerPool:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             if self._pool is None:
-                self._pool = self._context.Pool(self.processes, initializer=self._initializer)
+                self._pool = self._context.Pool(self.processes, initializer=_start_worker,
+                                                initargs=(os.getpid(), self._initializer))
+                # closed before multiprocessing's own exit handler, which would hang on a pool whose
+                # worker was killed (see _stop): atexit runs the last registered first, and that
+                # handler is registered when multiprocessing.util is first imported, which may be
+                # after this object was made; registering anew with each pool keeps this one last
+                atexit.unregister(self.close)
+                atexit.register(self.close)
             self._in_flight.add(future)
             self._pool.apply_async(
                 fn, (item,),
@@ -114,5 +154,29 @@ class WorkerPool:
             with contextlib.suppress(concurrent.futures.InvalidStateError):  # settled or cancelled meanwhile
                 future.set_exception(_PoolRestarted())
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            _stop(pool)
+
+
+def _stop(pool: Any) -> None:
+    """``pool.terminate()``, also when a worker was SIGKILLed. ``multiprocessing.Pool`` is not made
+    for that: an idle worker waits for its next task holding the task queue's read lock, a worker
+    handing back a result holds the result queue's write lock, and one killed meanwhile holds it for
+    good; ``terminate`` takes both (CPython's ``_help_stuff_finish`` and its sentinel), so the driver
+    hung there at exit after "run completed", and a restart after a deadline hung the same way.
+    So: no more replacements (the pool's handler would start new workers, which would take the
+    locks), every worker killed, the two locks freed whoever held them (nobody alive can), then
+    ``terminate``. (Pool keeps its workers, queues and handler private.)"""
+    from multiprocessing.pool import TERMINATE
+
+    pool._worker_handler._state = TERMINATE
+    workers = list(pool._pool)
+    for worker in workers:
+        if worker.exitcode is None:
+            worker.kill()
+    for worker in workers:
+        worker.join(timeout=10)
+    for lock in (pool._inqueue._rlock, pool._outqueue._wlock):
+        lock.acquire(block=False)  # taken now if it was free: either way it is held, and freed once
+        lock.release()
+    pool.terminate()
+    pool.join()
