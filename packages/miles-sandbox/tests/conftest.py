@@ -15,15 +15,10 @@ if shutil.which("bwrap") is None:  # CI installs it (.ci/run); without it nothin
 
 @pytest.fixture(scope="session")
 def templates(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from miles_sandbox.conformance import write_template
+
     root = tmp_path_factory.mktemp("templates")
-    task = root / "adder"
-    (task / "tests").mkdir(parents=True)
-    (task / "adder.py").write_text("def add(a, b):\n    return a - b\n")
-    (task / "tests" / "__init__.py").write_text("")
-    (task / "tests" / "test_adder.py").write_text(
-        "import unittest\nfrom adder import add\n\n\nclass AddTest(unittest.TestCase):\n"
-        "    def test_small(self):\n        self.assertEqual(add(2, 3), 5)\n\n"
-        "    def test_zero(self):\n        self.assertEqual(add(0, 0), 0)\n")
+    write_template(root)
     return root
 
 

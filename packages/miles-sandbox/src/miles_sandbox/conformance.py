@@ -33,7 +33,9 @@ _lock = threading.Lock()
 _service: tuple[SandboxServer, str] | None = None
 
 
-def _write_template(root: Path) -> None:
+def write_template(root: Path) -> None:
+    """The ``adder`` task under ``root``: a subtraction where an addition belongs, two tests (also the
+    sandbox tests' template)."""
     task = root / TEMPLATE
     (task / "tests").mkdir(parents=True)
     (task / "adder.py").write_text("def add(a, b):\n    return a - b\n")
@@ -50,7 +52,7 @@ def _sandbox() -> tuple[str, str]:
     with _lock:
         if _service is None:
             templates = Path(tempfile.mkdtemp(prefix="miles-conformance-"))
-            _write_template(templates)
+            write_template(templates)
             token = run_token() or new_token()
             section = SandboxSection(templates_dir=str(templates), pool_size=2,
                                      limits=SandboxLimits(wall_s=10, workspace_mb=32))
