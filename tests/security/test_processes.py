@@ -243,7 +243,7 @@ def test_a_step_whose_samples_were_all_aborted_is_collected_again_after_a_health
         def __init__(self, *results: Any) -> None:
             self.results = list(results)
 
-        async def collect(self, step: int, progress: Any = None) -> Any:
+        async def collect(self, step: int, progress: Any = None, *, recover: Any = None) -> Any:
             events.append("collect")
             return self.results.pop(0)
 
