@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The SWE example on the H200 (docs/benchmarks/swe_agent.md), after setup.sh and model.sh (the real
-# SmolLM2 at /tmp/smol), in the call that carries .swe (prepare.sh swe: mini-swe-agent, litellm and
-# what they need that .whl lacks, plus Debian's bubblewrap .deb: the device has neither apt nor bwrap).
+# SmolLM2 at /tmp/smol), in the call that carries .swe (built by `prepare.sh whl`: mini-swe-agent, litellm
+# and what they need that .whl lacks, plus Debian's bubblewrap .deb: the device has neither apt nor bwrap).
 #   bash scripts/h200/swe.sh probe     # unpack bwrap, check it can make its namespaces here
-#   bash scripts/h200/swe.sh train     # 20 steps of examples/swe_agent/config_h200.yaml
+#   bash scripts/h200/swe.sh train     # examples/swe_agent/config_h200.yaml under `timeout $SWE_TIMEOUT` (520 s:
+#                                      # 19 of its 20 steps fit; SWE_OVERRIDES=run.steps=18 to end cleanly)
 set -u
 source scripts/h200/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
