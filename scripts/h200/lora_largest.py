@@ -60,7 +60,7 @@ def write_model(preset: str, folder: Path, tokenizer: Path, device: str) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="qwen3-8b", help="a miles bench train preset (miles_fsdp.bench.PRESETS)")
-    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--rank", type=int, default=32, help="LoRA rank; 0 trains all weights (the baseline)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step (4 samples each)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -77,14 +77,15 @@ def main() -> int:
     folder = args.work / f"{args.preset}-bf16"
     params = write_model(args.preset, folder, args.tokenizer, args.device)
     written_s = time.monotonic() - start
-    name = f"lora-{args.preset}-r{args.rank}"
+    # --rank 0: the full fine-tune of the same shape, as the baseline (does it fit, at what memory and step).
+    name = f"lora-{args.preset}-r{args.rank}" if args.rank else f"full-{args.preset}"
     overrides = [
         f"model.name={folder}", f"model.device={args.device}", f"run.output_dir={args.work / 'runs'}", f"run.name={name}",
         f"run.steps={args.steps}", "run.mode=sync", "eval.every=0", "run.export_hf=false", "run.save_final=false",
         "data.source=arithmetic", "data.options={digits: 2}", "reward.name=exact_match",
         f"rollout.prompts_per_step={args.prompts}", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=32",
         "rollout.filters=[no_aborted]", "train.backend=fsdp", "fsdp.compile=false", "train.lr=1e-5",
-        f"train.lora={{rank: {args.rank}, alpha: {2 * args.rank}}}",
+        f"train.lora={{rank: {args.rank}, alpha: {2 * args.rank}}}" if args.rank else "train.lora=null",
         "weights.transport=" + ("shared_memory" if args.device == "cuda" else "disk"), *args.overrides,
     ]
     read = (nvml_reader(0) or smi_reader(0)) if args.device == "cuda" else None
@@ -112,7 +113,7 @@ def main() -> int:
         result["log_tail"] = log.read_text()[-3000:]
     text = json.dumps(result, indent=1)
     print(text)
-    (args.out / f"lora-largest-{args.preset}.json").write_text(text + "\n")
+    (args.out / (f"lora-largest-{args.preset}.json" if args.rank else f"full-largest-{args.preset}.json")).write_text(text + "\n")
     return 0 if rc == 0 else 1
 
 
