@@ -207,8 +207,16 @@ class Chaos:
 
     def _replaced(self, target: Target, old_pid: object) -> bool:
         """A service's process was started again (its row in services.json names a new pid);
-        reward workers are replaced inside the driver, which services.json does not list."""
-        if target.kind not in ROLLOUT_KINDS or old_pid is None:
+        reward workers are replaced inside the driver, which services.json does not list.
+
+        A trainer rank is never replaced within a run (the driver fails with ``TrainerRankError``
+        and is resumed), so after its kill no ledger line counts as progress: the step that was
+        ending when the rank died may still be recorded as trained, and taking that for a recovery
+        misread the driver's exit that followed as a failure without a kill (seen in the H200 soak,
+        docs/benchmarks/chaos.md)."""
+        if target.kind not in ROLLOUT_KINDS:
+            return False
+        if old_pid is None:
             return True
         rows = {str(row.get("name")): row.get("pid") for row in services_of(self.plan.run_dir)}
         return rows.get(target.name) not in (None, old_pid)
