@@ -1,8 +1,9 @@
 """`rollout.true_on_policy` end to end: `miles train` (sync, temperature 0.8) on the tiny dense
 model, a reward that moves the weights every step (so steps 2 and 3 sample with freshly synced
 weights), 6 concurrent samples whose decode batch shrinks as they finish: every trainable token's trainer log-prob equals
-the rollout's exactly (the metric is 0.0 and the check, in `error` mode, counted no mismatch). The
-config errors are checked without starting anything."""
+the rollout's exactly (the metric is 0.0 and the check, in `error` mode, counted no mismatch). Then
+multi-turn TITO sessions, trained with and without `train.reuse_rollout_logprobs`: exact on every
+token, and the two runs equal bit for bit. The config errors are checked without starting anything."""
 
 from __future__ import annotations
 
@@ -65,13 +66,17 @@ def test_true_on_policy_config_errors_name_every_incompatible_key(tmp_path: Path
 @pytest.mark.slow
 def test_reusing_the_rollout_logprobs_trains_bit_for_bit_like_recomputing_them(
         tiny_dense: Path, tmp_path: Path, vowel_reward: str) -> None:
-    """Two updates per step, so reuse off runs the old-policy pass; reuse on skips it. Same seed:
-    every step's losses and gradient norms are equal, and step 2 samples the same tokens with the
-    same log-probs (the weights after step 1 are equal bit for bit)."""
+    """Multi-turn TITO sessions (the long_tail agent: 3 chat turns through the session server, the
+    model's turns trainable, the "tool results" between them not), two updates per step, so reuse off
+    runs the old-policy pass over every token and its check finds them all exact; reuse on skips the
+    pass. Same seed: every step's losses and gradient norms are equal, and step 2 samples the same
+    tokens with the same log-probs (the weights after step 1 are equal bit for bit)."""
     started = {reuse: _start_train(
         f"model.name={tiny_dense}", f"run.output_dir={tmp_path}", f"run.name=reuse_{reuse}", "run.steps=2",
-        "run.deterministic=true", "run.dump_tokens=true", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
-        "rollout.max_new_tokens=6", "rollout.temperature=0.8", "rollout.true_on_policy=true", "reward.name=remote",
+        "run.deterministic=true", "run.dump_tokens=true", "rollout.prompts_per_step=1", "rollout.samples_per_prompt=2",
+        "rollout.max_new_tokens=6", "rollout.temperature=0.8", "rollout.true_on_policy=true",
+        "rollout.generator=agentic", "rollout.agent=long_tail", "tito.family=chatml", "longtail.turns=3",
+        "longtail.tokens_median=4", "longtail.tokens_max=6", "longtail.latency_scale=0.01", "reward.name=remote",
         f"reward.remote_url={vowel_reward}", "train.lr=1e-3", "train.updates_per_step=2",
         f"train.reuse_rollout_logprobs={reuse}", "data.options={digits: 1}") for reuse in ("false", "true")}
     runs = {}
@@ -91,7 +96,11 @@ def test_reusing_the_rollout_logprobs_trains_bit_for_bit_like_recomputing_them(
                 process.wait()
     (recomputed, recomputed_samples), (reused, reused_samples) = runs["false"], runs["true"]
     assert [m["step"] for m in reused] == [1, 2]
-    for off, on in zip(recomputed, reused, strict=True):
+    for off, on, samples in zip(recomputed, reused, recomputed_samples, strict=True):
+        assert all(_sampled_turns(s["loss_mask"]) == 3 for s in samples)
+        # without reuse the old-policy pass is checked on every trainable token, all equal to the rollout's
+        assert off["train/true_on_policy_checked_tokens"] == sum(sum(s["loss_mask"]) for s in samples)
+        assert off["train/true_on_policy_mismatched_tokens"] == 0.0
         assert off["time/old_logprobs"] > 0 and "time/old_logprobs" not in on  # the pass ran only without reuse
         assert off["train/grad_norm"] > 0  # the weights moved: step 2 samples with updated weights
         losses = [k for k in off if k.startswith("train/") and "true_on_policy_checked" not in k]
@@ -128,3 +137,8 @@ def test_reuse_rollout_logprobs_needs_true_on_policy_and_lifts_the_async_correct
     with pytest.raises(ConfigError, match="algorithm.correction is none"):
         load_config(None, stale)
     assert load_config(None, [*stale, "train.reuse_rollout_logprobs=true"]).train.reuse_rollout_logprobs
+
+
+def _sampled_turns(loss_mask: list[int]) -> int:
+    """How many runs of trainable (model-sampled) tokens a response holds."""
+    return sum(1 for i, m in enumerate(loss_mask) if m and (i == 0 or not loss_mask[i - 1]))
