@@ -124,7 +124,8 @@ def test_reuse_rollout_logprobs_needs_true_on_policy_and_lifts_the_async_correct
                            "rollout.max_new_tokens=9999", "rollout.max_context_len=100", f"run.output_dir={tmp_path}"])
     message = str(raised.value)
     assert "train.reuse_rollout_logprobs: true needs rollout.true_on_policy: true" in message, message
-    assert "rollout.engine 'sglang'" in message and "rollout.max_new_tokens" in message, message
+    assert "rollout.engine 'sglang'" in message and "train.backend 'megatron'" in message, message
+    assert "rollout.max_new_tokens" in message, message
     # with it, true_on_policy's own errors name what cannot be exact
     with pytest.raises(ConfigError) as raised:
         load_config(None, ["train.reuse_rollout_logprobs=true", "rollout.true_on_policy=true", "rollout.engine=sglang",

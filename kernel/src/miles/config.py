@@ -267,10 +267,10 @@ def reuse_rollout_logprobs_errors(cfg: MilesConfig) -> list[str]:
     and sampling settings that break it)."""
     if not cfg.train.reuse_rollout_logprobs or cfg.rollout.true_on_policy:
         return []
-    engine = cfg.rollout.engine
-    differs = (f"rollout.engine {engine!r} computes its own forward" if engine != "embedded"
-               else f"train.backend {cfg.train.backend!r} has no batch-invariant path" if cfg.train.backend != "fsdp"
-               else "the engine's kernels reduce in a different order than the trainer's")
+    why = [f"rollout.engine {cfg.rollout.engine!r} computes its own forward"] if cfg.rollout.engine != "embedded" else []
+    if cfg.train.backend != "fsdp":
+        why.append(f"train.backend {cfg.train.backend!r} has no batch-invariant path")
+    differs = "; ".join(why) or "the engine's kernels reduce in another order than the trainer's"
     return [f"train.reuse_rollout_logprobs: true needs rollout.true_on_policy: true: without it the rollout's "
             f"log-probs differ from the trainer's ({differs}; ~1e-5 on CPU fp32, ~1e-3 in bf16), and training on "
             f"them as the old policy would hide that gap; set rollout.true_on_policy: true, or "
