@@ -226,7 +226,7 @@ def _cross_section_errors(cfg: MilesConfig) -> list[str]:
         errors.append(f"resources.release_engine_memory ({release}) hands the engines' memory to the trainer on the GPUs "
                       f"they share, but resources.colocate is false (engines have GPUs of their own, nothing would "
                       f"use it); set resources.release_engine_memory: none, or resources.colocate: true")
-    errors += true_on_policy_errors(cfg)
+    errors += true_on_policy_errors(cfg) + reuse_rollout_logprobs_errors(cfg)
     from miles.loop.modes import loop_mode
 
     errors += loop_mode(cfg).config_errors(cfg)
@@ -259,6 +259,22 @@ def true_on_policy_errors(cfg: MilesConfig) -> list[str]:
     if cfg.train.lora is not None:
         errors.append(f"{where} train.lora unset (adapter layers are not routed through the invariant linear)")
     return errors
+
+
+def reuse_rollout_logprobs_errors(cfg: MilesConfig) -> list[str]:
+    """``train.reuse_rollout_logprobs`` takes the rollout's log-probs for the trainer's own, which is
+    exact only under ``rollout.true_on_policy`` (whose own errors name the engine, backend, device
+    and sampling settings that break it)."""
+    if not cfg.train.reuse_rollout_logprobs or cfg.rollout.true_on_policy:
+        return []
+    why = [f"rollout.engine {cfg.rollout.engine!r} computes its own forward"] if cfg.rollout.engine != "embedded" else []
+    if cfg.train.backend != "fsdp":
+        why.append(f"train.backend {cfg.train.backend!r} has no batch-invariant path")
+    differs = "; ".join(why) or "the engine's kernels reduce in another order than the trainer's"
+    return [f"train.reuse_rollout_logprobs: true needs rollout.true_on_policy: true: without it the rollout's "
+            f"log-probs differ from the trainer's ({differs}; ~1e-5 on CPU fp32, ~1e-3 in bf16), and training on "
+            f"them as the old policy would hide that gap; set rollout.true_on_policy: true, or "
+            f"train.reuse_rollout_logprobs: false"]
 
 
 def _spec_errors(cfg: MilesConfig, kernel: Kernel) -> list[str]:

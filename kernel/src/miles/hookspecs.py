@@ -185,7 +185,7 @@ def miles_register_policy_losses(register: Register[specs.PolicyLossSpec]) -> No
     the loss is 0 off-mask; ``token_metrics`` maps names to ``[B, T]`` per-token values (e.g.
     ``pg_clipfrac``: 1.0 where the clip was active) that are averaged over trainable tokens.
     ``batch.old_logprobs`` is always set when it is called (the detached current log-probs when
-    the backend skipped the old-policy pass). ``miles_algorithms.objective.actor_loss`` applies
+    the backend skipped the old-policy pass, the rollout's with ``train.reuse_rollout_logprobs``). ``miles_algorithms.objective.actor_loss`` applies
     the mismatch correction, the entropy and KL terms and the loss reduction.
 
     :param register: ``register(name, PolicyLossSpec(loss_fn))``.

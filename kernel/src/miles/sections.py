@@ -225,6 +225,10 @@ class TrainSection(Section):
     grad_clip: float = Field(default=1.0, gt=0)
     micro_batch_tokens: int = Field(default=4096, ge=1, description="token budget per micro-batch")
     updates_per_step: int = Field(default=1, ge=1, description="optimiser steps per RL step (mini-batches)")
+    reuse_rollout_logprobs: bool = Field(default=False, description=(
+        "take the rollout's per-token log-probs as the old (behaviour) policy instead of recomputing them in a "
+        "trainer pass; needs rollout.true_on_policy, where they are exactly the trainer's "
+        "(docs/design/true-on-policy.md)"))
     gradient_checkpointing: bool = False
     use_reference: bool = Field(default=False, description="keep a reference model (needed for a KL term)")
     use_critic: bool = False

@@ -42,6 +42,11 @@ def test_error_names_step_sample_and_position_of_the_first_differing_token():
 
 
 def test_fsdp_settings_that_break_the_invariant_forward_are_all_named():
-    errors = incompatible_options(FSDPSection(compile=True, prefix_tree="on"))
-    assert len(errors) == 2 and "fsdp.compile" in errors[0] and "fsdp.prefix_tree" in errors[1]
-    assert incompatible_options(FSDPSection()) == []
+    errors = incompatible_options(FSDPSection(compile=True, prefix_tree="on", logprob_temperature=1.0),
+                                  rollout_temperature=0.8)
+    assert len(errors) == 3
+    assert "fsdp.logprob_temperature" in errors[0] and "fsdp.compile" in errors[1] and "fsdp.prefix_tree" in errors[2]
+    assert incompatible_options(FSDPSection(), rollout_temperature=0.8) == []
+    # the same temperature, or 1.0 for a greedy rollout, is what the engine used
+    assert incompatible_options(FSDPSection(logprob_temperature=0.8), rollout_temperature=0.8) == []
+    assert incompatible_options(FSDPSection(logprob_temperature=1.0), rollout_temperature=0.0) == []

@@ -46,8 +46,11 @@ class Learner:
         batch = TrainBatch.from_samples(samples, self.pad_token_id)
         # The proximal policy: with one optimiser step per RL step it equals the current policy,
         # so the backend takes it from the training forward (ratio exactly 1) and we save a pass.
-        if self.config.train.updates_per_step > 1:
+        # With train.reuse_rollout_logprobs it is the rollout's own log-probs (policy_update puts
+        # them in place in the trainer ranks), so no pass runs and time/old_logprobs is absent.
+        if self.config.train.updates_per_step > 1 and not self.config.train.reuse_rollout_logprobs:
             batch.old_logprobs = self.backend.compute_logprobs(batch, model="actor")
+            timings["time/old_logprobs"] = time.perf_counter() - start
         if self.config.train.use_reference:
             batch.ref_logprobs = self.backend.compute_logprobs(batch, model="ref")
         if self.config.algorithm.opd_coef > 0:

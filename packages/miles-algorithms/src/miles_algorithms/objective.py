@@ -68,6 +68,7 @@ def prepare_batch(batch: TrainBatch) -> TrainBatch:
 
 def train_in_mini_batches(
     batch: TrainBatch, updates: int, update: Update, logprobs: Callable[[TrainBatch], torch.Tensor],
+    *, old_from_rollout: bool = False,
 ) -> dict[str, float]:
     """A train step's ``updates`` optimizer updates, one per mini-batch of ``batch``.
 
@@ -76,6 +77,11 @@ def train_in_mini_batches(
     them first: after the first update the current policy is no longer the proximal one, and
     every later mini-batch would see ratio 1 and never clip. With a single update, its own
     forward pass gives the pre-update log-probs for the train/inference mismatch metrics.
+
+    ``old_from_rollout``: ``batch.old_logprobs`` are the rollout's own (``train.reuse_rollout_logprobs``),
+    so comparing them with the rollout would measure nothing; the mismatch metrics come from the
+    first mini-batch's forward instead (the weights before any update of the step, that
+    mini-batch's tokens only).
 
     Returns the update metrics averaged over mini-batches, plus the mismatch metrics.
     """
@@ -88,17 +94,18 @@ def train_in_mini_batches(
     minis = split_rows_evenly(row_lengths(batch.attention_mask), updates, keys=batch.rollout_ids.tolist())
     if batch.old_logprobs is None and len(minis) > 1:
         batch = replace(batch, old_logprobs=logprobs(batch))
+    measured = None if old_from_rollout else batch.old_logprobs  # by a trainer pass over the whole batch
     totals: dict[str, float] = {}
     mismatch: dict[str, float] = {}
     for index, rows in enumerate(minis):
         mini = prepare_batch(batch.select(rows))
-        metrics, kept = update(mini, index == 0 and batch.old_logprobs is None)
+        metrics, kept = update(mini, index == 0 and measured is None)
         if kept is not None:
             mismatch = mismatch_metrics(kept.to(mini.tokens.device), mini)
         for name, value in metrics.items():
             totals[name] = totals.get(name, 0.0) + value / len(minis)
-    if batch.old_logprobs is not None:
-        mismatch = mismatch_metrics(batch.old_logprobs, batch)
+    if measured is not None:
+        mismatch = mismatch_metrics(measured, batch)
     return totals | mismatch
 
 

@@ -16,6 +16,7 @@ Runs in every trainer rank (SPMD: every rank calls it with the same batch).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -54,7 +55,8 @@ def policy_update(batch: TrainBatch, config: MilesConfig, kernel: Kernel, *, act
 
     :param actor: the policy.
     :param logprobs: the actor's ``[B, T]`` log-probs without gradient (the proximal policy when
-        several updates share the batch).
+        several updates share the batch); never called with ``train.reuse_rollout_logprobs``,
+        which takes ``batch.rollout_logprobs`` as the old policy instead.
     :param critic: the value model, trained on the same mini-batches (PPO).
     :param log_entropy: compute the per-token entropy as a metric even when ``entropy_coef`` is 0.
     :returns: metrics averaged over mini-batches (critic's under ``critic/``), the mismatch
@@ -83,7 +85,11 @@ def policy_update(batch: TrainBatch, config: MilesConfig, kernel: Kernel, *, act
             metrics |= {f"critic/{k}": v for k, v in (critic_shares | critic.step()).items()}
         return metrics, kept
 
-    totals = objective.train_in_mini_batches(batch, config.train.updates_per_step, update, logprobs)
+    reuse = config.train.reuse_rollout_logprobs
+    if reuse:  # exactly the trainer's log-probs under rollout.true_on_policy (the config refuses it otherwise)
+        batch = replace(batch, old_logprobs=batch.rollout_logprobs)
+    totals = objective.train_in_mini_batches(batch, config.train.updates_per_step, update, logprobs,
+                                             old_from_rollout=reuse)
     totals["train_tokens"] = float(batch.num_tokens)
     return totals
 

@@ -91,7 +91,7 @@ class FSDPBackend:
         self.true_on_policy = config.rollout.true_on_policy
         self.on_policy_check: OnPolicyCheck | None = None
         if self.true_on_policy:
-            errors = incompatible_options(self.options)
+            errors = incompatible_options(self.options, rollout_temperature=config.rollout.temperature)
             if errors:
                 raise ValueError("rollout.true_on_policy: " + "; ".join(errors))
             attn = invariant.register()

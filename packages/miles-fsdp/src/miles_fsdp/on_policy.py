@@ -9,7 +9,10 @@ step, sample and position; ``metric``: differing tokens are counted and logged a
 ``train/true_on_policy_mismatched_tokens`` (with ``train/true_on_policy_checked_tokens``).
 
 Only sync mode is checked: in one_step_off and fully_async the rollout's log-probs come from an
-older weight version by design.
+older weight version by design. With ``train.reuse_rollout_logprobs`` no old-policy pass runs and
+the batch carries no ``old_logprobs`` here (``policy_update`` puts the rollout's in place), so the
+check sees the first mini-batch's forward only: every token with one update per step, that
+mini-batch's share with several.
 """
 
 from __future__ import annotations
@@ -24,9 +27,14 @@ if TYPE_CHECKING:
     from miles_fsdp.config import FSDPSection
 
 
-def incompatible_options(options: FSDPSection) -> list[str]:
+def incompatible_options(options: FSDPSection, *, rollout_temperature: float) -> list[str]:
     """``fsdp`` settings that would break the invariant forward, each with its fix."""
     errors = []
+    sampled_with = rollout_temperature or 1.0  # a greedy rollout reports the plain softmax's log-probs
+    if options.logprob_temperature is not None and options.logprob_temperature != sampled_with:
+        errors.append(f"fsdp.logprob_temperature ({options.logprob_temperature}) scores tokens at another temperature "
+                      f"than the engine sampled them with ({sampled_with}); leave it unset (null) with "
+                      f"rollout.true_on_policy")
     if options.compile or options.compile_head:
         errors.append("fsdp.compile / fsdp.compile_head: torch.compile fuses and reorders the reductions; "
                       "leave them unset (off) with rollout.true_on_policy")

@@ -75,7 +75,9 @@ class LoopMode:
                           f"engines use their memory all the time; use run.mode: sync, or "
                           f"resources.release_engine_memory: none")
         stale = self.trains_stale(config) if self.trains_stale is not None else None
-        if stale is not None and config.algorithm.correction == "none":
+        # reusing the rollout's log-probs makes them the old policy: PPO's ratio is then taken against the
+        # weights that sampled each token, which is the correction (docs/design/true-on-policy.md)
+        if stale is not None and config.algorithm.correction == "none" and not config.train.reuse_rollout_logprobs:
             errors.append(f"algorithm.correction is none, but {stale}: an uncorrected loss treats those tokens as the "
                           f"trainer's own; set algorithm.correction: tis (or mis), which weighs each token by how far "
                           f"the trainer has moved from the weights that sampled it")
