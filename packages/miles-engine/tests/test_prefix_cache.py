@@ -212,3 +212,20 @@ def test_the_cache_with_cuda_graphs_matches_eager_decode_without_it(dense_path) 
             assert a.output_ids == b.output_ids
             worst = max(abs(x - y) for x, y in zip(a.logprobs(), b.logprobs(), strict=True))
             assert worst < 1e-3  # the graph tests' tolerance: TF32 / kernel choice differ on CUDA
+
+
+def test_with_the_batch_invariant_forward_the_cache_changes_no_bit(dense_path) -> None:
+    # rollout.true_on_policy: prefill, decode and a prefill over cached keys reduce in one order
+    # (miles_engine.invariant), so a cached turn's log-probs are those of the uncached session
+    # exactly, and the trainer's diff of 0 (tests/test_true_on_policy.py) holds with the cache on
+    sessions = {}
+    for cache in (False, True):
+        engine = Engine(dense_path, device="cpu", disable_radix_cache=not cache, true_on_policy=True)
+        try:
+            sessions[cache] = _session(engine, [1, 504, 3458, 282], 5)
+        finally:
+            engine.shutdown()
+    assert [a.meta_info.cached_tokens for a in sessions[True]] == [0, 9, 18, 27, 36]
+    for turn, (cached, plain) in enumerate(zip(sessions[True], sessions[False], strict=True)):
+        assert cached.output_ids == plain.output_ids, f"turn {turn}"
+        assert cached.logprobs() == plain.logprobs(), f"turn {turn}: not bit-identical"
