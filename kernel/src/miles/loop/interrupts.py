@@ -28,6 +28,11 @@ def exit_code_of(run: Callable[[], str]) -> int:
 
     def on_sigterm(signum: int, frame: object) -> None:
         received.append(signum)
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            # SIGINT is ignored (a background job of a non-interactive shell, `miles train ... &`), so
+            # asyncio.run installed no handler to cancel the run with and a raised SIGINT would be
+            # dropped: stop as Python's own Ctrl-C does; asyncio.run then cancels the run's task
+            raise KeyboardInterrupt
         signal.raise_signal(signal.SIGINT)  # asyncio.run turns SIGINT into a cancellation of the run
 
     previous_term = signal.signal(signal.SIGTERM, on_sigterm)
