@@ -97,18 +97,35 @@ def _without_timings(record: dict) -> dict:
     return {k: v for k, v in record.items() if not (k.startswith("time") or "per_s" in k or k.endswith("/seconds"))}
 
 
+def _seeded(vowel_reward: str) -> tuple[str, ...]:
+    """A deterministic run whose rewards move the weights every step, trained on flat rows (the
+    reference of the prefix-tree test below; "auto" may pick a tree for a group)."""
+    return ("run.deterministic=true", "reward.name=remote", f"reward.remote_url={vowel_reward}", "fsdp.prefix_tree=off")
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
+             vowel_reward: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """One straight deterministic 3-step run without a final save, read by two tests (the rerun and
+    resume test reproduces all of it, the prefix-tree test its step 1): its folder and its output."""
+    out = tmp_path_factory.mktemp("straight")
+    done = _train(*_args(tiny_model, out, "straight", "run.steps=3", "run.save_final=false", *_seeded(vowel_reward)))
+    return out / "straight", done
+
+
 @pytest.mark.slow
-def test_a_deterministic_run_is_reproduced_by_a_rerun_and_by_a_resume(tiny_model: Path, tmp_path: Path,
-                                                                      vowel_reward: str) -> None:
+def test_a_deterministic_run_is_reproduced_by_a_rerun_and_by_a_resume(
+        tiny_model: Path, tmp_path: Path, vowel_reward: str,
+        straight: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     """run.deterministic: a second run, stopped after step 2 and resumed, logs exactly the metrics
     of a straight 3-step run (fp32 CPU engine, same thread count), with rewards that move the
     weights every step. Along the way: the final save can be switched off, and keep_checkpoints
     leaves one checkpoint of several saves."""
-    seeded = ("run.deterministic=true", "reward.name=remote", f"reward.remote_url={vowel_reward}")
-    straight = _train(*_args(tiny_model, tmp_path, "straight", "run.steps=3", "run.save_final=false", *seeded))
-    assert straight.returncode == 0, straight.stderr
-    assert not (tmp_path / "straight" / "checkpoints").exists()
-    assert "no checkpoints will be written" in straight.stderr
+    seeded = _seeded(vowel_reward)
+    straight_run, done = straight
+    assert done.returncode == 0, done.stderr
+    assert not (straight_run / "checkpoints").exists()
+    assert "no checkpoints will be written" in done.stderr
     first = _train(*_args(tiny_model, tmp_path, "resumed", "run.steps=2", "run.save_every=1", *seeded))
     assert first.returncode == 0, first.stderr
     assert [p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir()] == ["step_000002"]  # step 1 pruned
@@ -121,16 +138,16 @@ def test_a_deterministic_run_is_reproduced_by_a_rerun_and_by_a_resume(tiny_model
     assert [m["step"] for m in _metrics(tmp_path / "resumed")] == [1, 2, 3]
     assert _metrics(tmp_path / "resumed")[-1]["time"] > 0  # step 3's record is the resumed run's
     assert '"rollout/reward_mean": -1.0' in (tmp_path / "resumed" / "metrics.superseded.jsonl").read_text()
-    prompts = lambda run: [s["prompt"] for s in _samples(tmp_path / run, 3)]  # noqa: E731
-    assert prompts("resumed") == prompts("straight")
+    prompts = lambda run: [s["prompt"] for s in _samples(run, 3)]  # noqa: E731
+    assert prompts(tmp_path / "resumed") == prompts(straight_run)
     # the engines were brought to the checkpoint's weights before generating step 3
     assert {tuple(s["weight_versions"]) for s in _samples(tmp_path / "resumed", 3)} == {(2,)}
     # every metric but timings, bit for bit: losses, gradient norms, rollout-vs-train log-prob gaps
-    expected = [_without_timings(m) for m in _metrics(tmp_path / "straight")]
+    expected = [_without_timings(m) for m in _metrics(straight_run)]
     assert [_without_timings(m) for m in _metrics(tmp_path / "resumed")] == expected
     assert all(m["train/grad_norm"] > 0 for m in expected) and len(expected[0]) > 30
-    tokens = lambda run: [[s["tokens"] for s in _samples(tmp_path / run, step)] for step in (1, 2, 3)]  # noqa: E731
-    assert tokens("resumed") == tokens("straight")
+    tokens = lambda run: [[s["tokens"] for s in _samples(run, step)] for step in (1, 2, 3)]  # noqa: E731
+    assert tokens(tmp_path / "resumed") == tokens(straight_run)
 
 
 @pytest.mark.slow
@@ -324,18 +341,22 @@ def test_an_engine_that_restarted_while_released_gets_the_weights_and_no_resume(
 
 
 @pytest.mark.slow
-def test_prefix_tree_training_logs_the_loss_of_flat_rows(tiny_model: Path, tmp_path: Path, vowel_reward: str) -> None:
+def test_prefix_tree_training_logs_the_loss_of_flat_rows(tiny_model: Path, tmp_path: Path, vowel_reward: str,
+                                                         straight: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     """fsdp.prefix_tree: on (each group's 4 samples share their prompt: one tree per micro-batch)
-    trains the same step as off: the same samples (deterministic engine), the same loss and gradient."""
-    seeded = ("run.deterministic=true", "run.steps=1", "run.save_final=false", "reward.name=remote",
-              f"reward.remote_url={vowel_reward}")
-    runs = {}
-    for mode in ("on", "off"):
-        out = _train(*_args(tiny_model, tmp_path, f"tree-{mode}", *seeded, f"fsdp.prefix_tree={mode}"))
-        assert out.returncode == 0, out.stdout + out.stderr
-        runs[mode] = _metrics(tmp_path / f"tree-{mode}")[0]
-    tokens = lambda mode: [s["tokens"] for s in _samples(tmp_path / f"tree-{mode}", 1)]  # noqa: E731
-    assert tokens("on") == tokens("off")
+    trains the same step as off: the same samples (deterministic engine), the same loss and gradient.
+    The "off" side is step 1 of the straight run above (prefix_tree=off, the same settings, and a
+    deterministic run's step 1 does not depend on how many steps follow: the resume test holds it
+    to a rerun bit for bit)."""
+    straight_run, done = straight
+    assert done.returncode == 0, done.stdout + done.stderr
+    seeded = [arg for arg in _seeded(vowel_reward) if not arg.startswith("fsdp.prefix_tree=")]
+    out = _train(*_args(tiny_model, tmp_path, "tree-on", *seeded, "run.steps=1", "run.save_final=false",
+                        "fsdp.prefix_tree=on"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    runs = {"on": _metrics(tmp_path / "tree-on")[0], "off": _metrics(straight_run)[0]}
+    assert runs["off"]["step"] == 1
+    assert [s["tokens"] for s in _samples(tmp_path / "tree-on", 1)] == [s["tokens"] for s in _samples(straight_run, 1)]
     for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/entropy"):
         assert runs["on"][key] == pytest.approx(runs["off"][key], rel=1e-5, abs=1e-7), key
     assert runs["off"]["train/grad_norm"] > 0
