@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -103,29 +104,40 @@ def _seeded(vowel_reward: str) -> tuple[str, ...]:
     return ("run.deterministic=true", "reward.name=remote", f"reward.remote_url={vowel_reward}", "fsdp.prefix_tree=off")
 
 
+class BackgroundRun:
+    """A `miles train` started in the background (the tests that read it run their own runs
+    meanwhile); :meth:`finished` waits for it and hands back its folder and output."""
+
+    def __init__(self, out: Path, name: str, *args: str) -> None:
+        self.run = out / name
+        self.process = LoggedProcess([sys.executable, "-m", "miles.cli.main", "train", *args], out / f"{name}.out",
+                                     cwd=ROOT, env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}).start()
+
+    def finished(self) -> tuple[Path, str]:
+        code = self.process.wait_exit(f"the background run {self.run.name} to finish")
+        assert code == 0, self.process.log_tail(60)
+        return self.run, self.process.output()
+
+
 @pytest.fixture(scope="module")
-def straight(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
-             vowel_reward: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
+def straight(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, vowel_reward: str) -> Iterator[BackgroundRun]:
     """One straight deterministic 3-step run without a final save, read by two tests (the rerun and
-    resume test reproduces all of it, the prefix-tree test its step 1): its folder and its output."""
+    resume test reproduces all of it, the prefix-tree test its step 1)."""
     out = tmp_path_factory.mktemp("straight")
-    done = _train(*_args(tiny_model, out, "straight", "run.steps=3", "run.save_final=false", *_seeded(vowel_reward)))
-    return out / "straight", done
+    run = BackgroundRun(out, "straight", *_args(tiny_model, out, "straight", "run.steps=3", "run.save_final=false",
+                                                *_seeded(vowel_reward)))
+    yield run
+    run.process.stop()
 
 
 @pytest.mark.slow
 def test_a_deterministic_run_is_reproduced_by_a_rerun_and_by_a_resume(
-        tiny_model: Path, tmp_path: Path, vowel_reward: str,
-        straight: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+        tiny_model: Path, tmp_path: Path, vowel_reward: str, straight: BackgroundRun) -> None:
     """run.deterministic: a second run, stopped after step 2 and resumed, logs exactly the metrics
     of a straight 3-step run (fp32 CPU engine, same thread count), with rewards that move the
     weights every step. Along the way: the final save can be switched off, and keep_checkpoints
     leaves one checkpoint of several saves."""
     seeded = _seeded(vowel_reward)
-    straight_run, done = straight
-    assert done.returncode == 0, done.stderr
-    assert not (straight_run / "checkpoints").exists()
-    assert "no checkpoints will be written" in done.stderr
     first = _train(*_args(tiny_model, tmp_path, "resumed", "run.steps=2", "run.save_every=1", *seeded))
     assert first.returncode == 0, first.stderr
     assert [p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir()] == ["step_000002"]  # step 1 pruned
@@ -135,6 +147,9 @@ def test_a_deterministic_run_is_reproduced_by_a_rerun_and_by_a_resume(
     resumed = _train("--resume", str(tmp_path / "resumed"), "run.steps=3")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed from" in resumed.stderr
+    straight_run, output = straight.finished()
+    assert not (straight_run / "checkpoints").exists()
+    assert "no checkpoints will be written" in output
     assert [m["step"] for m in _metrics(tmp_path / "resumed")] == [1, 2, 3]
     assert _metrics(tmp_path / "resumed")[-1]["time"] > 0  # step 3's record is the resumed run's
     assert '"rollout/reward_mean": -1.0' in (tmp_path / "resumed" / "metrics.superseded.jsonl").read_text()
@@ -342,18 +357,17 @@ def test_an_engine_that_restarted_while_released_gets_the_weights_and_no_resume(
 
 @pytest.mark.slow
 def test_prefix_tree_training_logs_the_loss_of_flat_rows(tiny_model: Path, tmp_path: Path, vowel_reward: str,
-                                                         straight: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+                                                         straight: BackgroundRun) -> None:
     """fsdp.prefix_tree: on (each group's 4 samples share their prompt: one tree per micro-batch)
     trains the same step as off: the same samples (deterministic engine), the same loss and gradient.
     The "off" side is step 1 of the straight run above (prefix_tree=off, the same settings, and a
     deterministic run's step 1 does not depend on how many steps follow: the resume test holds it
     to a rerun bit for bit)."""
-    straight_run, done = straight
-    assert done.returncode == 0, done.stdout + done.stderr
     seeded = [arg for arg in _seeded(vowel_reward) if not arg.startswith("fsdp.prefix_tree=")]
     out = _train(*_args(tiny_model, tmp_path, "tree-on", *seeded, "run.steps=1", "run.save_final=false",
                         "fsdp.prefix_tree=on"))
     assert out.returncode == 0, out.stdout + out.stderr
+    straight_run, _ = straight.finished()
     runs = {"on": _metrics(tmp_path / "tree-on")[0], "off": _metrics(straight_run)[0]}
     assert runs["off"]["step"] == 1
     assert [s["tokens"] for s in _samples(tmp_path / "tree-on", 1)] == [s["tokens"] for s in _samples(straight_run, 1)]
