@@ -50,16 +50,46 @@ def _samples(run: Path, step: int) -> list[dict]:
     return [json.loads(line) for line in (run / "samples" / f"step_{step:06d}.jsonl").read_text().splitlines()]
 
 
+class BackgroundRun:
+    """A `miles train` started in the background (the tests that read it run their own runs
+    meanwhile); :meth:`finished` waits for it and hands back its folder and output."""
+
+    def __init__(self, out: Path, name: str, *args: str) -> None:
+        self.run = out / name
+        self.process = LoggedProcess([sys.executable, "-m", "miles.cli.main", "train", *args], out / f"{name}.out",
+                                     cwd=ROOT, env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}).start()
+
+    def finished(self) -> tuple[Path, str]:
+        code = self.process.wait_exit(f"the background run {self.run.name} to finish")
+        assert code == 0, self.process.log_tail(60)
+        return self.run, self.process.output()
+
+
+@pytest.fixture(scope="module")
+def checked_runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, BackgroundRun]]:
+    """Two 2-step runs in check mode, started together: a plain one ("ci") and one that releases the
+    engine's memory while the trainer trains ("released"), each read by its own test."""
+    out = tmp_path_factory.mktemp("checked")
+    runs: dict[str, BackgroundRun] = {}
+    try:
+        runs["ci"] = BackgroundRun(out, "ci", *_args(tiny_model, out, "ci", "run.steps=2", "weights.check=true"))
+        runs["released"] = BackgroundRun(out, "released", *_args(
+            tiny_model, out, "released", "run.steps=2", "weights.check=true", "eval.every=1", "eval.num_prompts=2",
+            "resources.release_engine_memory=all"))
+        yield runs
+    finally:
+        for run in runs.values():
+            run.process.stop()
+
+
 @pytest.mark.slow
-def test_two_steps_train_sync_and_checkpoint(tiny_model: Path, tmp_path: Path) -> None:
-    out = _train(*_args(tiny_model, tmp_path, "ci", "run.steps=2", "weights.check=true"))
-    assert out.returncode == 0, out.stdout + out.stderr
-    run = tmp_path / "ci"
+def test_two_steps_train_sync_and_checkpoint(checked_runs: dict[str, BackgroundRun]) -> None:
+    run, output = checked_runs["ci"].finished()
     metrics = _metrics(run)
     # check mode: every sync was compared on the engine, and the run says so
     assert [(m["weights/check_passed"], m["weights/checked_engines"]) for m in metrics] == [(1.0, 1.0)] * 2
     for version in (0, 1, 2):  # version 0: the start-up sync that replaces the engine's noise
-        assert f"weights check passed: version {version} is bit-exact on 1 engine(s)" in out.stderr, out.stderr[-3000:]
+        assert f"weights check passed: version {version} is bit-exact on 1 engine(s)" in output, output[-3000:]
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert m["rollout/samples"] == 8 and m["rollout/groups_kept"] == 2
@@ -80,11 +110,11 @@ def test_two_steps_train_sync_and_checkpoint(tiny_model: Path, tmp_path: Path) -
     checkpoint = run / "checkpoints" / "step_000002"
     assert (checkpoint / "miles-state.json").is_file()
     assert json.loads((checkpoint / "miles-state.json").read_text())["step"] == 2
-    assert "step 2/2 | reward" in out.stderr
-    assert "run completed" in out.stderr
+    assert "step 2/2 | reward" in output
+    assert "run completed" in output
     # no config file: the run said what it is before its first step (here: which overrides leave the
     # measured expectation of the embedded default behind), and how the reward moved after its last
-    lines = out.stderr.splitlines()
+    lines = output.splitlines()
     intro = next(i for i, line in enumerate(lines) if line.startswith("no config file: the embedded default"))
     assert lines[intro].startswith("no config file: the embedded default with model.name, data.options, "
                                    "rollout.prompts_per_step, rollout.max_new_tokens, reward.name, run.steps changed")
@@ -102,21 +132,6 @@ def _seeded(vowel_reward: str) -> tuple[str, ...]:
     """A deterministic run whose rewards move the weights every step, trained on flat rows (the
     reference of the prefix-tree test below; "auto" may pick a tree for a group)."""
     return ("run.deterministic=true", "reward.name=remote", f"reward.remote_url={vowel_reward}", "fsdp.prefix_tree=off")
-
-
-class BackgroundRun:
-    """A `miles train` started in the background (the tests that read it run their own runs
-    meanwhile); :meth:`finished` waits for it and hands back its folder and output."""
-
-    def __init__(self, out: Path, name: str, *args: str) -> None:
-        self.run = out / name
-        self.process = LoggedProcess([sys.executable, "-m", "miles.cli.main", "train", *args], out / f"{name}.out",
-                                     cwd=ROOT, env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}).start()
-
-    def finished(self) -> tuple[Path, str]:
-        code = self.process.wait_exit(f"the background run {self.run.name} to finish")
-        assert code == 0, self.process.log_tail(60)
-        return self.run, self.process.output()
 
 
 @pytest.fixture(scope="module")
@@ -312,22 +327,19 @@ def test_one_step_off_on_two_ranks_and_a_killed_rank_stops_the_run(tiny_model: P
 
 
 @pytest.mark.slow
-def test_engines_release_their_memory_while_the_trainer_trains(tiny_model: Path, tmp_path: Path) -> None:
+def test_engines_release_their_memory_while_the_trainer_trains(checked_runs: dict[str, BackgroundRun]) -> None:
     """resources.release_engine_memory=all (run.mode sync): after each rollout the engine gives
     back its KV cache and weights (on the CPU its weights stay where they are, but the engine
     refuses updates to them until they are resumed), takes the weights back before the sync and
     the rest right after it. In check mode every sync is bit-exact, evaluation and the next
     rollout run on the synced weights, and both phases are timed."""
-    out = _train(*_args(tiny_model, tmp_path, "released", "run.steps=2", "weights.check=true", "eval.every=1",
-                        "eval.num_prompts=2", "resources.release_engine_memory=all"))
-    assert out.returncode == 0, out.stdout + out.stderr
-    run = tmp_path / "released"
+    run, output = checked_runs["released"].finished()
     metrics = _metrics(run)
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert m["time/release"] > 0 and m["time/resume"] > 0
         assert m["weights/check_passed"] == 1.0 and m["eval/num_prompts"] == 2.0
-    assert "weights check passed: version 2 is bit-exact on 1 engine(s)" in out.stderr
+    assert "weights check passed: version 2 is bit-exact on 1 engine(s)" in output
     assert {tuple(s["weight_versions"]) for s in _samples(run, 2)} == {(1,)}
     assert {tuple(s["weight_versions"]) for s in _samples_of(run, "eval", 2)} == {(2,)}
 
