@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from miles_contracts.testing.processes import LoggedProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,19 +52,19 @@ def test_ten_random_kills_of_a_fully_async_run_lose_and_repeat_no_prompt(tiny_mo
     assert ledger.returncode == 0 and json.loads(ledger.stdout)["status"] == "completed"
 
 
-def _kill_engine_once_step_generates(run: Path, step_groups: int, process: subprocess.Popen[str]) -> int:
+def _kill_engine_once_step_generates(run: Path, step_groups: int, process: LoggedProcess) -> int:
     """SIGKILL the run's engine as soon as the ledger shows a group past the first ``step_groups``
     in flight (a later step's generation has started); the pid killed."""
     events = run / "ledger" / "events.jsonl"
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and process.poll() is None:
+    while time.monotonic() < deadline and process.returncode is None:
         lines = events.read_text().splitlines() if events.exists() else []
         if any('"in_flight"' in line and json.loads(line)["group"] >= step_groups for line in lines[:-1]):
             engine = next(row for row in json.loads((run / "services.json").read_text()) if row.get("role") == "engine")
             os.kill(engine["pid"], signal.SIGKILL)
             return int(engine["pid"])
         time.sleep(0.05)
-    raise AssertionError(f"step 2 never started generating (exit {process.poll()})")
+    raise AssertionError(f"step 2 never started generating (exit {process.returncode})")
 
 
 @pytest.mark.slow
@@ -84,17 +85,19 @@ def test_an_engine_killed_mid_rollout_leaves_a_deterministic_run_on_the_weights_
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     train = [sys.executable, "-m", "miles.cli.main", "train"]
-    with (tmp_path / "faulted.log").open("w") as log:
-        faulted = subprocess.Popen([*train, *args("faulted")], stdout=log, stderr=subprocess.STDOUT, text=True,
-                                   cwd=ROOT, env=env)
-        try:
-            _kill_engine_once_step_generates(tmp_path / "faulted", 2, faulted)
-            assert faulted.wait(timeout=300) == 0, (tmp_path / "faulted.log").read_text()[-3000:]
-        finally:
-            if faulted.poll() is None:
-                faulted.kill()
-    clean = subprocess.run([*train, *args("clean")], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert clean.returncode == 0, clean.stderr[-3000:]
+    # the run without the kill goes alongside (its own folder, services and ports): a deterministic
+    # run's weights do not depend on what else the machine runs, and the two start-ups overlap
+    runs = {name: LoggedProcess([*train, *args(name)], tmp_path / f"{name}.log", cwd=ROOT, env=env)
+            for name in ("clean", "faulted")}
+    try:
+        for run in runs.values():
+            run.start()
+        _kill_engine_once_step_generates(tmp_path / "faulted", 2, runs["faulted"])
+        for name, run in runs.items():
+            assert run.wait_exit(f"the {name} run to finish", deadline_s=300) == 0, run.log_tail(60)
+    finally:
+        for run in runs.values():
+            run.stop()  # the run's whole process group: nothing it started outlives the test
     ledger = (tmp_path / "faulted" / "ledger" / "events.jsonl").read_text()
     assert '"reason": "redo"' in ledger  # the kill spoiled step 2's groups, and they were redone
     metrics = [json.loads(line) for line in (tmp_path / "faulted" / "metrics.jsonl").open()]

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from miles_contracts.testing.processes import LoggedProcess
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow  # two real runs of a tiny model: ~1 min on 2 cores
+pytestmark = pytest.mark.slow  # two real runs of a tiny model, side by side: ~35 s on 2 cores
 
 PROBE = '''
     """Miles plugin ``lifecycle_probe``: appends every lifecycle call to $MILES_PROBE_FILE."""
@@ -84,27 +85,50 @@ def probe_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _train(probe: Path, out: Path, name: str, records: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    from miles_models.testing import tiny_model
+class Run:
+    """``miles train`` (two steps of the tiny model, the probe on ``PYTHONPATH``) started in the
+    background, so that the module's two runs overlap; :meth:`finished` waits for it."""
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MILES_PROBE_FILE": str(records),
-           "PYTHONPATH": os.pathsep.join([str(probe), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    args = [f"model.name={tiny_model('dense')}", f"run.output_dir={out}", f"run.name={name}", "run.steps=2",
-            "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4",
-            "reward.name=f1", "run.save_final=false", *extra]
-    return subprocess.run([sys.executable, "-m", "miles.cli.main", "train", *args], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT, env=env)
+    def __init__(self, probe: Path, out: Path, name: str, *extra: str) -> None:
+        from miles_models.testing import tiny_model
+
+        self.records = out / f"{name}-calls.jsonl"
+        self.run = out / name
+        env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MILES_PROBE_FILE": str(self.records),
+               "PYTHONPATH": os.pathsep.join([str(probe), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        args = [f"model.name={tiny_model('dense')}", f"run.output_dir={out}", f"run.name={name}", "run.steps=2",
+                "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4",
+                "reward.name=f1", "run.save_final=false", *extra]
+        self.process = LoggedProcess([sys.executable, "-m", "miles.cli.main", "train", *args], out / f"{name}.out",
+                                     cwd=ROOT, env=env).start()
+
+    def finished(self) -> list[dict]:
+        """The run's exit status checked; the probe's records."""
+        code = self.process.wait_exit(f"the {self.run.name} run to finish")
+        assert code == 0, self.process.log_tail(60)
+        return _read(self.records)
+
+
+@pytest.fixture(scope="module")
+def runs(probe_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
+    """The probed run and the run that disables the probe, started together."""
+    out = tmp_path_factory.mktemp("runs")
+    started: dict[str, Run] = {}
+    try:
+        started["probed"] = Run(probe_path, out, "probed")
+        started["unprobed"] = Run(probe_path, out, "unprobed", "plugins.disable=[lifecycle_probe]")
+        yield started
+    finally:
+        for run in started.values():
+            run.process.stop()
 
 
 def _read(records: Path) -> list[dict]:
     return [json.loads(line) for line in records.read_text().splitlines()] if records.exists() else []
 
 
-def test_lifecycle_hooks_fire_in_their_processes_in_order(probe_path: Path, tmp_path: Path) -> None:
-    records = tmp_path / "calls.jsonl"
-    done = _train(probe_path, tmp_path, "probed", records)
-    assert done.returncode == 0, done.stdout + done.stderr
-    calls = _read(records)
+def test_lifecycle_hooks_fire_in_their_processes_in_order(runs: dict[str, Run]) -> None:
+    calls = runs["probed"].finished()
 
     configured = [c["process"] for c in calls if c["hook"] == "configure"]
     kinds = sorted((p["kind"], p["rank"], p["role"]) for p in configured)
@@ -125,12 +149,9 @@ def test_lifecycle_hooks_fire_in_their_processes_in_order(probe_path: Path, tmp_
     rank_pid = next(c["pid"] for c in calls if c["process"] and c["process"]["kind"] == "trainer-rank")
     assert [c["pid"] for c in trained] == [rank_pid, rank_pid] and all(c["has_loss"] for c in trained)
 
-    metrics = [json.loads(line) for line in (tmp_path / "probed" / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (runs["probed"].run / "metrics.jsonl").read_text().splitlines()]
     assert [m["probe/seen"] for m in metrics] == [1.0, 1.0]  # miles_step_end may add metrics
 
 
-def test_plugins_disable_keeps_the_probe_out_of_every_process(probe_path: Path, tmp_path: Path) -> None:
-    records = tmp_path / "calls.jsonl"
-    done = _train(probe_path, tmp_path, "unprobed", records, "plugins.disable=[lifecycle_probe]")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert _read(records) == []
+def test_plugins_disable_keeps_the_probe_out_of_every_process(runs: dict[str, Run]) -> None:
+    assert runs["unprobed"].finished() == []

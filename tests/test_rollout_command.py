@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,10 +17,46 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _rollout(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "miles.cli.main", "rollout", *args], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT, env=env)
+class Rollout:
+    """``miles rollout`` started in the background (its stdout, the JSON report, and its stderr in
+    files of their own), so that the module's two rollouts overlap; :meth:`finished` waits for it."""
+
+    def __init__(self, out: Path, *args: str) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        self.stdout, self.stderr = out / "rollout.stdout", out / "rollout.stderr"
+        with self.stdout.open("w") as stdout, self.stderr.open("w") as stderr:
+            self.process = subprocess.Popen([sys.executable, "-m", "miles.cli.main", "rollout", *args], stdout=stdout,
+                                            stderr=stderr, text=True, cwd=ROOT, env=env, start_new_session=True)
+
+    def finished(self) -> subprocess.CompletedProcess[str]:
+        code = self.process.wait(timeout=600)
+        return subprocess.CompletedProcess(self.process.args, code, self.stdout.read_text(), self.stderr.read_text())
+
+    def stop(self) -> None:
+        """The rollout and whatever it started (its process group), if it is still running."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def rollouts(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Path, Rollout]]]:
+    """The two examples' rollouts, started together: output folder and rollout by example."""
+    common = ("run.dump_tokens=true", "rollout.samples_per_prompt=2")
+    settings = {
+        "arithmetic": ("rollout.prompts_per_step=2", "rollout.max_new_tokens=8"),
+        "calculator_agent": ("rollout.prompts_per_step=1", "rollout.max_new_tokens=12", "rollout.max_turns=2"),
+    }
+    started: dict[str, tuple[Path, Rollout]] = {}
+    try:
+        for example, extra in settings.items():
+            out = tmp_path_factory.mktemp(example)
+            started[example] = out, Rollout(out, f"examples/{example}/config.yaml", f"model.name={tiny_dense}",
+                                            f"run.output_dir={out}", *common, *extra)
+        yield started
+    finally:
+        for _, rollout in started.values():
+            rollout.stop()
 
 
 def _check_run(out: subprocess.CompletedProcess[str], run: Path, samples: int) -> list[dict]:
@@ -37,20 +75,16 @@ def _check_run(out: subprocess.CompletedProcess[str], run: Path, samples: int) -
 
 
 @pytest.mark.slow
-def test_rollout_of_the_arithmetic_example(tiny_dense: Path, tmp_path: Path) -> None:
-    out = _rollout("examples/arithmetic/config.yaml", f"model.name={tiny_dense}", f"run.output_dir={tmp_path}",
-                   "run.dump_tokens=true", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
-                   "rollout.max_new_tokens=8")
-    dumped = _check_run(out, tmp_path / "arithmetic", 4)
+def test_rollout_of_the_arithmetic_example(rollouts: dict[str, tuple[Path, Rollout]]) -> None:
+    out, rollout = rollouts["arithmetic"]
+    dumped = _check_run(rollout.finished(), out / "arithmetic", 4)
     assert all(d["weight_versions"] == [0] for d in dumped)  # the base model's weights, never updated
     assert {d["reward"] for d in dumped} <= {0.0, 1.0}  # exact_match, the example's reward
 
 
 @pytest.mark.slow
-def test_rollout_of_the_calculator_agent_example(tiny_dense: Path, tmp_path: Path) -> None:
-    out = _rollout("examples/calculator_agent/config.yaml", f"model.name={tiny_dense}", f"run.output_dir={tmp_path}",
-                   "run.dump_tokens=true", "rollout.prompts_per_step=1", "rollout.samples_per_prompt=2",
-                   "rollout.max_new_tokens=12", "rollout.max_turns=2")
-    dumped = _check_run(out, tmp_path / "calculator_agent", 2)
-    assert (tmp_path / "calculator_agent" / "logs" / "session.log").is_file()  # the agent talked to the session server
+def test_rollout_of_the_calculator_agent_example(rollouts: dict[str, tuple[Path, Rollout]]) -> None:
+    out, rollout = rollouts["calculator_agent"]
+    dumped = _check_run(rollout.finished(), out / "calculator_agent", 2)
+    assert (out / "calculator_agent" / "logs" / "session.log").is_file()  # the agent talked to the session server
     assert all(d["status"] in ("completed", "truncated") and sum(d["loss_mask"]) > 0 for d in dumped)

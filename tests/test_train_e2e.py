@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,16 +50,46 @@ def _samples(run: Path, step: int) -> list[dict]:
     return [json.loads(line) for line in (run / "samples" / f"step_{step:06d}.jsonl").read_text().splitlines()]
 
 
+class BackgroundRun:
+    """A `miles train` started in the background (the tests that read it run their own runs
+    meanwhile); :meth:`finished` waits for it and hands back its folder and output."""
+
+    def __init__(self, out: Path, name: str, *args: str) -> None:
+        self.run = out / name
+        self.process = LoggedProcess([sys.executable, "-m", "miles.cli.main", "train", *args], out / f"{name}.out",
+                                     cwd=ROOT, env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}).start()
+
+    def finished(self) -> tuple[Path, str]:
+        code = self.process.wait_exit(f"the background run {self.run.name} to finish")
+        assert code == 0, self.process.log_tail(60)
+        return self.run, self.process.output()
+
+
+@pytest.fixture(scope="module")
+def checked_runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, BackgroundRun]]:
+    """Two 2-step runs in check mode, started together: a plain one ("ci") and one that releases the
+    engine's memory while the trainer trains ("released"), each read by its own test."""
+    out = tmp_path_factory.mktemp("checked")
+    runs: dict[str, BackgroundRun] = {}
+    try:
+        runs["ci"] = BackgroundRun(out, "ci", *_args(tiny_model, out, "ci", "run.steps=2", "weights.check=true"))
+        runs["released"] = BackgroundRun(out, "released", *_args(
+            tiny_model, out, "released", "run.steps=2", "weights.check=true", "eval.every=1", "eval.num_prompts=2",
+            "resources.release_engine_memory=all"))
+        yield runs
+    finally:
+        for run in runs.values():
+            run.process.stop()
+
+
 @pytest.mark.slow
-def test_two_steps_train_sync_and_checkpoint(tiny_model: Path, tmp_path: Path) -> None:
-    out = _train(*_args(tiny_model, tmp_path, "ci", "run.steps=2", "weights.check=true"))
-    assert out.returncode == 0, out.stdout + out.stderr
-    run = tmp_path / "ci"
+def test_two_steps_train_sync_and_checkpoint(checked_runs: dict[str, BackgroundRun]) -> None:
+    run, output = checked_runs["ci"].finished()
     metrics = _metrics(run)
     # check mode: every sync was compared on the engine, and the run says so
     assert [(m["weights/check_passed"], m["weights/checked_engines"]) for m in metrics] == [(1.0, 1.0)] * 2
     for version in (0, 1, 2):  # version 0: the start-up sync that replaces the engine's noise
-        assert f"weights check passed: version {version} is bit-exact on 1 engine(s)" in out.stderr, out.stderr[-3000:]
+        assert f"weights check passed: version {version} is bit-exact on 1 engine(s)" in output, output[-3000:]
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert m["rollout/samples"] == 8 and m["rollout/groups_kept"] == 2
@@ -79,11 +110,11 @@ def test_two_steps_train_sync_and_checkpoint(tiny_model: Path, tmp_path: Path) -
     checkpoint = run / "checkpoints" / "step_000002"
     assert (checkpoint / "miles-state.json").is_file()
     assert json.loads((checkpoint / "miles-state.json").read_text())["step"] == 2
-    assert "step 2/2 | reward" in out.stderr
-    assert "run completed" in out.stderr
+    assert "step 2/2 | reward" in output
+    assert "run completed" in output
     # no config file: the run said what it is before its first step (here: which overrides leave the
     # measured expectation of the embedded default behind), and how the reward moved after its last
-    lines = out.stderr.splitlines()
+    lines = output.splitlines()
     intro = next(i for i, line in enumerate(lines) if line.startswith("no config file: the embedded default"))
     assert lines[intro].startswith("no config file: the embedded default with model.name, data.options, "
                                    "rollout.prompts_per_step, rollout.max_new_tokens, reward.name, run.steps changed")
@@ -97,18 +128,31 @@ def _without_timings(record: dict) -> dict:
     return {k: v for k, v in record.items() if not (k.startswith("time") or "per_s" in k or k.endswith("/seconds"))}
 
 
+def _seeded(vowel_reward: str) -> tuple[str, ...]:
+    """A deterministic run whose rewards move the weights every step, trained on flat rows (the
+    reference of the prefix-tree test below; "auto" may pick a tree for a group)."""
+    return ("run.deterministic=true", "reward.name=remote", f"reward.remote_url={vowel_reward}", "fsdp.prefix_tree=off")
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, vowel_reward: str) -> Iterator[BackgroundRun]:
+    """One straight deterministic 3-step run without a final save, read by two tests (the rerun and
+    resume test reproduces all of it, the prefix-tree test its step 1)."""
+    out = tmp_path_factory.mktemp("straight")
+    run = BackgroundRun(out, "straight", *_args(tiny_model, out, "straight", "run.steps=3", "run.save_final=false",
+                                                *_seeded(vowel_reward)))
+    yield run
+    run.process.stop()
+
+
 @pytest.mark.slow
-def test_a_deterministic_run_is_reproduced_by_a_rerun_and_by_a_resume(tiny_model: Path, tmp_path: Path,
-                                                                      vowel_reward: str) -> None:
+def test_a_deterministic_run_is_reproduced_by_a_rerun_and_by_a_resume(
+        tiny_model: Path, tmp_path: Path, vowel_reward: str, straight: BackgroundRun) -> None:
     """run.deterministic: a second run, stopped after step 2 and resumed, logs exactly the metrics
     of a straight 3-step run (fp32 CPU engine, same thread count), with rewards that move the
     weights every step. Along the way: the final save can be switched off, and keep_checkpoints
     leaves one checkpoint of several saves."""
-    seeded = ("run.deterministic=true", "reward.name=remote", f"reward.remote_url={vowel_reward}")
-    straight = _train(*_args(tiny_model, tmp_path, "straight", "run.steps=3", "run.save_final=false", *seeded))
-    assert straight.returncode == 0, straight.stderr
-    assert not (tmp_path / "straight" / "checkpoints").exists()
-    assert "no checkpoints will be written" in straight.stderr
+    seeded = _seeded(vowel_reward)
     first = _train(*_args(tiny_model, tmp_path, "resumed", "run.steps=2", "run.save_every=1", *seeded))
     assert first.returncode == 0, first.stderr
     assert [p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir()] == ["step_000002"]  # step 1 pruned
@@ -118,19 +162,22 @@ def test_a_deterministic_run_is_reproduced_by_a_rerun_and_by_a_resume(tiny_model
     resumed = _train("--resume", str(tmp_path / "resumed"), "run.steps=3")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed from" in resumed.stderr
+    straight_run, output = straight.finished()
+    assert not (straight_run / "checkpoints").exists()
+    assert "no checkpoints will be written" in output
     assert [m["step"] for m in _metrics(tmp_path / "resumed")] == [1, 2, 3]
     assert _metrics(tmp_path / "resumed")[-1]["time"] > 0  # step 3's record is the resumed run's
     assert '"rollout/reward_mean": -1.0' in (tmp_path / "resumed" / "metrics.superseded.jsonl").read_text()
-    prompts = lambda run: [s["prompt"] for s in _samples(tmp_path / run, 3)]  # noqa: E731
-    assert prompts("resumed") == prompts("straight")
+    prompts = lambda run: [s["prompt"] for s in _samples(run, 3)]  # noqa: E731
+    assert prompts(tmp_path / "resumed") == prompts(straight_run)
     # the engines were brought to the checkpoint's weights before generating step 3
     assert {tuple(s["weight_versions"]) for s in _samples(tmp_path / "resumed", 3)} == {(2,)}
     # every metric but timings, bit for bit: losses, gradient norms, rollout-vs-train log-prob gaps
-    expected = [_without_timings(m) for m in _metrics(tmp_path / "straight")]
+    expected = [_without_timings(m) for m in _metrics(straight_run)]
     assert [_without_timings(m) for m in _metrics(tmp_path / "resumed")] == expected
     assert all(m["train/grad_norm"] > 0 for m in expected) and len(expected[0]) > 30
-    tokens = lambda run: [[s["tokens"] for s in _samples(tmp_path / run, step)] for step in (1, 2, 3)]  # noqa: E731
-    assert tokens("resumed") == tokens("straight")
+    tokens = lambda run: [[s["tokens"] for s in _samples(run, step)] for step in (1, 2, 3)]  # noqa: E731
+    assert tokens(tmp_path / "resumed") == tokens(straight_run)
 
 
 @pytest.mark.slow
@@ -280,22 +327,19 @@ def test_one_step_off_on_two_ranks_and_a_killed_rank_stops_the_run(tiny_model: P
 
 
 @pytest.mark.slow
-def test_engines_release_their_memory_while_the_trainer_trains(tiny_model: Path, tmp_path: Path) -> None:
+def test_engines_release_their_memory_while_the_trainer_trains(checked_runs: dict[str, BackgroundRun]) -> None:
     """resources.release_engine_memory=all (run.mode sync): after each rollout the engine gives
     back its KV cache and weights (on the CPU its weights stay where they are, but the engine
     refuses updates to them until they are resumed), takes the weights back before the sync and
     the rest right after it. In check mode every sync is bit-exact, evaluation and the next
     rollout run on the synced weights, and both phases are timed."""
-    out = _train(*_args(tiny_model, tmp_path, "released", "run.steps=2", "weights.check=true", "eval.every=1",
-                        "eval.num_prompts=2", "resources.release_engine_memory=all"))
-    assert out.returncode == 0, out.stdout + out.stderr
-    run = tmp_path / "released"
+    run, output = checked_runs["released"].finished()
     metrics = _metrics(run)
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert m["time/release"] > 0 and m["time/resume"] > 0
         assert m["weights/check_passed"] == 1.0 and m["eval/num_prompts"] == 2.0
-    assert "weights check passed: version 2 is bit-exact on 1 engine(s)" in out.stderr
+    assert "weights check passed: version 2 is bit-exact on 1 engine(s)" in output
     assert {tuple(s["weight_versions"]) for s in _samples(run, 2)} == {(1,)}
     assert {tuple(s["weight_versions"]) for s in _samples_of(run, "eval", 2)} == {(2,)}
 
@@ -324,18 +368,21 @@ def test_an_engine_that_restarted_while_released_gets_the_weights_and_no_resume(
 
 
 @pytest.mark.slow
-def test_prefix_tree_training_logs_the_loss_of_flat_rows(tiny_model: Path, tmp_path: Path, vowel_reward: str) -> None:
+def test_prefix_tree_training_logs_the_loss_of_flat_rows(tiny_model: Path, tmp_path: Path, vowel_reward: str,
+                                                         straight: BackgroundRun) -> None:
     """fsdp.prefix_tree: on (each group's 4 samples share their prompt: one tree per micro-batch)
-    trains the same step as off: the same samples (deterministic engine), the same loss and gradient."""
-    seeded = ("run.deterministic=true", "run.steps=1", "run.save_final=false", "reward.name=remote",
-              f"reward.remote_url={vowel_reward}")
-    runs = {}
-    for mode in ("on", "off"):
-        out = _train(*_args(tiny_model, tmp_path, f"tree-{mode}", *seeded, f"fsdp.prefix_tree={mode}"))
-        assert out.returncode == 0, out.stdout + out.stderr
-        runs[mode] = _metrics(tmp_path / f"tree-{mode}")[0]
-    tokens = lambda mode: [s["tokens"] for s in _samples(tmp_path / f"tree-{mode}", 1)]  # noqa: E731
-    assert tokens("on") == tokens("off")
+    trains the same step as off: the same samples (deterministic engine), the same loss and gradient.
+    The "off" side is step 1 of the straight run above (prefix_tree=off, the same settings, and a
+    deterministic run's step 1 does not depend on how many steps follow: the resume test holds it
+    to a rerun bit for bit)."""
+    seeded = [arg for arg in _seeded(vowel_reward) if not arg.startswith("fsdp.prefix_tree=")]
+    out = _train(*_args(tiny_model, tmp_path, "tree-on", *seeded, "run.steps=1", "run.save_final=false",
+                        "fsdp.prefix_tree=on"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    straight_run, _ = straight.finished()
+    runs = {"on": _metrics(tmp_path / "tree-on")[0], "off": _metrics(straight_run)[0]}
+    assert runs["off"]["step"] == 1
+    assert [s["tokens"] for s in _samples(tmp_path / "tree-on", 1)] == [s["tokens"] for s in _samples(straight_run, 1)]
     for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/entropy"):
         assert runs["on"][key] == pytest.approx(runs["off"][key], rel=1e-5, abs=1e-7), key
     assert runs["off"]["train/grad_norm"] > 0

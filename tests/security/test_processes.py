@@ -182,11 +182,20 @@ def test_an_interrupted_run_never_exits_0() -> None:
             await asyncio.sleep(60)
         return "interrupted" if stop_requested() else "completed"  # ... is still seen
 
-    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
-    assert exit_code_of(lambda: asyncio.run(run_until_stopped())) == 128 + signal.SIGTERM
-    # Ctrl-C as an interactive Python gets it (a suite started in the background has it ignored)
+    statuses: list[str] = []
+
+    def run() -> str:
+        statuses.append(asyncio.run(run_until_stopped()))
+        return statuses[-1]
+
+    # SIGINT as an interactive Python has it: a suite started in the background has it ignored, and
+    # then the SIGTERM below cancelled nothing (the sleep ran its 60 s and the run "completed")
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        assert exit_code_of(run) == 128 + signal.SIGTERM
+        assert statuses == ["interrupted"]  # the SIGTERM did stop the run
+        # Ctrl-C
         threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
         assert exit_code_of(lambda: asyncio.run(asyncio.sleep(60))) == 128 + signal.SIGINT
     finally:
