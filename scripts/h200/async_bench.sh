@@ -38,6 +38,11 @@ case $kind in
   *) echo "unknown kind $kind (x1 or x2)"; exit 2 ;;
 esac
 
+# EXTRA: more overrides for every mode, space-separated key=value (e.g. EXTRA="rollout.max_staleness=4":
+# how much of fully_async's speed admission control's bound costs; docs/benchmarks/async.md)
+extra=()
+for kv in ${EXTRA:-}; do extra+=(--set "$kv"); done
+
 start=$SECONDS
 # 8 prompts x 4 samples per step, 64 trajectories in flight in fully_async, tool calls of 50 ms and up
 # (the tail of 64 draws per sync step is ~5 s); eager FSDP (compiling costs each run a warm-up that 8
@@ -45,7 +50,7 @@ start=$SECONDS
 miles bench async --model "$MODEL" --steps "$STEPS" --repeats "$REPEATS" --runs-dir "/tmp/async-runs-$kind${TAG:-}" \
   --set model.device=cuda --set model.dtype=bfloat16 --set fsdp.compile=false "${placement[@]}" \
   --set rollout.prompts_per_step=8 --set rollout.samples_per_prompt=4 --set rollout.concurrency=64 \
-  --set longtail.latency_scale=0.05 --set train.lr=1e-4 --timeout 400 \
+  --set longtail.latency_scale=0.05 --set train.lr=1e-4 "${extra[@]}" --timeout 400 \
   --json "$OUT/async-h200$kind${TAG:-}.json" >"$OUT/async-$kind${TAG:-}.log" 2>&1
 echo "async bench $kind: exit $? in $((SECONDS - start)) s"
 grep -E "samples/s|failed|Error" "$OUT/async-$kind${TAG:-}.log"
