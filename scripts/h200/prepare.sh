@@ -12,7 +12,8 @@ set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 exclude="$(git rev-parse --git-common-dir)/info/exclude"
 mkdir -p "$(dirname "$exclude")"
-for folder in .whl .swe .trl .tokonly .benchcfg .gpu_a .gpu_b .te; do
+# .peer: SGLang's parts (../shared/device/sglang.sh build .peer), which that script does not exclude
+for folder in .whl .swe .trl .tokonly .benchcfg .gpu_a .gpu_b .te .peer; do
   grep -qxF "/$folder/" "$exclude" 2>/dev/null || echo "/$folder/" >> "$exclude"
 done
 MODEL=smollm2-135m-instruct
