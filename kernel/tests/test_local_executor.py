@@ -165,3 +165,48 @@ def test_shutdown_signals_every_service_before_it_kills_any(tmp_path: Path, monk
     assert all(_wait_gone(pid) for pid in pids)
     order = [sig for pgid, sig in sent if pgid in pids and sig != 0]
     assert order[:3] == [signal.SIGTERM] * 3 and order[3:6] == [signal.SIGKILL] * 3, order
+
+
+def test_a_health_answer_from_another_program_on_the_picked_port_moves_the_service(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # another program (here a plain http.server in its own session, as another run's server would
+    # be) listens on the port picked for the service before the service binds it: its 200 must not
+    # pass for the service's health; the service is started again on another port
+    taken = free_port()
+    other = subprocess.Popen([*SERVER, str(taken)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{taken}/").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        import miles.executor.local as local
+
+        picks = iter([taken])
+        monkeypatch.setattr(local, "free_port", lambda host="127.0.0.1": next(picks, None) or free_port(host))
+
+        def command(endpoint) -> list[str]:
+            # a server that takes a moment before it binds (a real one imports its framework first)
+            serve = (f"import time, sys, http.server as h; time.sleep(1.0)\n"
+                     f"try:\n    s = h.HTTPServer(('127.0.0.1', {endpoint.port}), h.SimpleHTTPRequestHandler)\n"
+                     f"except OSError:\n    sys.exit(98)\ns.serve_forever()")
+            return [sys.executable, "-c", serve]
+
+        executor = LocalExecutor(tmp_path)
+        try:
+            endpoint = executor.launch("web", command, health_path="/")
+            assert endpoint.port == taken
+            executor.wait_healthy("web")
+            moved = executor.endpoint("web")
+            assert moved.port != taken
+            assert httpx.get(moved.url + "/").status_code == 200
+            assert executor.alive("web") and other.poll() is None
+            assert f"port {taken} was taken by another process" in (tmp_path / "logs" / "web.log").read_text()
+        finally:
+            executor.shutdown()
+    finally:
+        other.kill()
+        other.wait()

@@ -168,10 +168,52 @@ def _stop_orphans(pgids: Sequence[int], grace: float) -> None:
         _signal_group(pgid, signal.SIGKILL)
 
 
+def listener_outside_group(port: int, group: int) -> bool:
+    """Whether the TCP listener on ``port`` belongs to a process outside process group ``group``
+    (Linux ``/proc``): a health check there reached another program that took the port, not the
+    service. False whenever that cannot be told (no ``/proc``, the listener in another network
+    namespace, processes this user cannot read): only an owner positively found outside the group,
+    and none inside it, counts."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            # local_address is HEXIP:HEXPORT, st 0A is LISTEN, the socket's inode is the 10th field
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return False
+    outside = False
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry.name}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{entry.name}/fd/{fd}") not in inodes:
+                    continue
+                if os.getpgid(int(entry.name)) == group:
+                    return False
+            except OSError:
+                continue
+            outside = True
+            break
+    return outside
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on at ``host`` now. Another process may take it before the child
     binds it: a Miles server then exits with ``EXIT_ADDRESS_IN_USE`` and is started again on
-    another port (see ``LocalExecutor.wait_healthy``)."""
+    another port, as is any service whose health check another program answered (see
+    ``LocalExecutor.wait_healthy`` and :func:`listener_outside_group`)."""
     import socket
 
     with socket.socket() as s:

@@ -8,7 +8,9 @@ terminates every group at once, then kills what is still alive. Output goes to
 ``<run_dir>/logs/<name>.log`` (mode 0600, the run's secrets redacted: :mod:`miles.executor.output`);
 a service that dies during start-up is reported with the tail of its log, except one whose port
 was taken before it could listen (exit status ``EXIT_ADDRESS_IN_USE``): that one is started again
-on another port.
+on another port. So is one whose health check was answered by another program that listens on its
+port (another run's server that took it first): a 200 counts only from the service's own process
+group (:func:`~miles.executor.children.listener_outside_group`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import httpx
 from miles_contracts.cluster import EXIT_ADDRESS_IN_USE, Endpoint, Node
 
 from miles.errors import MilesError
-from miles.executor.children import free_port, spawn, terminate_all, terminate_group
+from miles.executor.children import free_port, listener_outside_group, spawn, terminate_all, terminate_group
 from miles.executor.output import OutputPump, open_log
 from miles.private_files import private_dir
 from miles.redaction import Redactor
@@ -246,13 +248,28 @@ class LocalExecutor:
                     )
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(service.health_url).status_code == 200:
-                        return
+                        if not self._answered_by_another(service) or moves >= PORT_ATTEMPTS:
+                            return
+                        moves += 1  # another program took the port first: our server cannot listen there
+                        self._terminate(service)
+                        self._move_to_free_port(service)
+                        self._spawn(service)
+                        continue
                 time.sleep(0.25)
         self._terminate(service)
         raise ServiceError(
             f"service {service.name!r} was not healthy at {service.health_url} after {self.startup_timeout:.0f} s; "
             f"log {service.log_path}:\n{service.log_tail()}"
         )
+
+    @staticmethod
+    def _answered_by_another(service: Service) -> bool:
+        """The health answer came from a process outside the service's group (each child leads its
+        own): another program listens on the port picked for it, e.g. another run's server that
+        took it while this one was starting, and it would have been taken for this service."""
+        if service.process is None or service.health_path is None or sys.platform != "linux":
+            return False  # not started by launch(): its argv holds its port, which cannot be moved
+        return listener_outside_group(service.endpoint.port, service.process.pid)
 
     def _terminate(self, service: Service, grace: float = 5.0) -> None:
         if service.process is not None:
