@@ -5,38 +5,30 @@ step dumps a training run writes."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from miles_contracts.testing.processes import LoggedProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 class Rollout:
-    """``miles rollout`` started in the background (its stdout, the JSON report, and its stderr in
-    files of their own), so that the module's two rollouts overlap; :meth:`finished` waits for it."""
+    """``miles rollout`` started in the background (its stdout, the JSON report, in a file of its
+    own), so that the module's two rollouts overlap; :meth:`finished` waits for it."""
 
     def __init__(self, out: Path, *args: str) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        self.stdout, self.stderr = out / "rollout.stdout", out / "rollout.stderr"
-        with self.stdout.open("w") as stdout, self.stderr.open("w") as stderr:
-            self.process = subprocess.Popen([sys.executable, "-m", "miles.cli.main", "rollout", *args], stdout=stdout,
-                                            stderr=stderr, text=True, cwd=ROOT, env=env, start_new_session=True)
+        self.process = LoggedProcess([sys.executable, "-m", "miles.cli.main", "rollout", *args], out / "rollout.stderr",
+                                     stdout_path=out / "rollout.stdout", cwd=ROOT,
+                                     env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}).start()
 
     def finished(self) -> subprocess.CompletedProcess[str]:
-        code = self.process.wait(timeout=600)
-        return subprocess.CompletedProcess(self.process.args, code, self.stdout.read_text(), self.stderr.read_text())
-
-    def stop(self) -> None:
-        """The rollout and whatever it started (its process group), if it is still running."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        code = self.process.wait_exit("the rollout to finish")
+        stdout = self.process.stdout_path.read_text() if self.process.stdout_path else ""
+        return subprocess.CompletedProcess(self.process.argv, code, stdout, self.process.output())
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +48,7 @@ def rollouts(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         yield started
     finally:
         for _, rollout in started.values():
-            rollout.stop()
+            rollout.process.stop()
 
 
 def _check_run(out: subprocess.CompletedProcess[str], run: Path, samples: int) -> list[dict]:

@@ -215,12 +215,15 @@ class LoggedProcess:
     :param default_signals: signals the child gets back at their default action. A suite started in
         the background (``cmd &`` without job control) runs with SIGINT ignored, which its children
         inherit; a test that sends Ctrl-C names SIGINT here.
+    :param stdout_path: stdout into a file of its own (a command's report), ``log_path`` keeping stderr.
     """
 
     def __init__(self, argv: Sequence[str], log_path: Path, *, env: Mapping[str, str] | None = None,
-                 cwd: Path | None = None, default_signals: Sequence[signal.Signals] = ()) -> None:
+                 cwd: Path | None = None, default_signals: Sequence[signal.Signals] = (),
+                 stdout_path: Path | None = None) -> None:
         self.argv = list(argv)
         self.log_path = Path(log_path)
+        self.stdout_path = Path(stdout_path) if stdout_path is not None else None
         self.env = dict(env or {})
         self.cwd = cwd
         self.default_signals = tuple(default_signals)
@@ -236,9 +239,11 @@ class LoggedProcess:
             for sig in restore:
                 signal.signal(sig, signal.SIG_DFL)
 
-        self.process = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.cwd,
-                                        env={**os.environ, **self.env}, start_new_session=True,
-                                        preexec_fn=in_child if restore else None)
+        with contextlib.ExitStack() as files:
+            stdout = files.enter_context(self.stdout_path.open("ab")) if self.stdout_path else self._log
+            self.process = subprocess.Popen(self.argv, stdout=stdout, stderr=self._log if self.stdout_path
+                                            else subprocess.STDOUT, cwd=self.cwd, env={**os.environ, **self.env},
+                                            start_new_session=True, preexec_fn=in_child if restore else None)
         _LIVE.add(self)
         return self
 
