@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,7 +50,29 @@ def _ledger(run: Path) -> tuple[int, dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("clean_run")  # started first: the clean run goes on beside this one
+def test_a_sync_run_trains_or_filters_every_prompt_of_each_epoch_exactly_once(
+        tiny_model: Path, tmp_path: Path, vowel_reward: str) -> None:
+    """Four steps of two prompts over four: two whole epochs, each prompt of each trained (or
+    filtered by zero_variance, with that reason) exactly once; the loop checked each epoch as it
+    closed and said so."""
+    args = _args(tiny_model, tmp_path, "clean", vowel_reward, "run.steps=4", "rollout.filters=[zero_variance]")
+    out = subprocess.run([sys.executable, "-m", "miles.cli.main", "train", *args], capture_output=True, text=True,
+                         timeout=600, cwd=ROOT, env=_env())
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "epoch 0 closed:" in out.stderr and "0 lost, 0 duplicated" in out.stderr
+    code, report = _ledger(tmp_path / "clean")
+    assert code == 0 and (report["lost"], report["duplicated"], report["status"]) == (0, 0, "completed")
+    closed = [e for e in report["epochs"] if e["closed"]]
+    assert len(closed) >= 1
+    for epoch in closed:
+        assert epoch["trained"] + epoch["filtered"].get("zero_std", 0) == PROMPTS and not epoch["dropped"]
+    assert report["trained"] == 4 * 2  # each step's two groups
+    # the final checkpoint compacted the closed epochs: one summary line each, their events gone
+    summaries = (tmp_path / "clean" / "ledger" / "epochs.jsonl").read_text().splitlines()
+    assert len(summaries) == len(closed)
+
+
+@pytest.mark.slow
 def test_a_fully_async_run_killed_mid_step_and_resumed_loses_and_repeats_no_prompt(
         tiny_model: Path, tmp_path: Path, reward_gate) -> None:
     """The third group's scoring is held, so that group is in flight when steps 1 and 2 train on
@@ -86,38 +107,3 @@ def test_a_fully_async_run_killed_mid_step_and_resumed_loses_and_repeats_no_prom
     # the prompt held at the kill (and any other in flight at the checkpoint) was drawn again: its
     # epoch counts it once among the redrawn and once among the trained
     assert sum(e["redrawn"] for e in report["epochs"]) >= 1
-
-
-@pytest.fixture(scope="module")
-def clean_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
-              vowel_reward: str) -> Iterator[tuple[Path, LoggedProcess]]:
-    """The clean sync run (four steps of two prompts over four), started in the background: the
-    killed-and-resumed run's test runs beside it. Its folder and process."""
-    out = tmp_path_factory.mktemp("clean")
-    args = _args(tiny_model, out, "clean", vowel_reward, "run.steps=4", "rollout.filters=[zero_variance]")
-    process = LoggedProcess([sys.executable, "-m", "miles.cli.main", "train", *args], out / "clean.out", cwd=ROOT,
-                            env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}).start()
-    yield out / "clean", process
-    process.stop()
-
-
-@pytest.mark.slow
-def test_a_sync_run_trains_or_filters_every_prompt_of_each_epoch_exactly_once(
-        clean_run: tuple[Path, LoggedProcess]) -> None:
-    """Four steps of two prompts over four: two whole epochs, each prompt of each trained (or
-    filtered by zero_variance, with that reason) exactly once; the loop checked each epoch as it
-    closed and said so."""
-    run, process = clean_run
-    assert process.wait_exit("the clean run to finish") == 0, process.log_tail(60)
-    output = process.output()
-    assert "epoch 0 closed:" in output and "0 lost, 0 duplicated" in output
-    code, report = _ledger(run)
-    assert code == 0 and (report["lost"], report["duplicated"], report["status"]) == (0, 0, "completed")
-    closed = [e for e in report["epochs"] if e["closed"]]
-    assert len(closed) >= 1
-    for epoch in closed:
-        assert epoch["trained"] + epoch["filtered"].get("zero_std", 0) == PROMPTS and not epoch["dropped"]
-    assert report["trained"] == 4 * 2  # each step's two groups
-    # the final checkpoint compacted the closed epochs: one summary line each, their events gone
-    summaries = (run / "ledger" / "epochs.jsonl").read_text().splitlines()
-    assert len(summaries) == len(closed)
