@@ -31,8 +31,12 @@ def _start_train(*args: str) -> subprocess.Popen[str]:
 
 
 @pytest.mark.slow
-def test_true_on_policy_run_has_zero_diff_on_every_token(tiny_dense: Path, tmp_path: Path, vowel_reward: str) -> None:
-    out = _train(f"model.name={tiny_dense}", f"run.output_dir={tmp_path}", "run.name=top", "run.steps=3",
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_true_on_policy_run_has_zero_diff_on_every_token(tiny_dense: Path, tmp_path: Path, vowel_reward: str,
+                                                         device: str) -> None:
+    """On the CPU in fp32 (PyTorch row loops); on CUDA in bf16 (the Triton kernels, CUDA-graph decode)."""
+    out = _train(f"model.name={tiny_dense}", f"model.device={device}", f"run.output_dir={tmp_path}", "run.name=top",
+                 "run.steps=3",
                  "run.dump_tokens=true", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=3",
                  "rollout.max_new_tokens=8", "rollout.temperature=0.8", "rollout.true_on_policy=true", "reward.name=remote",
                  f"reward.remote_url={vowel_reward}", "train.lr=1e-3", "data.options={digits: 1}")
@@ -57,7 +61,7 @@ def test_true_on_policy_config_errors_name_every_incompatible_key(tmp_path: Path
 
     with pytest.raises(Exception) as raised:
         load_config(None, ["rollout.true_on_policy=true", "rollout.engine=sglang", "train.backend=megatron",
-                           "model.dtype=bfloat16", "rollout.top_p=0.9", f"run.output_dir={tmp_path}"])
+                           "model.device=cpu", "model.dtype=bfloat16", "rollout.top_p=0.9", f"run.output_dir={tmp_path}"])
     message = str(raised.value)
     for key in ("rollout.engine", "train.backend", "model.dtype", "rollout.top_p"):
         assert key in message, message

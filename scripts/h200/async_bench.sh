@@ -40,8 +40,11 @@ esac
 
 # EXTRA: more overrides for every mode, space-separated key=value (e.g. EXTRA="rollout.max_staleness=4":
 # how much of fully_async's speed admission control's bound costs; docs/benchmarks/async.md)
+# ASYNC_EXTRA: the same for the fully_async runs only (ASYNC_EXTRA="rollout.max_staleness=4": the bound
+# is a fully_async key, refused in the other modes)
 extra=()
 for kv in ${EXTRA:-}; do extra+=(--set "$kv"); done
+for kv in ${ASYNC_EXTRA:-}; do extra+=(--async-set "$kv"); done
 
 start=$SECONDS
 # 8 prompts x 4 samples per step, 64 trajectories in flight in fully_async, tool calls of 50 ms and up

@@ -250,9 +250,11 @@ def true_on_policy_errors(cfg: MilesConfig) -> list[str]:
     if cfg.train.backend != "fsdp":
         errors.append(f"{where} train.backend: fsdp (megatron's tensor-parallel reductions have no batch-invariant "
                       f"path), got {cfg.train.backend!r}")
-    if cfg.model.device == "cuda" or cfg.model.dtype == "bfloat16":
-        errors.append(f"{where} model.device: cpu and model.dtype: float32 (the invariant kernels are fp32 CPU ones "
-                      f"so far), got device {cfg.model.device!r}, dtype {cfg.model.dtype!r}")
+    cpu_low_precision = cfg.model.device == "cpu" and cfg.model.dtype not in ("auto", "float32")
+    if cpu_low_precision:
+        errors.append(f"{where} model.dtype: float32 on the CPU, or bfloat16 / float32 on CUDA (the invariant kernels "
+                      f"are PyTorch row loops on the CPU, Triton kernels on the GPU), got device "
+                      f"{cfg.model.device!r}, dtype {cfg.model.dtype!r}")
     if cfg.rollout.top_p < 1.0 or cfg.rollout.top_k > 0:
         errors.append(f"{where} rollout.top_p: 1.0 and rollout.top_k: -1 (the trainer scores the whole distribution, "
                       f"not a truncated one), got top_p {cfg.rollout.top_p}, top_k {cfg.rollout.top_k}")

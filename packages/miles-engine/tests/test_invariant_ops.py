@@ -82,26 +82,33 @@ def test_attention_prefill_decode_and_packed_rows_agree():
     assert torch.equal(_attend(pq, pk, pv, packed_mask)[0, 5:], prefill[0])
 
 
-def _model(path):
+def _model(path, device="cpu"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=invariant.register())
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=invariant.register())
+    model.to(device)
     invariant.install_linears(model)
     return model.eval()
 
 
-def test_the_tiny_model_is_batch_invariant_end_to_end(dense_path):
-    model = _model(dense_path)
-    ids = torch.randint(3, 1000, (3, 13))
+# on CUDA (bf16) the same checks run the Triton kernels (invariant_triton.py)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_tiny_model_is_batch_invariant_end_to_end(dense_path, device):
+    model = _model(dense_path, device)
+    ids = torch.randint(3, 1000, (3, 13)).to(device)
     lengths = [13, 6, 9]
     with torch.no_grad():
         alone = [model(input_ids=ids[r : r + 1, :n]).logits[0] for r, n in enumerate(lengths)]
         # padded batch (right padding, a [b, t] mask), as the trainer's padded layout runs it
-        pad = (torch.arange(13)[None, :] < torch.tensor(lengths)[:, None]).long()
+        pad = (torch.arange(13)[None, :] < torch.tensor(lengths)[:, None]).long().to(device)
         padded = model(input_ids=ids, attention_mask=pad).logits
         # packed: the three rows one after the other, positions restarting at 0
         packed_ids = torch.cat([ids[r, :n] for r, n in enumerate(lengths)])[None]
-        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
         packed = model(input_ids=packed_ids, position_ids=positions, use_cache=False).logits[0]
     starts = [0, 13, 19]
     for r, n in enumerate(lengths):
@@ -109,10 +116,11 @@ def test_the_tiny_model_is_batch_invariant_end_to_end(dense_path):
         assert torch.equal(packed[starts[r] : starts[r] + n], alone[r])
 
 
-def test_a_prefill_continued_over_cached_keys_equals_one_prefill(dense_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_prefill_continued_over_cached_keys_equals_one_prefill(dense_path, device):
     # what a second turn does: its tokens attend to the first turn's keys from the cache
-    model = _model(dense_path)
-    ids = torch.randint(3, 1000, (1, 12))
+    model = _model(dense_path, device)
+    ids = torch.randint(3, 1000, (1, 12)).to(device)
     with torch.no_grad():
         whole = model(input_ids=ids).logits[0]
         first = model(input_ids=ids[:, :7], use_cache=True)

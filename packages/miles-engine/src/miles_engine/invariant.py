@@ -21,8 +21,9 @@ inputs are that row's own, so nothing about the rest of the batch can reach its 
 RMSNorm, rotary embedding, SiLU and residual adds stay transformers' own code, on both sides:
 they are element-wise or reduce one row's last dimension serially (PyTorch reduces a contiguous
 last dimension of fewer than 32768 elements in one thread, in a fixed vector order), which the
-tests check with 1, 3 and 64 rows. fp32 CPU only; the GPU path needs the Triton kernels of the
-design note.
+tests check with 1, 3 and 64 rows. On CUDA tensors every op here dispatches to the Triton kernels
+of :mod:`miles_engine.invariant_triton` (fixed tiles, no split reductions; RMSNorm too, through
+:func:`install_norms`), in bf16 or fp32.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 def _rows_forward(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     import torch.nn.functional as F
 
+    if flat.is_cuda:  # one fixed-tile Triton matmul (invariant_triton.py): no per-row loop needed
+        from miles_engine import invariant_triton
+
+        return invariant_triton.matmul(flat, weight, bias)
     weight = _aligned(weight)
     out = flat.new_empty(flat.shape[0], weight.shape[0])
     for i in range(flat.shape[0]):
@@ -82,6 +87,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def check_supported(device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse a device and dtype the invariant ops have no kernels for: fp32 on the CPU (PyTorch row
+    loops), bf16 or fp32 on CUDA (the Triton kernels, which need ``triton`` importable)."""
+    if device.type == "cpu" and dtype == torch.float32:
+        return
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float32):
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError("true_on_policy on CUDA runs Triton kernels, and triton is not installed; "
+                             "install the triton that matches torch")
+        return
+    raise ValueError(f"true_on_policy needs fp32 on the CPU or bf16/fp32 on CUDA, got {device.type} {dtype}; "
+                     f"set model.dtype (and model.device) accordingly")
+
+
 def install_linears(model: PreTrainedModel) -> int:
     """Route every ``nn.Linear`` of ``model`` through :func:`linear` (a per-instance forward: the
     module, its weight and its name stay as they are). Returns how many layers it covered.
@@ -101,7 +122,43 @@ def install_linears(model: PreTrainedModel) -> int:
     layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
     for layer in layers:
         layer.forward = _linear_forward_of(layer)  # type: ignore[method-assign]  # per instance, on purpose
+    install_norms(model)
     return len(layers)
+
+
+def install_norms(model: nn.Module) -> int:
+    """Give every RMSNorm of ``model`` (a module class named ``*RMSNorm`` with a ``weight`` and an
+    epsilon) a forward that runs the Triton row kernel on CUDA tensors. On the CPU the module's own
+    forward stays: PyTorch reduces a row's last dimension serially there (see the module docstring),
+    while on the GPU its reduction kernel picks a split from the number of rows."""
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm") and _epsilon(m) is not None]
+    for norm in norms:
+        norm.forward = _norm_forward_of(norm, norm.forward)
+    return len(norms)
+
+
+def _epsilon(norm: nn.Module) -> float | None:
+    for name in ("variance_epsilon", "eps", "epsilon"):
+        value = getattr(norm, name, None)
+        if isinstance(value, float):
+            return value
+    return None
+
+
+def _norm_forward_of(norm: nn.Module, own: Any) -> Any:
+    eps = _epsilon(norm)
+    assert eps is not None
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not x.is_cuda:
+            return own(x)
+        from miles_engine import invariant_triton
+
+        weight = norm.weight
+        assert isinstance(weight, torch.Tensor)
+        return invariant_triton.rms_norm_op(x, weight, eps)
+
+    return forward
 
 
 def _linear_forward_of(layer: nn.Linear) -> Any:
@@ -131,6 +188,10 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     batch, heads, queries, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     scale = scaling if scaling is not None else dim**-0.5
+    if query.is_cuda:  # a Triton kernel walking each query's own key range (invariant_triton.py)
+        from miles_engine import invariant_triton
+
+        return invariant_triton.attention_op(query, key, value, attention_mask, scale), None
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, queries, dim)
     positions = torch.arange(length, device=query.device)
     rows = []
@@ -162,4 +223,8 @@ def register() -> str:
 def token_logprobs(scaled_logits: torch.Tensor) -> torch.Tensor:
     """``[R, V]`` fp32 log-probs of logits already divided by the temperature: what the sampler
     draws from and reports, and what the trainer recomputes (one row at a time in the kernel)."""
+    if scaled_logits.is_cuda:  # PyTorch's CUDA kernel is not promised to reduce a row the same way for any row count
+        from miles_engine import invariant_triton
+
+        return invariant_triton.log_softmax_op(scaled_logits)
     return torch.log_softmax(scaled_logits.float(), dim=-1)

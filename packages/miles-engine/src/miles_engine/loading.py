@@ -64,9 +64,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     per_row = config.enable_deterministic_inference
     attn = attention.register(per_row=per_row) if device.type == "cpu" else "sdpa"
     if config.true_on_policy:
-        if device.type != "cpu" or dtype != torch.float32:
-            raise ValueError(f"true_on_policy needs an fp32 CPU engine (the batch-invariant kernels are CPU ones so far), "
-                             f"got {device.type} {dtype}; set model.device: cpu and model.dtype: float32")
+        invariant.check_supported(device, dtype)
         attn = invariant.register()
     model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype, attn_implementation=attn)
     if config.lora is not None:  # before moving: the adapters are created next to the base weights

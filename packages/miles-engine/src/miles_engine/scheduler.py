@@ -312,8 +312,9 @@ class Scheduler:
                 fresh.append(seq)
             else:  # part of it cached (prefix cache, or an in-place pause): prefilled on its own
                 self._prefill([seq])
-        # a batched prefill pads to the longest prompt
-        if fresh and (self.config.enable_deterministic_inference or self.config.true_on_policy):
+        # A batched prefill pads to the longest prompt, which moves a row's bits under the deterministic
+        # engine's kernels; true_on_policy's are invariant to padding (a row's keys are its own range).
+        if fresh and self.config.enable_deterministic_inference:
             for seq in fresh:
                 self._prefill([seq])
         elif fresh:

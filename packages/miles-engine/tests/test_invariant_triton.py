@@ -1,0 +1,219 @@
+"""The Triton kernels of the true on-policy forward (``miles_engine.invariant_triton``).
+
+Without a GPU they run in Triton's interpreter (``TRITON_INTERPRET=1``: the same kernel code,
+block by block in NumPy), which checks what they compute against PyTorch and the key-range logic
+of attention; NumPy's matmul is not row-invariant inside a block, so the bitwise checks that depend
+on tensor cores (a row of a matmul tile in any position) are in the ``gpu`` tests at the end, run on
+the H200 with the same kernels compiled.
+
+Triton decides at import whether its language functions are interpreted, so the interpreted tests
+run in a child pytest started with the variable set (:func:`test_the_kernels_in_the_interpreter`);
+in this process they are skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter child")
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the child")
+def test_the_kernels_in_the_interpreter(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    child = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-m", "not gpu",
+                            f"--basetemp={tmp_path / 'child'}"], env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-3000:]
+    passed = re.search(r"(\d+) passed", child.stdout.strip().splitlines()[-1])
+    assert passed and int(passed.group(1)) == 10, child.stdout[-2000:]  # every interpreted test ran
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from miles_engine import invariant_triton
+
+    return invariant_triton
+
+
+def _causal(queries: int, length: int, batch: int = 1) -> torch.Tensor:
+    rows = torch.arange(length - queries, length)
+    return (torch.arange(length)[None, :] <= rows[:, None])[None, None].expand(batch, 1, queries, length)
+
+
+def _packed(lengths: list[int]) -> torch.Tensor:
+    """The block-diagonal causal mask of documents packed in one row."""
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    pos = torch.arange(len(doc))
+    return ((doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None]))[None, None]
+
+
+@interpreted
+def test_matmul_computes_the_product_with_and_without_bias(kernels):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(70, 96, generator=gen)
+    weight = torch.randn(200, 96, generator=gen)
+    bias = torch.randn(200, generator=gen)
+    torch.testing.assert_close(kernels.matmul(x, weight, bias), x @ weight.T + bias, rtol=1e-5, atol=1e-4)
+    strided = torch.randn(96, 70, generator=gen).T  # not contiguous: the kernel takes strides
+    torch.testing.assert_close(kernels.matmul(strided, weight), strided @ weight.T, rtol=1e-5, atol=1e-4)
+    assert kernels.matmul(x[:0], weight).shape == (0, 200)
+    with pytest.raises(TypeError, match="one dtype"):
+        kernels.matmul(x.double(), weight)
+
+
+@interpreted
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "padded", "packed"])
+def test_attention_matches_sdpa_over_the_same_keys(kernels, mask_kind):
+    gen = torch.Generator().manual_seed(1)
+    batch, heads, kv_heads, dim = (1 if mask_kind == "packed" else 2), 6, 2, 16
+    length = 11
+    if mask_kind == "none":
+        mask = None
+    elif mask_kind == "causal":
+        mask = _causal(length, length, batch)
+    elif mask_kind == "padded":  # left padding: row 1's first 4 keys are pads (their queries see only themselves)
+        mask = _causal(length, length, batch).clone()
+        mask[1, 0, :, :4] = False
+        mask[1, 0, torch.arange(4), torch.arange(4)] = True
+    else:
+        mask = _packed([4, 7])
+    q = torch.randn(batch, heads, length, dim, generator=gen)
+    k = torch.randn(batch, kv_heads, length, dim, generator=gen)
+    v = torch.randn(batch, kv_heads, length, dim, generator=gen)
+    out = kernels.attention(q, k, v, mask, dim**-0.5)
+    assert out.shape == (batch, length, heads, dim)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
+        attn_mask=mask, is_causal=mask is None, scale=dim**-0.5).transpose(1, 2)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@interpreted
+def test_attention_walks_each_querys_own_keys_so_decode_prefill_and_packing_agree(kernels):
+    """The key blocks start at the query's first key: a decode step over a longer cache, the same
+    query inside a prefill, and the same document packed after another give equal bits."""
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, dim, n = 4, 2, 16, 45  # more keys than one block (32)
+    q = torch.randn(1, heads, n, dim, generator=gen)
+    k = torch.randn(1, kv_heads, n, dim, generator=gen)
+    v = torch.randn(1, kv_heads, n, dim, generator=gen)
+    prefill = kernels.attention(q, k, v, _causal(n, n), dim**-0.5)
+    cache_k = torch.cat([k, torch.randn(1, kv_heads, 83, dim, generator=gen)], 2)  # a slot longer than the row
+    cache_v = torch.cat([v, torch.randn(1, kv_heads, 83, dim, generator=gen)], 2)
+    decode_mask = (torch.arange(n + 83) < n)[None, None, None]
+    decode = kernels.attention(q[:, :, -1:].contiguous(), cache_k, cache_v, decode_mask, dim**-0.5)
+    assert torch.equal(decode[:, 0], prefill[:, -1])
+    other = 9  # a 9-token document first, then ours at offset 9 (not a block boundary)
+    packed_q = torch.cat([torch.randn(1, heads, other, dim, generator=gen), q], 2)
+    packed_k = torch.cat([torch.randn(1, kv_heads, other, dim, generator=gen), k], 2)
+    packed_v = torch.cat([torch.randn(1, kv_heads, other, dim, generator=gen), v], 2)
+    packed = kernels.attention(packed_q, packed_k, packed_v, _packed([other, n]), dim**-0.5)
+    assert torch.equal(packed[:, other:], prefill)
+
+
+@interpreted
+def test_attention_refuses_a_mask_with_holes(kernels):
+    mask = _causal(5, 5).clone()
+    mask[0, 0, 4, 2] = False
+    q, k = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    with pytest.raises(ValueError, match="contiguous range"):
+        kernels.attention(q, k, k, mask, 0.25)
+
+
+@interpreted
+def test_key_ranges_are_cached_per_mask_object_and_version(kernels):
+    mask = _causal(4, 6).clone()
+    lo, hi = kernels.key_ranges(mask, 1, 4, 6, mask.device)
+    assert lo.tolist() == [0, 0, 0, 0] and hi.tolist() == [3, 4, 5, 6]
+    assert kernels.key_ranges(mask, 1, 4, 6, mask.device)[1] is hi  # the same forward's next layer
+    mask[0, 0, 0, 0] = False  # written in place: a new version, computed again
+    lo2, _ = kernels.key_ranges(mask, 1, 4, 6, mask.device)
+    assert lo2.tolist() == [1, 0, 0, 0]
+
+
+@interpreted
+def test_rms_norm_and_log_softmax_match_pytorch_and_reduce_each_row_alone(kernels):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 576, generator=gen)
+    weight = torch.randn(576, generator=gen)
+    normed = kernels.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(normed, kernels.reference_rms_norm(x, weight, 1e-5), rtol=1e-5, atol=1e-5)
+    logits = torch.randn(64, 10000, generator=gen) * 4
+    logp = kernels.log_softmax(logits)
+    torch.testing.assert_close(logp, torch.log_softmax(logits, -1), rtol=1e-5, atol=1e-5)
+    for rows in (1, 3):
+        assert torch.equal(kernels.rms_norm(x[7 : 7 + rows], weight, 1e-5), normed[7 : 7 + rows])
+        assert torch.equal(kernels.log_softmax(logits[7 : 7 + rows]), logp[7 : 7 + rows])
+
+
+@interpreted
+def test_the_backward_is_the_references(kernels):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 32, generator=gen, requires_grad=True)
+    weight = torch.randn(32, generator=gen, requires_grad=True)
+    kernels.rms_norm_op(x, weight, 1e-6).square().sum().backward()
+    x2, w2 = x.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    kernels.reference_rms_norm(x2, w2, 1e-6).square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(weight.grad, w2.grad)
+    q = torch.randn(1, 4, 6, 16, generator=gen, requires_grad=True)
+    k = torch.randn(1, 2, 6, 16, generator=gen, requires_grad=True)
+    kernels.attention_op(q, k, k, None, 0.25).sum().backward()
+    q2, k2 = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+    kernels.reference_attention(q2, k2, k2, None, 0.25).sum().backward()
+    torch.testing.assert_close(q.grad, q2.grad)
+    torch.testing.assert_close(k.grad, k2.grad)
+
+
+# ---------------------------------------------------------------- on the GPU, compiled (H200)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_matmul_rows_are_invariant_to_batch_and_position(dtype):
+    from miles_engine import invariant_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for k, n in ((576, 1536), (1536, 576), (576, 49152)):
+        x = torch.randn(300, k, device="cuda", dtype=dtype, generator=gen)
+        weight = torch.randn(n, k, device="cuda", dtype=dtype, generator=gen)
+        full = invariant_triton.matmul(x, weight)
+        for start, rows in ((0, 1), (37, 1), (5, 3), (100, 64), (1, 129)):
+            part = invariant_triton.matmul(x[start : start + rows], weight)
+            assert torch.equal(part, full[start : start + rows]), (k, n, start, rows)
+        torch.testing.assert_close(full.float(), (x.float() @ weight.float().T), rtol=2e-2, atol=2e-1)
+
+
+@pytest.mark.gpu
+def test_gpu_attention_norm_and_log_softmax_are_invariant_in_bf16():
+    from miles_engine import invariant_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    heads, kv_heads, dim, n = 9, 3, 64, 300
+    q = torch.randn(1, heads, n, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(1, kv_heads, n, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(1, kv_heads, n, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    causal = (torch.arange(n, device="cuda")[None, :] <= torch.arange(n, device="cuda")[:, None])[None, None]
+    prefill = invariant_triton.attention(q, k, v, causal, dim**-0.5)
+    pad = torch.zeros(1, kv_heads, 211, dim, device="cuda", dtype=torch.bfloat16)
+    for i in (0, 31, 32, 299):
+        mask = (torch.arange(n + 211, device="cuda") <= i)[None, None, None]
+        one = invariant_triton.attention(q[:, :, i : i + 1], torch.cat([k, pad], 2), torch.cat([v, pad], 2), mask,
+                                         dim**-0.5)
+        assert torch.equal(one[:, 0], prefill[:, i]), i
+    x = torch.randn(200, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
+    weight = torch.randn(576, device="cuda", dtype=torch.bfloat16, generator=gen)
+    logits = torch.randn(200, 49152, device="cuda", generator=gen) * 3
+    normed, logp = invariant_triton.rms_norm(x, weight, 1e-5), invariant_triton.log_softmax(logits)
+    for start, rows in ((0, 1), (7, 3), (64, 64)):
+        assert torch.equal(invariant_triton.rms_norm(x[start : start + rows], weight, 1e-5), normed[start : start + rows])
+        assert torch.equal(invariant_triton.log_softmax(logits[start : start + rows]), logp[start : start + rows])
