@@ -66,7 +66,7 @@ def main() -> None:
         for name, model in (("default", default), ("invariant", exact)):
             block = model.model.layers[0].mlp
 
-            def run(block: Any = block) -> None:
+            def run(block: Any = block, hidden: torch.Tensor = hidden) -> None:
                 with torch.no_grad():
                     block(hidden)
 
