@@ -64,6 +64,7 @@ def test_experts_give_a_token_the_same_bits_whatever_the_other_tokens_routed_to(
         assert torch.equal(experts(hidden, index, weights)[9:10], alone)
         reference = _layer(_model(moe_path, install=False)).experts(hidden, index, weights)
         assert torch.allclose(experts(hidden, index, weights), reference, atol=1e-6)
+        assert experts(hidden[:0], index[:0], weights[:0]).shape == (0, 64)
 
 
 def test_the_top_k_outputs_are_summed_in_rank_order(moe_model):

@@ -65,6 +65,8 @@ def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index
     tokens, k = top_k_index.shape
     gate_up, down = experts.gate_up_proj, experts.down_proj
     assert isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+    if not tokens:
+        return hidden_states.new_zeros(hidden_states.shape)
     pair_expert = top_k_index.reshape(-1)  # pair p = token * k + rank
     pair_weight = top_k_weights.reshape(-1, 1)
     pieces, where = [], []
