@@ -56,6 +56,47 @@ def test_true_on_policy_run_has_zero_diff_on_every_token(tiny_dense: Path, tmp_p
         assert {tuple(s["weight_versions"]) for s in samples} == {(step - 1,)}
 
 
+@pytest.mark.slow
+def test_true_on_policy_moe_run_is_exact_and_routes_like_the_engine(tiny_moe: Path, tmp_path: Path,
+                                                                     vowel_reward: str) -> None:
+    """The tiny Qwen3-MoE (invariant router and experts, ``miles_engine.invariant_moe``): 5 steps
+    with a weight update after each, of multi-turn agentic sessions (the ``long_tail`` agent, 3 chat
+    turns each through the session server: every later turn a prefill over the cached keys of the
+    earlier ones), 4 sessions a step running concurrently with turns of random length, so the
+    engine's decode batches and the rows' lengths vary, and the trainer runs micro-batches of
+    different row counts (``train.micro_batch_tokens``). Every trainable token's log-prob is exact,
+    and with routing capture on but replay off (``r3.replay: false``: the trainer routes by itself)
+    the trainer's experts equal the engine's on every recorded (token, MoE layer) pair, which the run
+    checks itself (a mismatch would fail the step: ``rollout.true_on_policy_check`` is ``error``)."""
+    steps = 5
+    out = _train(f"model.name={tiny_moe}", f"run.output_dir={tmp_path}", "run.name=moe", f"run.steps={steps}",
+                 "run.dump_tokens=true", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
+                 "rollout.max_new_tokens=6", "rollout.temperature=0.8", "rollout.true_on_policy=true",
+                 "rollout.generator=agentic", "rollout.agent=long_tail", "tito.family=chatml", "longtail.turns=3",
+                 "longtail.tokens_median=4", "longtail.tokens_max=6", "longtail.latency_scale=0.01",
+                 "reward.name=remote", f"reward.remote_url={vowel_reward}", "train.lr=1e-2",
+                 "train.micro_batch_tokens=320", "r3.enabled=true", "r3.replay=false", "data.options={digits: 1}")
+    assert out.returncode == 0, out.stdout + out.stderr[-4000:]
+    run = tmp_path / "moe"
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    for step, m in enumerate(metrics, start=1):
+        samples = [json.loads(line) for line in (run / "samples" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        assert len(samples) == 4 and all(_sampled_turns(s["loss_mask"]) == 3 for s in samples)
+        assert {v for s in samples for v in s["weight_versions"]} == {step - 1}  # every turn: the latest weights
+        assert m["train/train_rollout_logprob_abs_diff"] == 0.0
+        assert m["train/train_rollout_logprob_abs_diff_max"] == 0.0
+        # every trainable token of every turn checked, none differing
+        assert m["train/true_on_policy_checked_tokens"] == sum(sum(s["loss_mask"]) for s in samples)
+        assert m["train/true_on_policy_mismatched_tokens"] == 0.0
+        assert m["train/grad_norm"] > 0  # the weights moved: every later step samples with updated weights
+        # every recorded (token, MoE layer) pair checked by the run itself, none differing
+        assert m["r3/train/replayed_tokens"] == sum(len(s["tokens"]) - 1 for s in samples)
+        assert m["r3/train/true_on_policy_checked_pairs"] == 2 * m["r3/train/replayed_tokens"]  # 2 MoE layers
+        assert m["r3/train/true_on_policy_mismatched_pairs"] == 0.0
+        assert m["r3/train/routing_agreement"] == 1.0
+
+
 def test_true_on_policy_config_errors_name_every_incompatible_key(tmp_path: Path) -> None:
     from miles.config import load_config
 

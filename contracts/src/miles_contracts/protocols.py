@@ -420,6 +420,10 @@ class ForwardContext:
         the other when packed, a rank's shard under sequence/context parallelism), its flat index
         ``b * T + t`` into ``batch``, or -1 for a token that is not in ``batch`` (padding);
         ``"dummy"``: True for a forward that only keeps ranks in step (its result is discarded).
+        Optional: ``"true_on_policy_step"``: the RL step, set only when the forward runs with
+        exactly the weights that sampled ``batch`` and the same batch-invariant forward as the
+        engine (``rollout.true_on_policy``, sync mode, before the step's first update), so what
+        the rollout recorded about these tokens (log-probs, MoE routing) must agree exactly.
     """
 
     phase: str

@@ -107,17 +107,19 @@ def install_linears(model: PreTrainedModel) -> int:
     """Route every ``nn.Linear`` of ``model`` through :func:`linear` (a per-instance forward: the
     module, its weight and its name stay as they are). Returns how many layers it covered.
 
-    Mixture-of-experts models are refused: transformers keeps their experts as 3-D parameters
-    multiplied with ``F.linear`` on however many tokens each expert got, and routes with
-    ``F.linear`` too, none of which is an ``nn.Linear`` this can route (measured: the tiny
-    Qwen3-MoE differed by 1.5e-7 between a row alone and padded with others)."""
+    A mixture-of-experts model's routers and experts are no ``nn.Linear`` (3-D expert weights
+    multiplied with ``F.linear`` on however many tokens each expert got; measured: the tiny
+    Qwen3-MoE differed by 1.5e-7 between a row alone and padded with others), so
+    :func:`miles_engine.invariant_moe.install` routes them too, and refuses the layouts it does not
+    support."""
     from torch import nn
 
     text = model.config.get_text_config()
     experts = max(int(getattr(text, name, 0) or 0) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
     if experts:
-        raise NotImplementedError(f"rollout.true_on_policy supports dense models only; this one has {experts} experts "
-                                  f"per MoE layer (see docs/design/true-on-policy.md); turn true_on_policy off")
+        from miles_engine import invariant_moe
+
+        invariant_moe.install(model, experts)
 
     layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
     for layer in layers:

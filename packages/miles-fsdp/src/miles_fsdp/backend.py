@@ -149,7 +149,9 @@ class FSDPBackend:
             pair_cost=attention_pair_cost(self.hf_config),
             prefix_tree=TreePolicy("off" if self.true_on_policy else self.options.prefix_tree, attn,
                                    attention_pair_cost(self.hf_config)),
+            on_policy_step=self._on_policy_step,
         )
+        self._rollout_weights = True  # the actor holds the weights the engines sample with (see _on_policy_step)
         self.optimizer_steps = 0
         self.skipped_steps = 0
 
@@ -171,6 +173,16 @@ class FSDPBackend:
         scheduler = build_scheduler(optimizer, LRMultiplier(train.lr_schedule, train.warmup_steps, total_steps))
         # with LoRA the frozen base is re-read from its source; checkpoints hold the adapters
         return TrainedModule(name, module, optimizer, scheduler, trained_only=self.lora is not None and name == "actor")
+
+    def _on_policy_step(self, phase: str, module: torch.nn.Module) -> int | None:
+        """The RL step whose rollout sampled with exactly the weights of this actor forward, in a
+        true on-policy sync run: the old-policy pass and the training forwards before the step's
+        first update (``ForwardContext.state["true_on_policy_step"]``); None for any other forward."""
+        if self.on_policy_check is None or module is not self.actor or phase not in ("old_logprobs", "train"):
+            return None
+        if not self._rollout_weights:
+            return None
+        return (self.optimizer_steps + self.skipped_steps) // self.config.train.updates_per_step + 1
 
     def _temperature(self) -> float:
         if self.options.logprob_temperature is not None:
@@ -236,6 +248,7 @@ class FSDPBackend:
 
         totals = policy_update(batch, self.config, self.kernel, actor=_Trainee(self, "train", self.trained[0], check),
                                logprobs=logprobs, critic=critic, log_entropy=self.options.log_entropy)
+        self._rollout_weights = True  # sync mode: the next rollout samples with the weights as they are now
         if check is not None:
             totals |= check.metrics()
         totals["optimizer_steps"] = float(self.optimizer_steps)
@@ -249,6 +262,8 @@ class FSDPBackend:
         norm = float(total_norm.full_tensor() if hasattr(total_norm, "full_tensor") else total_norm)
         lr = trained.optimizer.param_groups[0]["lr"]
         finite = torch.isfinite(torch.tensor(norm)).item()
+        if trained.name == "actor":
+            self._rollout_weights = False  # until the step ends (the engines then get these weights)
         if finite or not self.options.skip_nonfinite_grads:
             trained.optimizer.step()
             if trained.name == "actor":

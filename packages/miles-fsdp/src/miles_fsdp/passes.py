@@ -109,6 +109,9 @@ class PassRunner:
     pair_cost: float = DEFAULT_PAIR_COST
     attention: Callable[[], contextlib.AbstractContextManager] = field(default=contextlib.nullcontext)
     prefix_tree: TreePolicy | None = None  # None: rows always run flat
+    # (phase, module) -> the RL step whose rollout sampled with exactly the weights this forward
+    # uses, under true on-policy (ForwardContext.state["true_on_policy_step"]); None for any other
+    on_policy_step: Callable[[str, torch.nn.Module], int | None] = field(default=lambda phase, module: None)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -138,8 +141,12 @@ class PassRunner:
                 *, with_entropy: bool = False, dummy: bool = False) -> tuple[torch.Tensor, ...]:
         """``[K]`` outputs of ``module`` on ``inputs``, through the ``miles_forward`` wrappers."""
         hf = module.hf if isinstance(module, PolicyModel) else module.base
+        state: dict[str, Any] = {"inputs": inputs, "dummy": dummy, "token_positions": inputs.token_positions}
+        step = self.on_policy_step(phase, module)
+        if step is not None:
+            state["true_on_policy_step"] = step
         ctx = ForwardContext(phase=phase, model=hf, batch=micro, backend=self.backend_name, bridge=self.bridge,
-                             state={"inputs": inputs, "dummy": dummy, "token_positions": inputs.token_positions})
+                             state=state)
 
         def run() -> tuple[torch.Tensor, ...]:
             if isinstance(module, ValueModel):

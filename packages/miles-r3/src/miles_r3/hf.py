@@ -11,7 +11,10 @@ map says so -- the router's own formula), so gradients still reach the router.
 
 The logits are recomputed from the router's input and weight (one ``[N, hidden] x [hidden, E]``
 product, small next to the experts) rather than read from its output: transformers 5.0 returns
-the softmax probabilities where 5.17+ return the logits, in the same slot.
+the softmax probabilities where 5.17+ return the logits, in the same slot. A token whose recorded
+experts are the router's own top-k, in the same order, keeps the router's own weights: they are
+the same formula's values, and under ``rollout.true_on_policy`` (an invariant router) the very bits
+the engine used, which a recomputation through a batched product would not be.
 
 The hooks stay on the routers once installed and cost one attribute check per router call while no
 table is armed. They are excluded from ``torch.compile`` tracing (a graph break at each router):
@@ -77,7 +80,11 @@ class HFRouterReplay(Replayer):
             hidden = args[0] if args else kwargs["hidden_states"]
             weight = cast(torch.Tensor, module.weight)  # a [E, hidden] tensor: checked when the hook was installed
             logits = F.linear(hidden.reshape(-1, weight.shape[1]), weight, getattr(module, "bias", None))
-            weights = torch.where(recorded[:, None], gate_weights(logits, experts, self.layer_map).to(scores.dtype), scores)
+            # where the recorded experts are the router's own top-k in its own order, its own scores
+            # are those gate weights already (and, under true on-policy, the engine's bits)
+            recomputed = recorded & ~(experts == own.long()).all(dim=-1)
+            weights = torch.where(recomputed[:, None], gate_weights(logits, experts, self.layer_map).to(scores.dtype),
+                                  scores)
             replaced = list(output)
             replaced[slot_scores], replaced[slot_indices] = weights, experts.to(own.dtype)
             return type(output)(replaced)

@@ -37,6 +37,8 @@ class _ProcessState:
         self._settings: R3Section | None = None
         self._stats: RoutingStats | None = None
         self._replayers: weakref.WeakKeyDictionary[Any, Replayer | None] = weakref.WeakKeyDictionary()
+        # rollout.true_on_policy_check: what a routing mismatch of an exact forward does
+        self.on_policy_check: str = "error"
 
     @property
     def settings(self) -> R3Section:
@@ -98,6 +100,7 @@ def miles_configure(config: MilesConfig, ctx: RunContext) -> None:
     from miles_r3.config import R3Section
 
     STATE.settings = config.section("r3", R3Section)
+    STATE.on_policy_check = config.rollout.true_on_policy_check
 
 
 @hookimpl
@@ -120,7 +123,10 @@ def miles_engine_captures(config: MilesConfig, ctx: RunContext) -> list[EngineCa
 @hookimpl(wrapper=True)
 def miles_forward(ctx: ForwardContext) -> Generator[None, Any, Any]:
     """Force every MoE router to the batch's recorded experts for the duration of this forward
-    (and of its recomputation in backward under activation checkpointing)."""
+    (and of its recomputation in backward under activation checkpointing). In a forward the
+    backend marks ``true_on_policy_step`` (the weights that sampled the batch, the engine's
+    invariant forward) the routers' own choice must equal the rollout's on every (token, MoE
+    layer) pair: a mismatch fails the step, or is counted with ``rollout.true_on_policy_check: metric``."""
     batch = ctx.batch  # None in a forward that runs on no batch (kernel tests of the wrapper chain)
     experts = batch.extras.get(ROUTED_EXPERTS_NAME) if batch is not None else None
     if experts is None or ctx.phase not in STATE.settings.phases or ctx.state.get("dummy"):
@@ -128,14 +134,42 @@ def miles_forward(ctx: ForwardContext) -> Generator[None, Any, Any]:
     replayer = STATE.replayer(ctx)
     if replayer is None:
         return (yield)
-    replayer.arm(_table(ctx, experts, replayer), keep_for_recompute=replayer.recomputes(ctx.model))
+    step = ctx.state.get("true_on_policy_step")
+    table = _table(ctx, experts, replayer, exact=step is not None)
+    replayer.arm(table, keep_for_recompute=replayer.recomputes(ctx.model))
     try:
-        return (yield)
+        result = yield
     finally:
         replayer.release()
+    if step is not None and STATE.on_policy_check == "error":
+        _check_routing(ctx, table, replayer, step)
+    return result
 
 
-def _table(ctx: ForwardContext, experts: Any, replayer: Replayer) -> Any:
+class RoutingMismatch(RuntimeError):
+    """A true on-policy forward routed a token to other experts than the rollout did."""
+
+
+def _check_routing(ctx: ForwardContext, table: Any, replayer: Replayer, step: int) -> None:
+    found = table.first_mismatch()
+    if found is None:
+        return
+    token, column, own, rollout, count, checked = found
+    width = ctx.batch.tokens.shape[1]
+    row, col = divmod(int(table.positions[token]), width)
+    layer_map = getattr(replayer, "layer_map", None)
+    layer = f"MoE layer {column}" + (f" (router {layer_map.router_path(layer_map.moe_layers[column])})"
+                                     if layer_map is not None else "")
+    raise RoutingMismatch(
+        f"true on-policy routing check: step {step}, sample {int(ctx.batch.rollout_ids[row])} (batch row {row}), "
+        f"token {col} of the sequence (token id {int(ctx.batch.tokens[row, col])}), {layer}: the trainer routed "
+        f"to experts {own}, the rollout to {rollout}; {count} of {checked} (token, MoE layer) pairs of this "
+        f"{ctx.phase} forward differ. Set rollout.true_on_policy_check: metric to count them "
+        f"(r3/{ctx.phase}/true_on_policy_mismatched_pairs) instead of failing"
+    )
+
+
+def _table(ctx: ForwardContext, experts: Any, replayer: Replayer, *, exact: bool = False) -> Any:
     from miles.errors import MilesError
 
     from miles_r3.replay import ReplayTable, line_up
@@ -149,8 +183,10 @@ def _table(ctx: ForwardContext, experts: Any, replayer: Replayer) -> Any:
         raise MilesError(f"backend {ctx.backend!r} gives no ForwardContext.state['token_positions']; routing replay "
                          f"needs it to line the recorded experts up with the tokens the routers see")
     uses = 2 if replayer.recomputes(ctx.model) else 1
-    forced, recorded, unrecorded = line_up(experts, positions(), replayer.num_experts, ctx.batch.size)
-    return ReplayTable(forced, recorded, phase=ctx.phase, replay=STATE.settings.replay, uses=uses, unrecorded=unrecorded)
+    flat = positions()
+    forced, recorded, unrecorded = line_up(experts, flat, replayer.num_experts, ctx.batch.size)
+    return ReplayTable(forced, recorded, phase=ctx.phase, replay=STATE.settings.replay, uses=uses,
+                       unrecorded=unrecorded, exact=exact, positions=flat if exact else None)
 
 
 @hookimpl

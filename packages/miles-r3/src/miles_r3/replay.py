@@ -32,6 +32,9 @@ class PhaseCounts:
     :ivar tokens: recorded tokens.
     :ivar same_tokens: recorded tokens whose own top-k equals the rollout's in every MoE layer.
     :ivar unrecorded_tokens: tokens of the batch (not padding) the routers saw without a record.
+    :ivar exact_pairs: pairs of forwards that must route exactly as the rollout did (true
+        on-policy: the weights that sampled the batch, the engine's invariant forward).
+    :ivar exact_mismatched_pairs: those of them routed to another set of experts.
     """
 
     pairs: int = 0
@@ -41,6 +44,8 @@ class PhaseCounts:
     tokens: int = 0
     same_tokens: int = 0
     unrecorded_tokens: int = 0
+    exact_pairs: int = 0
+    exact_mismatched_pairs: int = 0
 
     def add(self, other: PhaseCounts) -> None:
         for f in fields(self):
@@ -65,7 +70,10 @@ class RoutingStats:
           set equals the rollout's;
         * ``token_agreement``: share of tokens on which it does in every MoE layer;
         * ``expert_overlap``: share of the rollout's experts the trainer chose too;
-        * ``replayed_tokens`` / ``unrecorded_tokens``: tokens with / without a record.
+        * ``replayed_tokens`` / ``unrecorded_tokens``: tokens with / without a record;
+        * ``true_on_policy_checked_pairs`` / ``true_on_policy_mismatched_pairs``: pairs of the
+          forwards that must route exactly as the rollout (see :meth:`ReplayTable.first_mismatch`),
+          and how many did not (only when there were such forwards).
         """
         with self._lock:
             phases, self._phases = self._phases, {}
@@ -78,6 +86,9 @@ class RoutingStats:
                 out[prefix + "routing_agreement"] = c.same_pairs / c.pairs
                 out[prefix + "token_agreement"] = c.same_tokens / max(c.tokens, 1)
                 out[prefix + "expert_overlap"] = c.shared_experts / c.rollout_experts
+            if c.exact_pairs:
+                out[prefix + "true_on_policy_checked_pairs"] = float(c.exact_pairs)
+                out[prefix + "true_on_policy_mismatched_pairs"] = float(c.exact_mismatched_pairs)
         return out
 
 
@@ -89,11 +100,17 @@ class ReplayTable:
     :param recorded: ``[N]`` bool, False where ``forced`` holds no record.
     :param uses: times each router will run on this table (2 when backward recomputes it).
     :param unrecorded: ``[]`` tokens of the batch without a record besides each row's last token.
+    :param exact: the forward must route every recorded token exactly as the rollout did (true
+        on-policy); the table then keeps each router's disagreements for :meth:`first_mismatch`.
+    :param positions: ``[N]`` flat ``[b, t]`` index of each token (``token_positions``), kept so a
+        mismatch can be named by batch row and column.
     """
 
     def __init__(self, forced: torch.Tensor, recorded: torch.Tensor, *, phase: str, replay: bool, uses: int,
-                 unrecorded: torch.Tensor | int = 0) -> None:
-        self.forced, self.recorded, self.phase, self.replay = forced, recorded, phase, replay
+                 unrecorded: torch.Tensor | int = 0, exact: bool = False, positions: torch.Tensor | None = None) -> None:
+        self.forced, self.recorded, self.phase, self.replay, self.exact = forced, recorded, phase, replay, exact
+        self.positions = positions
+        self._differs: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (column, [N] bool, own [N, k]) if exact
         self._uses = uses
         self.uses_left = [uses] * forced.shape[1]
         self.unrecorded = unrecorded
@@ -123,13 +140,16 @@ class ReplayTable:
         forced = self.forced[:, column].to(device=own.device, dtype=torch.long)
         recorded = self.recorded.to(own.device)
         if self.uses_left[column] == self._uses:  # the forward itself, not its recomputation
-            self._count(own, forced, recorded)
+            self._count(column, own, forced, recorded)
         self.uses_left[column] -= 1
         return torch.where(recorded[:, None], forced, own.long()), recorded
 
-    def _count(self, own: torch.Tensor, forced: torch.Tensor, recorded: torch.Tensor) -> None:
+    def _count(self, column: int, own: torch.Tensor, forced: torch.Tensor, recorded: torch.Tensor) -> None:
         own = own.long()
-        same = (own.sort(dim=-1).values == forced.sort(dim=-1).values).all(dim=-1) & recorded
+        agree = (own.sort(dim=-1).values == forced.sort(dim=-1).values).all(dim=-1)
+        same = agree & recorded
+        if self.exact:
+            self._differs.append((column, recorded & ~agree, own))
         self._same_pairs += same.sum()
         self._shared += ((own[:, :, None] == forced[:, None, :]).any(dim=-1) & recorded[:, None]).sum()
         self._all_same &= same | ~recorded
@@ -143,11 +163,29 @@ class ReplayTable:
         tokens, unrecorded, same_pairs, shared, same_tokens = (int(v) for v in values)
         if not self._layers_seen:
             return PhaseCounts(unrecorded_tokens=unrecorded)
+        exact = tokens * self._layers_seen if self.exact else 0
         return PhaseCounts(
             pairs=tokens * self._layers_seen, same_pairs=same_pairs, shared_experts=shared,
             rollout_experts=tokens * self._layers_seen * int(self.forced.shape[2]), tokens=tokens,
-            same_tokens=same_tokens, unrecorded_tokens=unrecorded,
+            same_tokens=same_tokens, unrecorded_tokens=unrecorded, exact_pairs=exact,
+            exact_mismatched_pairs=exact - same_pairs if self.exact else 0,
         )
+
+    def first_mismatch(self) -> tuple[int, int, list[int], list[int], int, int] | None:
+        """For an ``exact`` table after its forward: ``(token, column, own experts, rollout's
+        experts, mismatched pairs, checked pairs)`` of the first recorded (token, MoE layer) pair
+        (token order, then layer order) whose experts differ from the rollout's; None when all agree."""
+        if not self._differs:
+            return None
+        self._differs.sort(key=lambda d: d[0])
+        differs = torch.stack([d for _, d, _ in self._differs], dim=1)  # [N, columns seen]
+        count = int(differs.sum())
+        if not count:
+            return None
+        token, at = (int(i) for i in differs.nonzero()[0])
+        column, _, own = self._differs[at]
+        checked = int(self.recorded.sum()) * len(self._differs)
+        return token, column, own[token].tolist(), self.forced[token, column].long().tolist(), count, checked
 
 
 def line_up(experts: torch.Tensor, positions: torch.Tensor, num_experts: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
