@@ -57,8 +57,9 @@ def test_true_on_policy_run_has_zero_diff_on_every_token(tiny_dense: Path, tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_true_on_policy_moe_run_is_exact_and_routes_like_the_engine(tiny_moe: Path, tmp_path: Path,
-                                                                     vowel_reward: str) -> None:
+                                                                     vowel_reward: str, device: str) -> None:
     """The tiny Qwen3-MoE (invariant router and experts, ``miles_engine.invariant_moe``): 5 steps
     with a weight update after each, of multi-turn agentic sessions (the ``long_tail`` agent, 3 chat
     turns each through the session server: every later turn a prefill over the cached keys of the
@@ -69,7 +70,8 @@ def test_true_on_policy_moe_run_is_exact_and_routes_like_the_engine(tiny_moe: Pa
     the trainer's experts equal the engine's on every recorded (token, MoE layer) pair, which the run
     checks itself (a mismatch would fail the step: ``rollout.true_on_policy_check`` is ``error``)."""
     steps = 5
-    out = _train(f"model.name={tiny_moe}", f"run.output_dir={tmp_path}", "run.name=moe", f"run.steps={steps}",
+    out = _train(f"model.name={tiny_moe}", f"model.device={device}", f"run.output_dir={tmp_path}", "run.name=moe",
+                 f"run.steps={steps}",
                  "run.dump_tokens=true", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
                  "rollout.max_new_tokens=6", "rollout.temperature=0.8", "rollout.true_on_policy=true",
                  "rollout.generator=agentic", "rollout.agent=long_tail", "tito.family=chatml", "longtail.turns=3",

@@ -17,8 +17,9 @@ for part in "$@"; do
   start=$SECONDS
   case $part in
     tests)
-      timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu -x \
+      timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu \
         packages/miles-engine/tests/test_invariant_triton.py packages/miles-engine/tests/test_invariant_ops.py \
+        packages/miles-engine/tests/test_invariant_moe.py \
         tests/test_true_on_policy.py >"$OUT/on-policy-tests.log" 2>&1
       echo "tests: exit $? in $((SECONDS - start)) s"; tail -5 "$OUT/on-policy-tests.log" ;;
     smol)

@@ -92,9 +92,24 @@ def test_gradients_are_transformers_own(moe_path, moe_model):
 
 
 def test_the_tiny_moe_model_is_batch_invariant_and_routes_alike_end_to_end(moe_model):
-    model = moe_model
+    _check_alone_padded_packed(moe_model, "cpu")
+
+
+@pytest.mark.gpu
+def test_on_cuda_in_bf16_the_tiny_moe_model_is_batch_invariant_and_routes_alike(moe_path):
+    """The same ops on the Triton kernels (``invariant_triton``: the experts' and the router's
+    linears; softmax and top-k over a token's own expert scores)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.bfloat16, attn_implementation=invariant.register())
+    model.to("cuda")
+    invariant.install_linears(model)
+    _check_alone_padded_packed(model.eval(), "cuda")
+
+
+def _check_alone_padded_packed(model, device):
     capture = RoutingCapture(model)
-    ids = torch.randint(3, 1000, (3, 13))
+    ids = torch.randint(3, 1000, (3, 13)).to(device)
     lengths = [13, 6, 9]
     try:
         with torch.no_grad():
@@ -102,11 +117,11 @@ def test_the_tiny_moe_model_is_batch_invariant_and_routes_alike_end_to_end(moe_m
             for r, n in enumerate(lengths):
                 alone.append(model(input_ids=ids[r : r + 1, :n]).logits[0])
                 routed.append(capture.take())
-            pad = (torch.arange(13)[None, :] < torch.tensor(lengths)[:, None]).long()
+            pad = (torch.arange(13)[None, :] < torch.tensor(lengths)[:, None]).long().to(device)
             padded = model(input_ids=ids, attention_mask=pad).logits
             padded_routes = capture.take().view(3, 13, 2, 2)
             packed_ids = torch.cat([ids[r, :n] for r, n in enumerate(lengths)])[None]
-            positions = torch.cat([torch.arange(n) for n in lengths])[None]
+            positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
             packed = model(input_ids=packed_ids, position_ids=positions, use_cache=False).logits[0]
             packed_routes = capture.take()
     finally:

@@ -23,7 +23,9 @@ alone does not reach them. This module makes both invariant by construction:
 
 Supported: the Qwen3-MoE layout (router class in :data:`ROUTERS`; experts with concatenated
 ``[gate; up]`` weights, not transposed, no bias, no post-expert norm). Anything else is refused by
-:func:`install` with the class it cannot route. fp32 CPU, like the rest of the invariant forward.
+:func:`install` with the class it cannot route. fp32 on the CPU; on CUDA the same code runs
+bf16 or fp32, its linears on the Triton matmul of :mod:`miles_engine.invariant_triton` (checked on
+the H200: ``test_invariant_moe.py``'s ``gpu`` test and the MoE ``miles train`` test on CUDA).
 """
 
 from __future__ import annotations
