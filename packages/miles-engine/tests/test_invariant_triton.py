@@ -34,7 +34,7 @@ def test_the_kernels_in_the_interpreter(tmp_path):
                             f"--basetemp={tmp_path / 'child'}"], env=env, capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-3000:]
     passed = re.search(r"(\d+) passed", child.stdout.strip().splitlines()[-1])
-    assert passed and int(passed.group(1)) == 10, child.stdout[-2000:]  # every interpreted test ran
+    assert passed and int(passed.group(1)) == 11, child.stdout[-2000:]  # every interpreted test ran
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +118,16 @@ def test_attention_walks_each_querys_own_keys_so_decode_prefill_and_packing_agre
     packed_v = torch.cat([torch.randn(1, kv_heads, other, dim, generator=gen), v], 2)
     packed = kernels.attention(packed_q, packed_k, packed_v, _packed([other, n]), dim**-0.5)
     assert torch.equal(packed[:, other:], prefill)
+
+
+@interpreted
+def test_query_tiles_keep_a_tile_inside_one_row_and_one_first_key(kernels):
+    # row 0: a packed row of documents of 5 and 4 queries; row 1: 9 queries of one document
+    lo = torch.tensor([0, 0, 0, 0, 0, 5, 5, 5, 5, 0, 0, 0, 0, 0, 0, 0, 0, 0], dtype=torch.int32)
+    first, count = kernels.query_tiles(lo, 2, 9, 4)
+    assert first.tolist() == [0, 4, 5, 9, 13, 17] and count.tolist() == [4, 1, 4, 4, 4, 1]
+    decode_first, decode_count = kernels.query_tiles(lo[:3], 3, 1, 4)  # one query per row: a tile each
+    assert decode_first.tolist() == [0, 1, 2] and decode_count.tolist() == [1, 1, 1]
 
 
 @interpreted

@@ -18,7 +18,11 @@ Each kernel gets that by construction:
   ``[lo, hi)`` (its causal prefix in the engine's slot, its own document in the trainer's packed
   row); the kernel starts its key blocks at ``lo``, whatever the key tensor's length or where the
   range sits in it, so the online softmax rescales at the same keys and sums the same blocks in
-  every call. A fully masked tail of a block contributes exact zeros.
+  every call. A program takes a tile of consecutive queries sharing ``lo`` (a prefill's or a
+  document's queries; one query in a decode step): blocks past a query's last key are fully
+  masked for it and leave its running maximum, sum and accumulator unchanged bit for bit (the
+  rescale factor is ``exp(0) = 1`` and the added terms are zeros), and a masked key inside its
+  last block contributes an exact zero, as in a decode step.
 
 The backward passes are not part of the contract (only forward values must agree between engine
 and trainer): they recompute the PyTorch reference of each op and differentiate that.
@@ -38,7 +42,7 @@ import triton.language as tl
 # One configuration per kernel (see the module docstring): never derived from a shape.
 MATMUL_BLOCK_M, MATMUL_BLOCK_N, MATMUL_BLOCK_K, MATMUL_WARPS, MATMUL_STAGES = 64, 128, 64, 4, 3
 ATTN_BLOCK_N, ATTN_WARPS = 32, 4
-ATTN_MIN_ROWS = 16  # tl.dot needs at least 16 rows: a query's head group is padded up to it
+ATTN_ROWS = 64  # rows of an attention tile: queries x their group of heads (tl.dot needs >= 16)
 NORM_WARPS = 4
 LOGSOFTMAX_BLOCK, LOGSOFTMAX_WARPS = 4096, 8
 _NEG = tl.constexpr(-1.0e30)  # a finite "minus infinity" for the running maximum: exp(_NEG - m) is exactly 0
@@ -92,48 +96,58 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @triton.jit(do_not_specialize=["Q"])
-def _attention_kernel(q_ptr, k_ptr, v_ptr, lo_ptr, hi_ptr, out_ptr, Q, scale,
+def _attention_kernel(q_ptr, k_ptr, v_ptr, lo_ptr, hi_ptr, tile_first_ptr, tile_count_ptr, out_ptr, Q, scale,
                       sq_b, sq_h, sq_q, sq_d, sk_b, sk_h, sk_l, sk_d, sv_b, sv_h, sv_l, sv_d,
                       so_b, so_q, so_h, so_d,
                       GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                       IEEE: tl.constexpr):
-    """One program: query token ``i`` of batch row ``b``, the ``GROUP`` query heads of KV head ``g``."""
-    pid = tl.program_id(0)
+    """One program: a tile of consecutive queries of one batch row that share their first key
+    ``lo``, times the ``GROUP`` query heads of KV head ``g`` (row ``r`` = query ``r // GROUP``,
+    head ``r % GROUP``). Every query walks the key blocks from ``lo``; blocks past its own last key
+    are fully masked for it, which leaves its running state unchanged bit for bit."""
+    t = tl.program_id(0)
     g = tl.program_id(1)
-    b = pid // Q
-    i = pid % Q
-    lo = tl.load(lo_ptr + pid)
-    hi = tl.load(hi_ptr + pid)
+    first = tl.load(tile_first_ptr + t)
+    count = tl.load(tile_count_ptr + t)
     r = tl.arange(0, ROWS)
     d = tl.arange(0, D)
-    heads = g * GROUP + r
-    live = r < GROUP
-    q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + i * sq_q + d[None, :] * sq_d, mask=live[:, None], other=0.0)
+    live = r < count * GROUP
+    flat = first + r // GROUP  # the query's index in [batch * Q]
+    b = first // Q
+    i = flat % Q
+    heads = g * GROUP + r % GROUP
+    lo = tl.load(lo_ptr + first)
+    hi = tl.load(hi_ptr + flat, mask=live, other=0)
+    last = tl.max(hi, 0)
+    q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + i[:, None] * sq_q + d[None, :] * sq_d, mask=live[:, None],
+                other=0.0)
     m = tl.full((ROWS,), _NEG, dtype=tl.float32)
     total = tl.zeros((ROWS,), dtype=tl.float32)
     acc = tl.zeros((ROWS, D), dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(lo, last, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        inside = n < hi
-        k = tl.load(k_ptr + b * sk_b + g * sk_h + n[None, :] * sk_l + d[:, None] * sk_d, mask=inside[None, :], other=0.0)
+        present = n < last
+        k = tl.load(k_ptr + b * sk_b + g * sk_h + n[None, :] * sk_l + d[:, None] * sk_d, mask=present[None, :],
+                    other=0.0)
         if IEEE:  # noqa: SIM108 (a constexpr branch: one of the two is compiled)
             s = tl.dot(q, k, input_precision="ieee")
         else:
             s = tl.dot(q, k)
-        s = tl.where(inside[None, :], s * scale, float("-inf"))
+        s = tl.where(n[None, :] < hi[:, None], s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         total = total * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + b * sv_b + g * sv_h + n[:, None] * sv_l + d[None, :] * sv_d, mask=inside[:, None], other=0.0)
+        v = tl.load(v_ptr + b * sv_b + g * sv_h + n[:, None] * sv_l + d[None, :] * sv_d, mask=present[:, None],
+                    other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
-    out = tl.where(total[:, None] > 0, acc / total[:, None], 0.0)
-    tl.store(out_ptr + b * so_b + i * so_q + heads[:, None] * so_h + d[None, :] * so_d, out.to(out_ptr.dtype.element_ty),
-             mask=live[:, None])
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]  # a row with no keys (a pad row) stays 0
+    tl.store(out_ptr + b * so_b + i[:, None] * so_q + heads[:, None] * so_h + d[None, :] * so_d,
+             out.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
 
 # The key ranges of the last mask seen (a forward passes the same mask to every layer), per thread:
@@ -176,6 +190,32 @@ def key_ranges(mask: torch.Tensor | None, batch: int, queries: int, length: int,
     return lo, hi
 
 
+_last_tiles = threading.local()
+
+
+def query_tiles(lo: torch.Tensor, batch: int, queries: int, per_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut the ``batch * queries`` queries into tiles of at most ``per_tile`` consecutive queries
+    of one batch row with the same first key ``lo``: ``(first, count)`` int32 per tile. A decode
+    step (one query per row) gets one tile per row without a host synchronisation (CUDA graphs)."""
+    total = batch * queries
+    device = lo.device
+    if queries == 1 or per_tile == 1:
+        return torch.arange(total, device=device, dtype=torch.int32), torch.ones(total, device=device, dtype=torch.int32)
+    last = getattr(_last_tiles, "entry", None)
+    if last is not None and last[0]() is lo and last[1] == (batch, queries, per_tile):
+        return last[2]
+    index = torch.arange(total, device=device)
+    segment_starts = index % queries == 0
+    segment_starts[1:] |= lo[1:] != lo[:-1]
+    segment_first = torch.cummax(torch.where(segment_starts, index, 0), 0).values
+    starts = segment_starts | ((index - segment_first) % per_tile == 0)
+    first = starts.nonzero()[:, 0]
+    count = torch.diff(first, append=first.new_tensor([total]))
+    tiles = first.to(torch.int32), count.to(torch.int32)
+    _last_tiles.entry = (weakref.ref(lo), (batch, queries, per_tile), tiles)
+    return tiles
+
+
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
               scale: float) -> torch.Tensor:
     """transformers' layout: ``query [B, H, Q, D]``, ``key``/``value`` ``[B, KV, L, D]``; returns
@@ -185,15 +225,17 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     if dim & (dim - 1) or dim < 16:
         raise ValueError(f"the invariant attention kernel needs a power-of-two head_dim >= 16, got {dim}")
     group = heads // kv_heads
+    if group > ATTN_ROWS:
+        raise ValueError(f"the invariant attention kernel takes at most {ATTN_ROWS} query heads per KV head, got {group}")
     lo, hi = key_ranges(mask, batch, queries, length, query.device)
     out = query.new_empty(batch, queries, heads, dim)
     if out.numel() == 0:
         return out
-    rows = max(ATTN_MIN_ROWS, triton.next_power_of_2(group))
-    grid = (batch * queries, kv_heads)
-    _attention_kernel[grid](query, key, value, lo, hi, out, queries, scale, *query.stride(), *key.stride(),
-                            *value.stride(), *out.stride(), GROUP=group, ROWS=rows, D=dim, BLOCK_N=ATTN_BLOCK_N,
-                            IEEE=query.dtype == torch.float32, num_warps=ATTN_WARPS)
+    first, count = query_tiles(lo, batch, queries, ATTN_ROWS // group)
+    grid = (first.shape[0], kv_heads)
+    _attention_kernel[grid](query, key, value, lo, hi, first, count, out, queries, scale, *query.stride(),
+                            *key.stride(), *value.stride(), *out.stride(), GROUP=group, ROWS=ATTN_ROWS, D=dim,
+                            BLOCK_N=ATTN_BLOCK_N, IEEE=query.dtype == torch.float32, num_warps=ATTN_WARPS)
     return out
 
 
