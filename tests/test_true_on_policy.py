@@ -1,9 +1,11 @@
 """`rollout.true_on_policy` end to end: `miles train` (sync, temperature 0.8) on the tiny dense
-model, a reward that moves the weights every step (so steps 2 and 3 sample with freshly synced
-weights), 6 concurrent samples whose decode batch shrinks as they finish: every trainable token's trainer log-prob equals
-the rollout's exactly (the metric is 0.0 and the check, in `error` mode, counted no mismatch). Then
-multi-turn TITO sessions, trained with and without `train.reuse_rollout_logprobs`: exact on every
-token, and the two runs equal bit for bit. The config errors are checked without starting anything."""
+model for 5 steps, a reward that moves the weights every step (so steps 2 to 5 sample with freshly
+synced weights), 6 concurrent samples prefilled together whose decode batch shrinks as they finish:
+every trainable token's trainer log-prob equals the rollout's exactly (the metric is 0.0 and the
+check, in `error` mode, counted no mismatch); on the CPU in fp32 and, marked `gpu`, on CUDA in bf16.
+Then the tiny Qwen3-MoE (5 steps of multi-turn sessions, routing checked), multi-turn TITO sessions
+trained with and without `train.reuse_rollout_logprobs` (exact on every token, the two runs equal
+bit for bit), and the config errors, checked without starting anything."""
 
 from __future__ import annotations
 
@@ -36,21 +38,21 @@ def test_true_on_policy_run_has_zero_diff_on_every_token(tiny_dense: Path, tmp_p
                                                          device: str) -> None:
     """On the CPU in fp32 (PyTorch row loops); on CUDA in bf16 (the Triton kernels, CUDA-graph decode)."""
     out = _train(f"model.name={tiny_dense}", f"model.device={device}", f"run.output_dir={tmp_path}", "run.name=top",
-                 "run.steps=3",
+                 "run.steps=5",
                  "run.dump_tokens=true", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=3",
                  "rollout.max_new_tokens=8", "rollout.temperature=0.8", "rollout.true_on_policy=true", "reward.name=remote",
                  f"reward.remote_url={vowel_reward}", "train.lr=1e-3", "data.options={digits: 1}")
     assert out.returncode == 0, out.stdout + out.stderr[-4000:]
     run = tmp_path / "top"
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
     for m in metrics:
         assert m["train/train_rollout_logprob_abs_diff"] == 0.0
         assert m["train/train_rollout_logprob_abs_diff_max"] == 0.0
         assert m["train/true_on_policy_mismatched_tokens"] == 0.0
         assert m["train/true_on_policy_checked_tokens"] > 0
-        assert m["train/grad_norm"] > 0  # the weights moved: steps 2 and 3 sample with updated weights
-    for step in (1, 2, 3):
+        assert m["train/grad_norm"] > 0  # the weights moved: steps 2 to 5 sample with updated weights
+    for step in (1, 2, 3, 4, 5):
         samples = [json.loads(line) for line in (run / "samples" / f"step_{step:06d}.jsonl").read_text().splitlines()]
         assert len(samples) == 6
         assert {tuple(s["weight_versions"]) for s in samples} == {(step - 1,)}
