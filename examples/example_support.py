@@ -162,12 +162,11 @@ class TrainRuns:
         self.started[key] = out / "e2e", process.start()
 
     def finished(self, config: Path, *overrides: str) -> Path:
-        """Wait for the run (started now if it was not) and assert that it exited with status 0; the
-        run's folder."""
+        """The run's folder, once the run (started now if it was not) has exited with status 0
+        (``LoggedProcess.finished`` raises otherwise)."""
         self.start(config, *overrides)
         run, process = self.started[(config, overrides)]
-        code = process.wait_exit(f"the run of {config} to finish")
-        assert code == 0, process.log_tail(80)
+        process.finished(f"the run of {config} to finish")
         return run
 
     def stop(self) -> None:

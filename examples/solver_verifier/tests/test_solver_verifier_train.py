@@ -14,7 +14,7 @@ OVERRIDES: tuple[str, ...] = ()  # the run: started with the other examples' (co
 
 
 def test_two_steps_train_on_solver_verifier_episodes(train_runs: TrainRuns) -> None:
-    run = train_runs.finished(CONFIG, *OVERRIDES)  # asserts that it exited with status 0
+    run = train_runs.finished(CONFIG, *OVERRIDES)  # raises unless the run exited with status 0
     assert [m["step"] for m in metrics(run)] == [1, 2]
     for step in (1, 2):
         for episode in dumped(run, step):

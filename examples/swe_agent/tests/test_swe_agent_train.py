@@ -19,7 +19,7 @@ OVERRIDES = ("rollout.max_turns=2", "rollout.max_new_tokens=16", "sandbox.pool_s
 
 
 def test_two_steps_of_mini_swe_agent_in_the_sandbox(train_runs: TrainRuns) -> None:
-    run = train_runs.finished(CONFIG, *OVERRIDES)  # asserts that it exited with status 0
+    run = train_runs.finished(CONFIG, *OVERRIDES)  # raises unless the run exited with status 0
     services = {row["role"]: row for row in json.loads((run / "services.json").read_text()) if "role" in row}
     assert services["sandbox"]["pid"] and services["sandbox"]["url"].startswith("http://127.0.0.1:")
     assert [m["step"] for m in metrics(run)] == [1, 2]
