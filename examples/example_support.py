@@ -7,16 +7,15 @@
   the rows with the generator's own :func:`~miles_tito.generators.agentic.episode_rows`), keeping
   the final session views the generator throws away, so a test can check the rows against them;
 * :func:`assert_every_model_token_trained_once`: the trajectory graph's promise;
-* :func:`train`: ``miles train`` on the tiny model in a temporary folder.
+* :class:`TrainRuns`: ``miles train`` on the tiny model, each run in a temporary folder of its own,
+  the runs of the examples' end-to-end tests started together (``examples/conftest.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
-import subprocess
 import sys
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
@@ -129,16 +128,51 @@ def branch_shape(sample: Sample) -> list[tuple[str, str]]:
 # ----------------------------------------------------------------------------- miles train
 
 
-def train(config: Path, out: Path, model: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """``miles train <config>`` on the tiny model, 2 steps of 2 prompts x 2 samples, short turns."""
-    args = [
+def train_args(config: Path, out: Path, model: Path, *overrides: str) -> list[str]:
+    """``miles train <config>`` on the tiny model, 2 steps of 2 prompts x 2 samples, short turns; the
+    run's folder is ``out / "e2e"``."""
+    return [
         str(config), f"model.name={model}", f"run.output_dir={out}", "run.name=e2e", "run.steps=2",
         "run.dump_tokens=true", "run.save_final=false", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
         "rollout.max_new_tokens=8", "data.options={digits: 1}", "tito.family=chatml", *overrides,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "miles.cli.main", "train", *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+class TrainRuns:
+    """The examples' ``miles train`` runs (:func:`train_args`), started in the background, each in a
+    folder of its own with its output in ``train.log`` there, so that the runs of several tests
+    overlap; a run is named by its config and overrides.
+
+    :param model: the tiny model every run trains.
+    :param folder: a new empty folder for a run, from a name (``TempPathFactory.mktemp``).
+    """
+
+    def __init__(self, model: Path, folder: Callable[[str], Path]) -> None:
+        self.model, self.folder = model, folder
+        self.started: dict[tuple[Path, tuple[str, ...]], tuple[Path, LoggedProcess]] = {}
+
+    def start(self, config: Path, *overrides: str) -> None:
+        """Start the run unless it was started already."""
+        key = (config, overrides)
+        if key in self.started:
+            return
+        out = self.folder(config.parent.name)
+        argv = [sys.executable, "-m", "miles.cli.main", "train", *train_args(config, out, self.model, *overrides)]
+        process = LoggedProcess(argv, out / "train.log", cwd=ROOT, env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+        self.started[key] = out / "e2e", process.start()
+
+    def finished(self, config: Path, *overrides: str) -> Path:
+        """The run's folder, once the run (started now if it was not) has exited with status 0
+        (``LoggedProcess.finished`` raises otherwise)."""
+        self.start(config, *overrides)
+        run, process = self.started[(config, overrides)]
+        process.finished(f"the run of {config} to finish")
+        return run
+
+    def stop(self) -> None:
+        """Stop every run still going, with whatever it started."""
+        for _, process in self.started.values():
+            process.stop()
 
 
 def metrics(run: Path) -> list[dict[str, Any]]:

@@ -103,9 +103,8 @@ class Run:
                                      cwd=ROOT, env=env).start()
 
     def finished(self) -> list[dict]:
-        """The run's exit status checked; the probe's records."""
-        code = self.process.wait_exit(f"the {self.run.name} run to finish")
-        assert code == 0, self.process.log_tail(60)
+        """The probe's records, once the run has exited with status 0 (``LoggedProcess.finished``)."""
+        self.process.finished(f"the {self.run.name} run to finish")
         return _read(self.records)
 
 

@@ -60,9 +60,8 @@ class BackgroundRun:
                                      cwd=ROOT, env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}).start()
 
     def finished(self) -> tuple[Path, str]:
-        code = self.process.wait_exit(f"the background run {self.run.name} to finish")
-        assert code == 0, self.process.log_tail(60)
-        return self.run, self.process.output()
+        """The run's folder and output, once it has exited with status 0 (``LoggedProcess.finished``)."""
+        return self.run, self.process.finished(f"the background run {self.run.name} to finish")
 
 
 @pytest.fixture(scope="module")

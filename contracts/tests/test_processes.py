@@ -112,6 +112,22 @@ def test_stop_ends_what_the_process_started_and_a_finished_run_gives_its_status(
     assert log_says(tmp_path / "run.log", "err")()
 
 
+def test_finished_returns_a_successful_run_s_output_and_fails_with_the_status_and_log_otherwise(tmp_path: Path) -> None:
+    ok = LoggedProcess([sys.executable, "-c", "print('trained 2 steps')"], tmp_path / "ok.log").start()
+    assert ok.finished("the good run to finish") == "trained 2 steps\n"
+    failed = LoggedProcess([sys.executable, "-c", "import sys; print('no such model', file=sys.stderr); sys.exit(2)"],
+                           tmp_path / "failed.log").start()
+    with pytest.raises(NotReady) as error:
+        failed.finished("the bad run to finish")
+    assert error.value.reason == "failed"
+    message = str(error.value)
+    assert message.startswith("the bad run to finish: it exited with status 2\n") and "no such model" in message
+    killed = LoggedProcess([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+                           tmp_path / "killed.log").start()
+    with pytest.raises(NotReady, match="it exited with signal SIGKILL"):
+        killed.finished()
+
+
 def _running(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"

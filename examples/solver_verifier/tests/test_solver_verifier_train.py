@@ -6,16 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from example_support import dumped, metrics, train
+from example_support import TrainRuns, dumped, metrics
 
 pytestmark = pytest.mark.slow
 CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
+OVERRIDES: tuple[str, ...] = ()  # the run: started with the other examples' (conftest.py)
 
 
-def test_two_steps_train_on_solver_verifier_episodes(tiny_dense: Path, tmp_path: Path) -> None:
-    out = train(CONFIG, tmp_path, tiny_dense)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    run = tmp_path / "e2e"
+def test_two_steps_train_on_solver_verifier_episodes(train_runs: TrainRuns) -> None:
+    run = train_runs.finished(CONFIG, *OVERRIDES)  # raises unless the run exited with status 0
     assert [m["step"] for m in metrics(run)] == [1, 2]
     for step in (1, 2):
         for episode in dumped(run, step):

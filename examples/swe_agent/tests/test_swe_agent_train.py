@@ -10,17 +10,16 @@ import shutil
 from pathlib import Path
 
 import pytest
-from example_support import dumped, metrics, train
+from example_support import TrainRuns, dumped, metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")]
 CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
+# the run: started with the other examples' (conftest.py)
+OVERRIDES = ("rollout.max_turns=2", "rollout.max_new_tokens=16", "sandbox.pool_size=4", "data.options={}")
 
 
-def test_two_steps_of_mini_swe_agent_in_the_sandbox(tiny_dense: Path, tmp_path: Path) -> None:
-    out = train(CONFIG, tmp_path, tiny_dense, "rollout.max_turns=2", "rollout.max_new_tokens=16",
-                "sandbox.pool_size=4", "data.options={}", timeout=420)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    run = tmp_path / "e2e"
+def test_two_steps_of_mini_swe_agent_in_the_sandbox(train_runs: TrainRuns) -> None:
+    run = train_runs.finished(CONFIG, *OVERRIDES)  # raises unless the run exited with status 0
     services = {row["role"]: row for row in json.loads((run / "services.json").read_text()) if "role" in row}
     assert services["sandbox"]["pid"] and services["sandbox"]["url"].startswith("http://127.0.0.1:")
     assert [m["step"] for m in metrics(run)] == [1, 2]

@@ -41,8 +41,7 @@ def runs(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_train_with_the_megatron_backend(runs: dict[str, tuple[Path, LoggedProcess]], layout: str) -> None:
     run, process = runs[layout]
-    assert process.wait_exit(f"the {layout} run to finish", deadline_s=900) == 0, process.log_tail(80)
-    output = process.output()
+    output = process.finished(f"the {layout} run to finish", deadline_s=900)  # raises unless its status is 0
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:

@@ -17,7 +17,9 @@ The error says what was waited for, how long, why the wait stopped, and ends wit
 
 :class:`LoggedProcess` runs a child with its output in a log file -- a pipe that nobody reads blocks a
 talkative child once 64 KiB wait in it, which looks exactly like a hang -- in a process group of its
-own, so that :meth:`~LoggedProcess.stop` ends whatever it started too.
+own, so that :meth:`~LoggedProcess.stop` ends whatever it started too. A run that is to succeed (a
+``miles train`` a test then reads) is waited for with :meth:`~LoggedProcess.finished`: its exit
+status 0 is checked there, and a failure ends with the log's tail.
 
 Usage::
 
@@ -49,7 +51,8 @@ _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback
 
 
 class NotReady(AssertionError):
-    """What was waited for did not happen. ``reason`` is ``"exited"``, ``"stalled"`` or ``"deadline"``."""
+    """What was waited for did not happen. ``reason`` is ``"exited"``, ``"stalled"`` or ``"deadline"``,
+    or ``"failed"`` where :meth:`LoggedProcess.finished` saw a run exit with a status other than 0."""
 
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
@@ -275,6 +278,17 @@ class LoggedProcess:
         self.wait_ready(lambda: process.poll() is not None, what or f"`{self._name()}` to finish",
                         deadline_s=deadline_s, stall_s=stall_s)
         return process.returncode
+
+    def finished(self, what: str | None = None, *, deadline_s: float = DEADLINE_S, stall_s: float = STALL_S) -> str:
+        """Until the process has exited, which must be with status 0 (a run that is to succeed);
+        everything it wrote. Another status raises :class:`NotReady` (reason ``"failed"``) with the
+        status and the log's tail; a hang or the deadline as in :meth:`wait_exit`."""
+        what = what or f"`{self._name()}` to finish"
+        code = self.wait_exit(what, deadline_s=deadline_s, stall_s=stall_s)
+        if code != 0:
+            raise NotReady(f"{what}: it exited with {_status(code)}\n--- the end of {self.log_path} ---\n"
+                           f"{log_tail(self.log_path, 80)}", "failed")
+        return self.output()
 
     def output(self) -> str:
         """Everything the process wrote so far."""
