@@ -119,7 +119,9 @@ def test_reusing_the_rollout_logprobs_trains_bit_for_bit_like_recomputing_them(
     model's turns trainable, the "tool results" between them not), two updates per step, so reuse off
     runs the old-policy pass over every token and its check finds them all exact; reuse on skips the
     pass. Same seed: every step's losses and gradient norms are equal, and step 2 samples the same
-    tokens with the same log-probs (the weights after step 1 are equal bit for bit)."""
+    tokens with the same log-probs (the weights after step 1 are equal bit for bit). The engine's
+    radix cache is on: each later turn is prefilled over its cached history, and still every token
+    is exact (``router/prefix_cache_*``: the step's cached share of the prompt tokens)."""
     started = {reuse: _start_train(
         f"model.name={tiny_dense}", f"run.output_dir={tmp_path}", f"run.name=reuse_{reuse}", "run.steps=2",
         "run.deterministic=true", "run.dump_tokens=true", "rollout.prompts_per_step=1", "rollout.samples_per_prompt=2",
@@ -127,7 +129,10 @@ def test_reusing_the_rollout_logprobs_trains_bit_for_bit_like_recomputing_them(
         "rollout.generator=agentic", "rollout.agent=long_tail", "tito.family=chatml", "longtail.turns=3",
         "longtail.tokens_median=4", "longtail.tokens_max=6", "longtail.latency_scale=0.01", "reward.name=remote",
         f"reward.remote_url={vowel_reward}", "train.lr=1e-3", "train.updates_per_step=2",
-        f"train.reuse_rollout_logprobs={reuse}", "data.options={digits: 1}") for reuse in ("false", "true")}
+        f"train.reuse_rollout_logprobs={reuse}", "data.options={digits: 1}",
+        # the radix cache serves every later turn's history (it changes no bit under the switch);
+        # the router's metrics middleware counts what it served: router/prefix_cache_hit_rate
+        "engine.disable_radix_cache=false", "router.middlewares=[metrics]") for reuse in ("false", "true")}
     runs = {}
     try:
         for reuse, process in started.items():  # side by side: the runs share nothing but the reward server
@@ -159,6 +164,9 @@ def test_reusing_the_rollout_logprobs_trains_bit_for_bit_like_recomputing_them(
         # the check still runs with reuse: on the first mini-batch's forward, before any update of the step
         assert on["train/true_on_policy_mismatched_tokens"] == 0.0
         assert 0 < on["train/true_on_policy_checked_tokens"] < off["train/true_on_policy_checked_tokens"]
+        for m in (off, on):  # turns 2 and 3 of every session found their history in the engine's cache
+            assert m["router/prefix_cache_prompt_tokens"] > m["router/prefix_cache_hit_tokens"] > 0
+            assert 0 < m["router/prefix_cache_hit_rate"] < 1
     for off_step, on_step in zip(recomputed_samples, reused_samples, strict=True):
         assert [(s["tokens"], s["rollout_logprobs"]) for s in on_step] == \
                [(s["tokens"], s["rollout_logprobs"]) for s in off_step]

@@ -11,6 +11,7 @@ training (``sync``), the next rollout beside training (``one_step_off``), rollou
                                                 # (resume_and_sync_weights: after a release)
     metrics |= await ops.evaluate(step)         # when ops.evaluation_due(step)
     metrics["time/checkpoint"] = await ops.save()   # when ops.checkpoint_due(step)
+    metrics |= await ops.router_metrics()       # the router's prefix-cache counters, per step
     ops.log(step, metrics)
 
 The :class:`~miles.loop.runner.Run` builds it once everything is started, keeps the life cycle
@@ -38,6 +39,7 @@ from miles.loop.engine_memory import WEIGHTS, EngineMemory
 from miles.loop.learner import Learner
 from miles.loop.progress import Progress
 from miles.loop.rollout import RolloutManager, StepRollout
+from miles.loop.router_metrics import RouterCounters
 from miles.loop.run_dir import checkpoint_dir, dump_samples, prune_checkpoints, write_state
 from miles.loop.services import Services
 from miles.tracking import MetricsLogger
@@ -73,6 +75,7 @@ class StepOps:
         self._eval_prompts = eval_prompts
         self._engine_memory = engine_memory
         self._rollout_ended: float | None = None  # perf_counter() when the last rollout's generation ended
+        self._router_counters = RouterCounters()
         # the prompt groups the mode holds between steps (fully_async's workers and buffer); a sync
         # or one_step_off checkpoint is taken when only a resume's redraws are pending
         self.held_groups: Callable[[], set[int]] = lambda: self.rollouts.redraw_groups()
@@ -315,6 +318,11 @@ class StepOps:
             self.progress.message(f"could not delete old checkpoint(s) {', '.join(map(str, failed))}: "
                                   f"run.keep_checkpoints is not holding disk use down; delete them by hand")
         return time.perf_counter() - start
+
+    async def router_metrics(self) -> dict[str, float]:
+        """What the step added to the router's prefix-cache counters (``router/*``; see
+        :mod:`miles.loop.router_metrics`); nothing when the router does not count them."""
+        return await self._router_counters.fetch(self.rollouts.engine)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """The step's metrics to ``miles_step_end``, the trackers and the console (NaNs left out)."""

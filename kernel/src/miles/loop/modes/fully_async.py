@@ -89,6 +89,7 @@ async def run(ops: StepOps) -> None:
             metrics.update(await evaluation.finish() if final else evaluation.collect())
             if ops.checkpoint_due(step):
                 metrics["time/checkpoint"] = await ops.save()
+            metrics.update(await ops.router_metrics())
             ops.log(step, metrics)
         completed = ops.finished
     finally:

@@ -31,4 +31,5 @@ async def run(ops: StepOps) -> None:
             metrics.update(await ops.evaluate(step))
         if ops.checkpoint_due(step):
             metrics["time/checkpoint"] = await ops.save()
+        metrics.update(await ops.router_metrics())
         ops.log(step, metrics)
