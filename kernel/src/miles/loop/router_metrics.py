@@ -2,14 +2,14 @@
 
 The router already counts them for ``GET /metrics`` (JSON, or Prometheus with ``format=prometheus``):
 the ``metrics`` middleware sums the prompt tokens of every ``/generate`` answer and how many of them
-the engine's prefix cache served (``meta_info.cached_tokens``); the ``prefix`` policy (cache-aware
-placement) counts the prompt tokens it placed and how many the chosen worker already held. Those
-are totals since the router started. After each rollout the driver reads them (one bounded GET with
+the engine's prefix cache served (``meta_info.cached_tokens``); the ``cache_aware`` routing
+policy counts the prompt tokens it placed and how many the chosen worker already held. Those
+are totals since the router started. At the end of each step the driver reads them (one bounded GET with
 the run's token) and logs what the step added:
 
 * ``router/prefix_cache_hit_rate``: cached / prompt tokens of the step's answers (with
   ``router.middlewares`` holding ``metrics``);
-* ``router/prefix_routing_hit_rate``: matched / placed prompt tokens (with ``router.policy: prefix``);
+* ``router/prefix_routing_hit_rate``: matched / placed prompt tokens (with ``router.policy: cache_aware``);
 
 and the step's token counts beside them. A router restarted by the supervisor starts its totals at 0
 again; a step whose totals went down logs nothing for it. A router that does not answer in time
