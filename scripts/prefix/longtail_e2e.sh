@@ -5,13 +5,15 @@
 # (default 3), one `miles bench async --modes sync` per run; the router's `metrics` middleware is on
 # in both arms, so each run's metrics show the prefix cache's hit rate.
 #   bash scripts/prefix/longtail_e2e.sh OUT_DIR [extra --set overrides...]
+# TREE=auto: the "on" arm lets the fsdp cost model choose tree or flat per micro-batch (default: on,
+# a tree wherever rows share a prefix).
 # Then: uv run python scripts/prefix/longtail_e2e_summary.py OUT_DIR
 set -eu
 out=${1:?usage: longtail_e2e.sh OUT_DIR [KEY=VALUE ...]}; shift
 mkdir -p "$out"
 extra=(--set "router.middlewares=[metrics]")
 for kv in "$@"; do extra+=(--set "$kv"); done
-on=(--set engine.disable_radix_cache=false --set fsdp.prefix_tree=on)
+on=(--set engine.disable_radix_cache=false --set "fsdp.prefix_tree=${TREE:-on}")
 off=(--set engine.disable_radix_cache=true --set fsdp.prefix_tree=off)
 for r in $(seq 1 "${REPEATS:-3}"); do
   for arm in off on; do

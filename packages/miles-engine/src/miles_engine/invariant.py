@@ -132,7 +132,8 @@ def install_norms(model: nn.Module) -> int:
     """Give every RMSNorm of ``model`` (a module class named ``*RMSNorm`` with a ``weight`` and an
     epsilon) a forward that runs the Triton row kernel on CUDA tensors. On the CPU the module's own
     forward stays: PyTorch reduces a row's last dimension serially there (see the module docstring),
-    while on the GPU its reduction kernel picks a split from the number of rows."""
+    while on the GPU its reduction kernel chooses how to split the work from the tensor's shape, so
+    nothing promises that a row reduces the same way in every batch."""
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm") and _epsilon(m) is not None]
     for norm in norms:
         norm.forward = _norm_forward_of(norm, norm.forward)
