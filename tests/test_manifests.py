@@ -93,6 +93,10 @@ UNDECLARED_OK: dict[tuple[str, str], str] = {
     # run by another engine's own Python (``miles bench engine``), never in a Miles environment
     ("miles-engine", "sglang"): "bench/sglang_runner.py runs in SGLang's environment",
     ("miles-engine", "vllm"): "bench/vllm_runner.py runs in vLLM's environment",
+    # torch's Linux wheels depend on triton (uv.lock holds it through torch); invariant_triton.py is
+    # imported only when an invariant op meets a CUDA tensor, and invariant.check_supported names the
+    # missing package before that (docs/design/true-on-policy.md, "Where the shared ops live")
+    ("miles-engine", "triton"): "invariant_triton.py, the true-on-policy GPU kernels, comes with CUDA torch",
     ("miles-sglang", "sglang"): "python -m sglang.launch_server, by SGLang's own Python (sglang.python) in its environment",
 }
 

@@ -38,17 +38,36 @@ def test_a_restarted_router_and_missing_counters_give_no_figure():
     assert counters.step_metrics({"metrics": {"total": {"tokens": {"prompt": "x", "cached": 1}}}}) == {}
 
 
-def test_a_router_that_fails_or_cannot_answer_costs_nothing():
-    class Failing:
-        async def get(self, path: str) -> dict:
-            raise ConnectionError("refused")
+def test_the_router_is_read_with_the_runs_token_and_a_silent_one_costs_nothing(monkeypatch):
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    class Answering:
-        async def get(self, path: str) -> dict:
-            assert path == "/metrics"
-            return _snapshot(10, 5)
+    monkeypatch.setenv("MILES_AUTH_TOKEN", "a-run-token-of-enough-length")
+    seen: list[str | None] = []
 
-    counters = RouterCounters()
-    assert asyncio.run(counters.fetch(Failing())) == {}
-    assert asyncio.run(counters.fetch(object())) == {}  # a client without get (a test's stand-in)
-    assert asyncio.run(counters.fetch(Answering()))["router/prefix_cache_hit_rate"] == 0.5
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # http.server dispatches a GET to do_GET
+            seen.append(self.headers.get("Authorization"))
+            body = json.dumps(_snapshot(10, 5)).encode() if self.path == "/metrics" else b"{}"
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        counters = RouterCounters()
+        assert asyncio.run(counters.fetch(url))["router/prefix_cache_hit_rate"] == 0.5
+        assert seen == ["Bearer a-run-token-of-enough-length"]
+        assert asyncio.run(counters.fetch(url + "/nothing-here")) == {}  # a 404: no figures, no error
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert asyncio.run(RouterCounters().fetch(url)) == {}  # nobody listens any more
+    assert asyncio.run(RouterCounters().fetch(None)) == {}  # a run without a router

@@ -67,15 +67,37 @@ class RouterCounters:
                 metrics[f"router/{stem}_hit_rate"] = step_hits / step_prompt
         return metrics
 
-    async def fetch(self, client: Any) -> dict[str, float]:
-        """Read the router's counters through ``client`` (the rollout's router client; ``get``) and
-        return the step's metrics; nothing when the client cannot, or the router does not answer."""
-        get = getattr(client, "get", None)
-        if get is None:
+    async def fetch(self, router_url: str | None) -> dict[str, float]:
+        """Read the router's counters (``GET {router_url}/metrics`` with the run's token, at most
+        :data:`TIMEOUT_S`) and return the step's metrics; nothing without a router, or when it does
+        not answer."""
+        if router_url is None:
             return {}
         try:
-            snapshot = await asyncio.wait_for(get("/metrics"), TIMEOUT_S)
+            snapshot = await asyncio.to_thread(_get_json, f"{router_url.rstrip('/')}/metrics", TIMEOUT_S)
         except Exception as exc:  # a missing figure must never cost the step
             log.debug("router metrics not read: %s", exc)
             return {}
         return self.step_metrics(snapshot) if isinstance(snapshot, dict) else {}
+
+
+def _get_json(url: str, timeout: float) -> Any:
+    """One GET with the run's token (plain ``http.client``: no client object per call)."""
+    import http.client
+    import json
+    from urllib.parse import urlsplit
+
+    from miles_contracts.wire.auth import auth_headers
+
+    parts = urlsplit(url)
+    connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    connection = connection_class(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
+    try:
+        connection.request("GET", parts.path or "/", headers=auth_headers())
+        response = connection.getresponse()
+        body = response.read()
+        if response.status != 200:
+            raise OSError(f"GET {parts.path} answered {response.status}")
+        return json.loads(body)
+    finally:
+        connection.close()

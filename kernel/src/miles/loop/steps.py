@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_contracts import Sample, Status
+from miles_contracts.cluster import ROUTER
 
 from miles.config import MilesConfig
 from miles.errors import MilesError
@@ -322,7 +323,8 @@ class StepOps:
     async def router_metrics(self) -> dict[str, float]:
         """What the step added to the router's prefix-cache counters (``router/*``; see
         :mod:`miles.loop.router_metrics`); nothing when the router does not count them."""
-        return await self._router_counters.fetch(self.rollouts.engine)
+        routers = self._services.role_urls(ROUTER)
+        return await self._router_counters.fetch(routers[0] if routers else None)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """The step's metrics to ``miles_step_end``, the trackers and the console (NaNs left out)."""
