@@ -17,10 +17,13 @@ def _seed():
     torch.manual_seed(0)
 
 
-def _model(path, *, install: bool = True):
+def _model(path, *, install: bool = True, device: str = "cpu"):
+    """fp32 on the CPU; bf16 on CUDA (the Triton kernels)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=invariant.register())
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=invariant.register())
+    model.to(device)
     if install:
         invariant.install_linears(model)
     return model.eval()
@@ -99,12 +102,7 @@ def test_the_tiny_moe_model_is_batch_invariant_and_routes_alike_end_to_end(moe_m
 def test_on_cuda_in_bf16_the_tiny_moe_model_is_batch_invariant_and_routes_alike(moe_path):
     """The same ops on the Triton kernels (``invariant_triton``: the experts' and the router's
     linears; softmax and top-k over a token's own expert scores)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.bfloat16, attn_implementation=invariant.register())
-    model.to("cuda")
-    invariant.install_linears(model)
-    _check_alone_padded_packed(model.eval(), "cuda")
+    _check_alone_padded_packed(_model(moe_path, device="cuda"), "cuda")
 
 
 def _check_alone_padded_packed(model, device):

@@ -5,8 +5,9 @@ PyTorch path. The contract is the same: a row's output bits depend only on that 
 never on how many rows share the call, where the row sits in it, padding, or prefill vs decode.
 Each kernel gets that by construction:
 
-* **One compiled configuration per kernel.** Block sizes, warps and stages are module constants,
-  never autotuned and never chosen from the shapes, and the batch dimension is not specialised
+* **One compiled configuration per layer.** Block sizes, warps and stages are module constants or
+  follow only a row's own width (head size, hidden size: the same on both sides), never autotuned
+  and never chosen from the number of rows, and the batch dimension is not specialised
   (``do_not_specialize``), so the engine's decode of one row, a CUDA graph's padded batch and the
   trainer's packed micro-batch run the same machine code.
 * **No reduction across rows, no split of a row's reduction across programs.** A program owns
@@ -358,9 +359,7 @@ def _differentiable(kernel: Callable[..., torch.Tensor], reference: Callable[...
 def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                  scale: float) -> torch.Tensor:
     """:func:`attention`, differentiable (the mask travels as an extra argument, not a tensor input)."""
-    return _differentiable(lambda q, k, v, m, s: attention(q, k, v, m, s),
-                           lambda q, k, v, m, s: reference_attention(q, k, v, m, s),
-                           (query, key, value), (mask, scale))
+    return _differentiable(attention, reference_attention, (query, key, value), (mask, scale))
 
 
 def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
