@@ -52,6 +52,7 @@ def test_true_on_policy_run_has_zero_diff_on_every_token(tiny_dense: Path, tmp_p
         assert m["train/true_on_policy_mismatched_tokens"] == 0.0
         assert m["train/true_on_policy_checked_tokens"] > 0
         assert m["train/grad_norm"] > 0  # the weights moved: steps 2 to 5 sample with updated weights
+        assert m["train/skipped_steps"] == 0.0  # no step dropped for a non-finite gradient
     for step in (1, 2, 3, 4, 5):
         samples = [json.loads(line) for line in (run / "samples" / f"step_{step:06d}.jsonl").read_text().splitlines()]
         assert len(samples) == 6
@@ -94,6 +95,7 @@ def test_true_on_policy_moe_run_is_exact_and_routes_like_the_engine(tiny_moe: Pa
         assert m["train/true_on_policy_checked_tokens"] == sum(sum(s["loss_mask"]) for s in samples)
         assert m["train/true_on_policy_mismatched_tokens"] == 0.0
         assert m["train/grad_norm"] > 0  # the weights moved: every later step samples with updated weights
+        assert m["train/skipped_steps"] == 0.0  # no step dropped for a non-finite gradient
         # every recorded (token, MoE layer) pair checked by the run itself, none differing
         assert m["r3/train/replayed_tokens"] == sum(len(s["tokens"]) - 1 for s in samples)
         assert m["r3/train/true_on_policy_checked_pairs"] == 2 * m["r3/train/replayed_tokens"]  # 2 MoE layers

@@ -6,7 +6,8 @@
 # miles-async-compile), profile (12 sync steps under py-spy, all processes),
 # trl (TRL's GRPOTrainer, 40 steps), eval (held-out greedy accuracy of base, Miles and TRL models),
 # miles-lora (40 sync steps with train.lora rank 32, alpha 64 and lr LORA_LR, default 5e-5: 10x the
-# full fine-tune's 5e-6; issue 32; eval then covers its merged export too).
+# full fine-tune's 5e-6; issue 32; eval then covers its merged export too), miles-sync-top (40 sync steps
+# with rollout.true_on_policy: issue 31's learning run; its summary counts steps with a non-zero diff).
 # MODEL (default /tmp/smol) and EXTRA (more overrides, space-separated) let a part start on CPU:
 #   MODEL=<tiny model> STEPS=2 EXTRA="model.device=cpu weights.transport=disk ..." uv run bash scripts/h200/learning.sh miles-lora
 set -u
@@ -30,6 +31,7 @@ for part in "$@"; do
   case $part in
     miles-sync) miles_run miles-sync ;;
     miles-async) miles_run miles-async run.mode=one_step_off algorithm.correction=tis ;;
+    miles-sync-top) miles_run miles-sync-top rollout.true_on_policy=true ;;
     miles-lora) miles_run miles-lora "train.lora={rank: 32, alpha: 64}" train.lr=$LORA_LR ;;
     miles-sync-compile) miles_run miles-sync-compile fsdp.compile=true ;;
     miles-async-compile) miles_run miles-async-compile run.mode=one_step_off algorithm.correction=tis fsdp.compile=true ;;
@@ -44,7 +46,7 @@ for part in "$@"; do
       echo "trl: exit $? in $((SECONDS - start)) s"; cp /tmp/trl/trl.json "$OUT/trl.json" 2>/dev/null ;;
     eval)
       models=(--model /tmp/smol)
-      for m in /tmp/runs/miles-sync/hf /tmp/runs/miles-async/hf /tmp/runs/miles-lora/hf /tmp/trl/final; do [ -d "$m" ] && models+=(--model "$m"); done
+      for m in /tmp/runs/miles-sync/hf /tmp/runs/miles-async/hf /tmp/runs/miles-lora/hf /tmp/runs/miles-sync-top/hf /tmp/trl/final; do [ -d "$m" ] && models+=(--model "$m"); done
       python3 scripts/learning/eval_heldout.py "${models[@]}" --n 256 --out "$OUT/heldout.json" >"$OUT/eval.log" 2>&1
       echo "eval: exit $?"; cat "$OUT/heldout.json" ;;
     *) echo "unknown part $part"; exit 2 ;;

@@ -8,8 +8,8 @@
 #         rollout.true_on_policy, 4 steps of 32 samples: every step's diff must be 0 (~2 min).
 # engine: `miles bench engine`, the embedded engine with and without true_on_policy at 1 / 32 / 128
 #         concurrent requests, 128 new tokens, warm-up + 3 timed runs each (~4 min).
-# train:  `miles bench train --true-on-policy` at SmolLM2-135M's and Qwen3-0.6B's shapes: the fsdp
-#         step with and without, the same rows, in one process (~3 min).
+# train:  `miles bench train --true-on-policy --repeats 3` at SmolLM2-135M's and Qwen3-0.6B's shapes: the
+#         fsdp step with and without, the same rows, 3 alternating pairs in one process per shape (~5 min).
 set -u
 source scripts/h200/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -62,11 +62,15 @@ PY
         --out "$OUT/on-policy-engine-h200.json" >"$OUT/on-policy-engine.log" 2>&1
       echo "engine: exit $? in $((SECONDS - start)) s"; tail -4 "$OUT/on-policy-engine.log" ;;
     train)
-      for model in smollm2-135m qwen3-0.6b; do
-        timeout 280 miles bench train --model "$model" --seq-lens 2048 --tokens-per-step 16384 --micro-batch-tokens 4096 \
-          --warmup 2 --steps 3 --no-compile --no-baseline --true-on-policy \
-          --output "$OUT/on-policy-train-h200-$model.json" >"$OUT/on-policy-train-$model.log" 2>&1
-        echo "train $model: exit $? in $((SECONDS - start)) s"; tail -3 "$OUT/on-policy-train-$model.log"
+      # 3 pairs (default, true_on_policy) per shape, alternating, each after its own warm-up; SmolLM2's
+      # last pair also under torch.profiler (op tables in $OUT/prof)
+      for model in ${MODELS:-smollm2-135m qwen3-0.6b}; do
+        prof=(); [ "$model" = smollm2-135m ] && prof=(--profile "$OUT/prof")
+        timeout 400 miles bench train --model "$model" --seq-lens 2048 --tokens-per-step 16384 --micro-batch-tokens 4096 \
+          --warmup 2 --steps 3 --no-compile --no-baseline --true-on-policy --repeats "${REPEATS:-3}" "${prof[@]}" \
+          --output "$OUT/on-policy-train-h200-$model.json" >>"$OUT/on-policy-train.log" 2>&1
+        echo "train $model: exit $? in $((SECONDS - start)) s"
+        python3 -c "import json, sys; e = json.load(open(sys.argv[1]))['results'][0]; print(e['true_on_policy_step_slowdown'], e['true_on_policy_step_slowdown_spread'], [(round(p['default_step_s'], 3), round(p['true_on_policy_step_s'], 3)) for p in e['true_on_policy_repeats']])" "$OUT/on-policy-train-h200-$model.json"
       done ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac

@@ -4,7 +4,8 @@
 
 Prints JSON: median wall time per step (from the rows' timestamps, so it includes everything the
 loop does), the same over steps without an evaluation, the median of each `time/*` phase, rollout
-tokens/s, and first/last reward and eval accuracy. `--skip N` leaves the first N steps out of the
+tokens/s, first/last reward and eval accuracy, and the train/rollout log-prob difference (mean and
+max over steps; with rollout.true_on_policy both must be 0, and the mismatched-token count too). `--skip N` leaves the first N steps out of the
 medians (CUDA-graph capture and allocator warm-up happen there).
 """
 
@@ -30,7 +31,21 @@ def summarize(rows: list[dict], skip: int) -> dict:
         "rollout_tokens_per_s_median": statistics.median(r["perf/rollout_tokens_per_s"] for r in timed if "perf/rollout_tokens_per_s" in r) if timed else None,
         "reward_first_last": [steps[0].get("rollout/reward_mean"), steps[-1].get("rollout/reward_mean")] if steps else None,
         "eval_accuracy_first_last": [evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]] if evals else None,
+        **_diffs(steps),
     }
+
+
+def _diffs(steps: list[dict]) -> dict:
+    diffs = [r["train/train_rollout_logprob_abs_diff"] for r in steps if "train/train_rollout_logprob_abs_diff" in r]
+    if not diffs:
+        return {}
+    out = {"logprob_abs_diff_first_last": [diffs[0], diffs[-1]], "logprob_abs_diff_max_over_steps": max(diffs),
+           "steps_with_nonzero_diff": sum(1 for d in diffs if d != 0)}
+    checked = [r["train/true_on_policy_checked_tokens"] for r in steps if "train/true_on_policy_checked_tokens" in r]
+    if checked:
+        out["true_on_policy_checked_tokens"] = sum(checked)
+        out["true_on_policy_mismatched_tokens"] = sum(r.get("train/true_on_policy_mismatched_tokens", 0) for r in steps)
+    return out
 
 
 def main() -> None:

@@ -165,3 +165,21 @@ def test_the_qwen3_8b_preset_is_qwen3_8bs_published_shape() -> None:
     assert sum(p.numel() for p in model.parameters()) == 8_190_735_360  # Qwen3-8B's model card: 8.2 B
     assert model.model.layers[0].self_attn.q_proj.weight.shape == (4096, 4096)
     assert model.model.layers[0].self_attn.k_proj.weight.shape == (1024, 4096)
+
+
+def test_on_policy_pairs_alternate_their_order_and_report_the_median_runs() -> None:
+    from miles_fsdp.bench import _on_policy_pairs
+
+    calls: list[tuple[bool, bool]] = []
+    steps = {False: iter([1.2, 0.9]), True: iter([1.5, 1.0, 1.3])}  # the first default (1.0) is measured before
+
+    def arm(invariant: bool, last: bool) -> dict:
+        calls.append((invariant, last))
+        return {"step_s": next(steps[invariant]), "arm": invariant}
+
+    default, invariant, pairs = _on_policy_pairs({"step_s": 1.0, "arm": False}, arm, 3)
+    # pair 0 reuses the default already measured; pair 1 runs the invariant arm first, pair 2 the default first
+    assert calls == [(True, False), (True, False), (False, False), (False, True), (True, True)]
+    assert [(p["default_step_s"], p["true_on_policy_step_s"]) for p in pairs] == [(1.0, 1.5), (1.2, 1.0), (0.9, 1.3)]
+    assert [p["slowdown"] for p in pairs] == [1.5, 1.0 / 1.2, 1.3 / 0.9]
+    assert default["step_s"] == 1.0 and invariant["step_s"] == 1.3  # the median run of each arm

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -293,17 +294,45 @@ def _rates(result: dict[str, Any], tokens: int, flops: float, peak_tflops: float
     return {**result, "tokens_per_s": tokens / result["step_s"], "tflops": achieved, "mfu": achieved / peak_tflops}
 
 
+def _on_policy_pairs(first_default: dict[str, Any], arm: Callable[[bool, bool], dict[str, Any]],
+                     repeats: int) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+    """``repeats`` pairs of the default step and the true on-policy step, each measured in a fresh
+    backend after its own warm-up, in alternating order (default first in even pairs) so a machine
+    that drifts during the run weighs on both arms. Returns the median-step run of each arm and the
+    pairs' step times and ratios."""
+    defaults, invariants, pairs = [first_default], [], []
+    for r in range(repeats):
+        last = r == repeats - 1
+        if r == 0:
+            invariants.append(arm(True, last))
+        elif r % 2:
+            invariants.append(arm(True, last))
+            defaults.append(arm(False, last))
+        else:
+            defaults.append(arm(False, last))
+            invariants.append(arm(True, last))
+        pairs.append({"default_step_s": defaults[-1]["step_s"], "true_on_policy_step_s": invariants[-1]["step_s"],
+                      "slowdown": invariants[-1]["step_s"] / defaults[-1]["step_s"]})
+
+    def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+        return sorted(runs, key=lambda run: run["step_s"])[(len(runs) - 1) // 2]
+
+    return median_run(defaults), median_run(invariants), pairs
+
+
 def run_benchmark(
     *, ctx: RunContext, preset: str, seq_lens: list[int], tokens_per_step: int, warmup: int, steps: int, device: Device,
     gradient_checkpointing: bool, options: dict[str, Any], baseline: bool, peak_tflops: float | None,
     micro_batch_tokens: int | None = None, backend: str = "fsdp", section: str | None = None, work_dir: Any = None,
     profile_dir: Path | None = None, length_spread: float = 0.0, lora: LoRASpec | None = None,
-    true_on_policy: bool = False,
+    true_on_policy: bool = False, repeats: int = 1,
 ) -> dict[str, Any]:
     """Every sequence length: the backend's step and (optionally) the baseline; returns the JSON report.
 
     :param ctx: the context of the process measuring (``miles bench train``'s): its kernel provides
         the backends; each is built with the benchmark's own config (``ctx.with_config``).
+    :param true_on_policy: also measure the fsdp step with ``rollout.true_on_policy``, ``repeats``
+        times alternating with the default step (the ratio reported is the pairs' median).
     :param backend: other than ``fsdp``, built through ``ctx.kernel``'s train-backend registry with
         ``options`` as its config ``section`` (e.g. ``megatron`` with ``{"tensor_parallel": 2}``).
     :param lora: also measure the backend's step with these adapters on a frozen base (``miles_lora``),
@@ -361,13 +390,21 @@ def run_benchmark(
             miles = run_registered(backend, preset, batch, ctx=ctx, device=device, options=options, section=section,
                                    gradient_checkpointing=gradient_checkpointing, micro_batch_tokens=budget,
                                    warmup=warmup, steps=steps, work_dir=work_dir, profile_to=profile_to)
-        entry["miles"] = _rates(miles, tokens, flops, peak_tflops, devices)
         if true_on_policy and backend == "fsdp":
-            invariant = run_miles(preset, batch, ctx=ctx, device=device, options=options, true_on_policy=True,
-                                  gradient_checkpointing=gradient_checkpointing, micro_batch_tokens=budget,
-                                  warmup=warmup, steps=steps)
+            def arm(invariant: bool, last: bool, batch=batch, budget=budget, length=length) -> dict[str, Any]:
+                to = (profile_dir / f"profile-fsdp-true-on-policy-L{length}.txt"
+                      if invariant and last and profile_dir is not None else None)
+                return run_miles(preset, batch, ctx=ctx, device=device, options=options, true_on_policy=invariant,
+                                 gradient_checkpointing=gradient_checkpointing, micro_batch_tokens=budget,
+                                 warmup=warmup, steps=steps, profile_to=to)
+
+            miles, invariant, pairs = _on_policy_pairs(miles, arm, repeats)
             entry["miles_true_on_policy"] = _rates(invariant, tokens, flops, peak_tflops, devices)
-            entry["true_on_policy_step_slowdown"] = invariant["step_s"] / miles["step_s"]
+            entry["true_on_policy_repeats"] = pairs
+            slowdowns = sorted(pair["slowdown"] for pair in pairs)
+            entry["true_on_policy_step_slowdown"] = statistics.median(slowdowns)
+            entry["true_on_policy_step_slowdown_spread"] = (slowdowns[-1] - slowdowns[0]) / statistics.median(slowdowns)
+        entry["miles"] = _rates(miles, tokens, flops, peak_tflops, devices)
         if lora is not None and backend == "fsdp":
             adapted = run_miles(preset, batch, ctx=ctx, device=device, options=options, lora=lora,
                                 gradient_checkpointing=gradient_checkpointing, micro_batch_tokens=budget, warmup=warmup,

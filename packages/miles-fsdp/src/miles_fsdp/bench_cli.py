@@ -36,6 +36,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--true-on-policy", action="store_true",
                    help="also measure the fsdp step with rollout.true_on_policy (the batch-invariant forward) and "
                         "the on/off step-time ratio")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="with --true-on-policy: pairs of the default and the true on-policy step, alternating (>= 3 "
+                        "for a published figure; the median ratio is reported with its spread)")
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="train.micro_batch_tokens (default: the sequence length, one row per micro-batch)")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak; default 989 on CUDA, measured on CPU")
@@ -158,6 +161,8 @@ def _run(args: argparse.Namespace, ctx: RunContext) -> int:
         raise MilesError("--seq-lens needs at least one length >= 2")
     if not 0.0 <= args.length_spread < 1.0:
         raise MilesError(f"--length-spread must be in [0, 1), got {args.length_spread}")
+    if args.repeats < 1:
+        raise MilesError(f"--repeats must be at least 1, got {args.repeats}")
     fsdp = args.backend == "fsdp"
     report = run_benchmark(
         ctx=ctx, preset=args.model, seq_lens=seq_lens, tokens_per_step=args.tokens_per_step, warmup=args.warmup,
@@ -166,6 +171,7 @@ def _run(args: argparse.Namespace, ctx: RunContext) -> int:
         peak_tflops=args.peak_tflops, micro_batch_tokens=args.micro_batch_tokens, backend=args.backend,
         section=None if fsdp else args.backend, work_dir=args.work_dir, profile_dir=args.profile,
         length_spread=args.length_spread, lora=_lora(args.lora_rank), true_on_policy=args.true_on_policy,
+        repeats=args.repeats,
     )
     import os
 
