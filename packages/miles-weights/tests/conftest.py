@@ -27,9 +27,10 @@ def cpu_engine_processes(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactor
     from miles_weights.launch import EngineLaunch, running_engines
 
     launches = [EngineLaunch("cpu", "float32")] * 3
-    # the disk transport of the tests writes under the session's temporary folders
+    # the disk transport of the tests writes under the session's temporary folders; CPU engines
+    # start together (their start-ups overlap)
     with running_engines(tiny_dir, launches, tmp_path_factory.mktemp("engines"),
-                         weight_dirs=[tmp_path_factory.getbasetemp()]) as engines:
+                         weight_dirs=[tmp_path_factory.getbasetemp()], together=True) as engines:
         yield engines
 
 

@@ -75,7 +75,7 @@ def tied_engines(tied_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     from miles_weights.launch import EngineLaunch, running_engines
 
     with running_engines(tied_dir, [EngineLaunch("cpu", "bfloat16")] * 2, tmp_path_factory.mktemp("tied"),
-                         weight_dirs=[tmp_path_factory.getbasetemp()]) as engines:
+                         weight_dirs=[tmp_path_factory.getbasetemp()], together=True) as engines:
         yield dict(zip(["target", "reference"], engines.urls, strict=True))
 
 

@@ -48,7 +48,8 @@ class RunningEngines:
 @contextmanager
 def running_engines(model_path: str | Path, launches: list[EngineLaunch], work_dir: Path, *,
                     engine: str = "embedded", startup_timeout: float = 600.0,
-                    weight_dirs: Sequence[str | Path] = (), kernel: Kernel | None = None) -> Iterator[RunningEngines]:
+                    weight_dirs: Sequence[str | Path] = (), kernel: Kernel | None = None,
+                    together: bool = False) -> Iterator[RunningEngines]:
     """Start one engine per launch, in order; stop them all on exit. Disk updates may read
     ``work_dir`` (the run folder the engines are given) and ``weight_dirs`` (given to engines whose
     section has a ``weight_dir`` option, as the embedded engine's has); the engines share this
@@ -57,6 +58,9 @@ def running_engines(model_path: str | Path, launches: list[EngineLaunch], work_d
     :param kernel: the kernel whose ``engine`` service and config sections to use (default: the
         one for the default plugin selection); the engine processes load theirs from the config
         files, for the same selection.
+    :param together: start every engine before waiting for the first to be healthy, so that their
+        start-ups overlap (default: each healthy before the next starts, so that engines sharing a
+        GPU do not race for its memory while they start).
     """
     from miles.config import build_config
     from miles.context import context_for
@@ -74,6 +78,7 @@ def running_engines(model_path: str | Path, launches: list[EngineLaunch], work_d
     section_model = kernel.config_sections().get(section).model
     work_dir.mkdir(parents=True, exist_ok=True)
     executor = LocalExecutor(work_dir, startup_timeout=startup_timeout)
+    names = [f"engine-{index}" for index in range(len(launches))]
     urls = []
     try:
         for index, launch in enumerate(launches):
@@ -89,10 +94,14 @@ def running_engines(model_path: str | Path, launches: list[EngineLaunch], work_d
                 return server.command(ServiceLaunch(config, str(config_path), str(model_path), endpoint,
                                                     run_dir=str(work_dir.resolve())))
 
-            name = f"engine-{index}"
-            endpoint = executor.launch(name, command, health_path=server.health_path, env=launch.env)
-            executor.wait_healthy(name)
-            urls.append(endpoint.url)
+            name = names[index]
+            executor.launch(name, command, health_path=server.health_path, env=launch.env)
+            if not together:
+                executor.wait_healthy(name)
+        for name in names:
+            if together:
+                executor.wait_healthy(name)
+            urls.append(executor.endpoint(name).url)  # after the wait: a start-up may move to another port
         yield RunningEngines(urls, executor)
     finally:
         executor.shutdown()
