@@ -6,7 +6,7 @@
 # command): rebuild the wheelhouse after merging it.
 #   bash scripts/h200/async_bench.sh x2    # nvidia-h200-x2: trainer and engine on a GPU each, NCCL broadcast
 #   bash scripts/h200/async_bench.sh x1    # nvidia-h200: engine and trainer share GPU 0, CUDA IPC
-# STEPS (default 8) and REPEATS (default 1) per mode; each run is a `miles train` child process; ~4 min
+# STEPS (default 8) and REPEATS (default 1) per mode, MODES (default all three: sync one_step_off fully_async); each run is a `miles train` child process; ~4 min
 # per repeat (3 runs, ~30 s of start-up each). One repeat per device call, TAG names its JSON:
 #   TAG=-r1 bash scripts/h200/async_bench.sh x2; then TAG=-r2 ... in the next call (the machine is warm)
 # and here: miles bench async --replot async-h200x2-r1.json async-h200x2-r2.json --json ... --png ...
@@ -50,7 +50,7 @@ start=$SECONDS
 # 8 prompts x 4 samples per step, 64 trajectories in flight in fully_async, tool calls of 50 ms and up
 # (the tail of 64 draws per sync step is ~5 s); eager FSDP (compiling costs each run a warm-up that 8
 # steps would not pay back).
-miles bench async --model "$MODEL" --steps "$STEPS" --repeats "$REPEATS" --runs-dir "/tmp/async-runs-$kind${TAG:-}" \
+miles bench async --model "$MODEL" --steps "$STEPS" --repeats "$REPEATS" --modes ${MODES:-sync one_step_off fully_async} --runs-dir "/tmp/async-runs-$kind${TAG:-}" \
   --set model.device=cuda --set model.dtype=bfloat16 --set fsdp.compile=false "${placement[@]}" \
   --set rollout.prompts_per_step=8 --set rollout.samples_per_prompt=4 --set rollout.concurrency=64 \
   --set longtail.latency_scale=0.05 --set train.lr=1e-4 "${extra[@]}" --timeout 400 \
