@@ -6,19 +6,38 @@ import asyncio
 from collections.abc import Sequence
 
 import pytest
-from miles.loop.buffer import BufferClosedError, Group, GroupBuffer
+from miles.loop.buffer import MAX_ATTEMPTS, MAX_INFRA_ATTEMPTS, BufferClosedError, Group, GroupBuffer
+from miles.loop.modes.fully_async import batch_metrics
 from miles_contracts import Branch, ExitReason, Sample, Status
 
 
-def group(index: int, versions: Sequence[int] = (0,), status: Status = Status.COMPLETED, size: int = 2) -> Group:
+def group(index: int, versions: Sequence[int] = (0,), status: Status = Status.COMPLETED, size: int = 2,
+          reasons: Sequence[ExitReason | None] = ()) -> Group:
     """A finished group whose samples ran with weight ``versions`` (one engine call each)."""
     samples = [Sample(prompt=f"p{index}", group_index=index, index=index * size + j) for j in range(size)]
-    fresh = Group.fresh(samples)
-    for s in fresh.samples:
+    return ended(Group.fresh(samples), status, reasons, versions)
+
+
+def ended(g: Group, status: Status, reasons: Sequence[ExitReason | None] = (), versions: Sequence[int] = (0,)) -> Group:
+    """``g`` generated: each sample ends ``status`` for its entry of ``reasons`` (default: an
+    engine abort when aborted, else a stop)."""
+    default = ExitReason.ABORT if status is Status.ABORTED else ExitReason.STOP
+    for j, s in enumerate(g.samples):
         s.tokens, s.response_length, s.loss_mask = [1, 2], 1, [1]
         s.weight_versions, s.reward = list(versions), 1.0
-        s.finish(status, ExitReason.ABORT if status is Status.ABORTED else ExitReason.STOP)
-    return fresh
+        s.finish(status, reasons[j] if j < len(reasons) else default)
+    return g
+
+
+class Recorder:
+    """The part of the ledger the buffer calls: what it recorded, as (group, state, reason)."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[int, str, str | None]] = []
+
+    def record(self, samples: Sequence[Sample], state: str, *, reason: str | None = None,
+               step: int | None = None) -> None:
+        self.lines.append((samples[0].group_index, state, reason))
 
 
 def run(coro):
@@ -192,7 +211,8 @@ def test_a_late_group_that_used_up_its_attempts_is_trained_as_it_is() -> None:
 def test_an_aborted_group_recycled_too_often_is_dropped() -> None:
     async def scenario() -> None:
         buffer = GroupBuffer(capacity=4, max_attempts=2)
-        assert await buffer.put(group(0, status=Status.ABORTED)) == "aborted_recycled"
+        budget = [ExitReason.WALL_CLOCK_BUDGET] * 2  # the prompt's own abort (the second has no reason)
+        assert await buffer.put(group(0, status=Status.ABORTED, reasons=budget)) == "aborted_recycled"
         second = buffer.next_recycled()
         assert second is not None and second.attempt == 2
         for s in second.samples:
@@ -200,6 +220,133 @@ def test_an_aborted_group_recycled_too_often_is_dropped() -> None:
         assert await buffer.put(second) == "aborted_dropped"
         counts = buffer.take_counts()
         assert counts["attempts_exhausted"] == 1 and buffer.next_recycled() is None
+
+    run(scenario())
+
+
+def test_infrastructure_aborts_do_not_use_up_a_prompts_attempts() -> None:
+    """Killed engines, a router that gave up, a weight update's pause: such aborts say nothing
+    about the prompt. A group they abort more often than ``MAX_ATTEMPTS`` is still generated
+    again, and trained once a generation succeeds."""
+    async def scenario() -> None:
+        buffer = GroupBuffer(capacity=4)
+        buffer.reserve()
+        current = group(0, status=Status.ABORTED, reasons=[ExitReason.ENGINE_ERROR, ExitReason.ABORT])
+        for _ in range(MAX_ATTEMPTS + 2):
+            assert await buffer.put(current) == "aborted_recycled"
+            again = buffer.next_recycled()
+            assert again is not None and again.index == 0
+            buffer.reserve()
+            current = ended(again, Status.ABORTED, [ExitReason.ABORT, ExitReason.ENGINE_ERROR])
+        partly = ended(current, Status.COMPLETED)
+        partly.samples[1].finish(Status.ABORTED, ExitReason.ENGINE_ERROR)  # the other sample completed: still infra
+        assert await buffer.put(partly) == "aborted_recycled"
+        last = buffer.next_recycled()
+        assert last is not None and (last.attempt, last.infra_aborts, last.prompt_attempts) == (MAX_ATTEMPTS + 4,
+                                                                                                 MAX_ATTEMPTS + 3, 1)
+        buffer.reserve()
+        assert await buffer.put(ended(last, Status.COMPLETED)) == "queued"
+        [trained] = await buffer.take(1, version=0)
+        assert trained is last and buffer.reserved == 1
+        counts = buffer.take_counts()
+        assert counts["aborted_recycled"] == MAX_ATTEMPTS + 3 and counts["queued"] == 1
+        assert not counts["aborted_dropped"] and not counts["attempts_exhausted"]
+
+    run(scenario())
+
+
+def test_infrastructure_aborts_have_a_bound_of_their_own_with_its_reason_and_count() -> None:
+    """A fleet that never recovers must not keep a group cycling: after ``MAX_INFRA_ATTEMPTS``
+    generations lost to the infrastructure it is dropped, under a reason and count of its own,
+    and the count reaches the step's metrics."""
+    async def scenario() -> None:
+        ledger = Recorder()
+        buffer = GroupBuffer(capacity=4, ledger=ledger)  # type: ignore[arg-type]
+        current = group(0, status=Status.ABORTED)
+        outcomes = []
+        for _ in range(MAX_INFRA_ATTEMPTS):
+            outcomes.append(await buffer.put(current))
+            again = buffer.next_recycled()
+            if again is None:
+                break
+            current = ended(again, Status.ABORTED, [ExitReason.ENGINE_ERROR] * 2)
+        assert outcomes == ["aborted_recycled"] * (MAX_INFRA_ATTEMPTS - 1) + ["aborted_dropped"]
+        assert current.attempt == current.infra_aborts + 1 == MAX_INFRA_ATTEMPTS
+        assert ledger.lines[-1] == (0, "dropped", "aborted_infra_attempts_exhausted")
+        assert buffer.counts["infra_attempts_exhausted"] == 1 and not buffer.counts["attempts_exhausted"]
+        await buffer.put(group(1))
+        metrics = batch_metrics(await buffer.take(1, version=0), buffer, 0, waited=0.0, interval=1.0)
+        assert metrics["async/infra_attempts_exhausted"] == 1.0 and metrics["async/attempts_exhausted"] == 0.0
+        assert metrics["async/aborted_dropped"] == 1.0
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("reason", [ExitReason.WALL_CLOCK_BUDGET, ExitReason.TOOL_TIMEOUT_BUDGET,
+                                    ExitReason.AGENT_EXCEPTION, ExitReason.TIMEOUT, None])
+def test_a_prompt_whose_own_episodes_keep_aborting_is_still_dropped_after_max_attempts(
+        reason: ExitReason | None) -> None:
+    """Only the prompt's aborts count against ``MAX_ATTEMPTS``: infrastructure aborts before them
+    do not bring the drop forward."""
+    async def scenario() -> None:
+        ledger = Recorder()
+        buffer = GroupBuffer(capacity=4, ledger=ledger)  # type: ignore[arg-type]
+        current = group(0, status=Status.ABORTED)  # two engine aborts first
+        outcomes = [await buffer.put(current)]
+        again = buffer.next_recycled()
+        assert again is not None
+        outcomes.append(await buffer.put(ended(again, Status.ABORTED, [ExitReason.ENGINE_ERROR] * 2)))
+        for _ in range(MAX_ATTEMPTS):
+            again = buffer.next_recycled()
+            assert again is not None
+            current = ended(again, Status.ABORTED, [reason] * 2)
+            outcomes.append(await buffer.put(current))
+        assert outcomes == ["aborted_recycled"] * (MAX_ATTEMPTS + 1) + ["aborted_dropped"]
+        assert (current.attempt, current.prompt_attempts) == (MAX_ATTEMPTS + 2, MAX_ATTEMPTS)
+        assert buffer.next_recycled() is None
+        assert ledger.lines[-1] == (0, "dropped", "aborted_attempts_exhausted")
+        counts = buffer.take_counts()
+        assert counts["attempts_exhausted"] == 1 and not counts["infra_attempts_exhausted"]
+
+    run(scenario())
+
+
+def test_a_group_that_mixes_infrastructure_and_prompt_aborts_is_the_prompts_abort() -> None:
+    """One sample the engine aborted, another over its wall-clock budget: the prompt's episode
+    failed too, so the generation counts against ``MAX_ATTEMPTS``, and the ledger's ``aborted``
+    line names the prompt's reason."""
+    mixed = [ExitReason.ABORT, ExitReason.WALL_CLOCK_BUDGET]
+
+    async def scenario() -> None:
+        ledger = Recorder()
+        buffer = GroupBuffer(capacity=4, ledger=ledger)  # type: ignore[arg-type]
+        assert await buffer.put(group(0, status=Status.ABORTED)) == "aborted_recycled"  # an engine abort
+        outcomes = []
+        for _ in range(MAX_ATTEMPTS):
+            again = buffer.next_recycled()
+            assert again is not None
+            outcomes.append(await buffer.put(ended(again, Status.ABORTED, mixed)))
+        assert outcomes == ["aborted_recycled"] * (MAX_ATTEMPTS - 1) + ["aborted_dropped"]
+        aborted = [reason for _, state, reason in ledger.lines if state == "aborted"]
+        assert aborted == ["abort"] + ["wall_clock_budget"] * MAX_ATTEMPTS
+        assert ledger.lines[-1] == (0, "dropped", "aborted_attempts_exhausted")
+        assert buffer.take_counts()["attempts_exhausted"] == 1
+
+    run(scenario())
+
+
+def test_a_late_group_keeps_its_late_recycles_after_infrastructure_aborts() -> None:
+    async def scenario() -> None:
+        buffer = GroupBuffer(capacity=4, max_staleness=0, late="recycle", max_attempts=2)
+        assert await buffer.put(group(0, status=Status.ABORTED)) == "aborted_recycled"
+        again = buffer.next_recycled()
+        assert again is not None
+        await buffer.put(ended(again, Status.COMPLETED, versions=(0,)))
+        await buffer.put(group(1, versions=(1,)))
+        assert [g.index for g in await buffer.take(1, version=1)] == [1]
+        late = buffer.next_recycled()
+        assert late is not None and (late.attempt, late.infra_aborts) == (3, 1)
+        assert buffer.take_counts()["late_recycled"] == 1
 
     run(scenario())
 

@@ -162,7 +162,8 @@ class RolloutSection(Section):
     )
     unused_groups: Literal["recycle", "drop"] = Field(
         default="recycle", description="fully_async: a group with an aborted sample is regenerated from its prompt "
-        "(recycle, at most 3 generations) or dropped; counted per outcome either way",
+        "(recycle, at most 3 generations, plus up to 10 lost to engine or router aborts) or dropped; counted per "
+        "outcome either way",
     )
     buffer_groups: int | None = Field(
         default=None, ge=1, description="fully_async: finished groups that may wait for the trainer (producers block "

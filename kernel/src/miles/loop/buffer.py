@@ -19,13 +19,19 @@ Its contract (``docs/design/async.md``; each point tested in ``kernel/tests/test
 - **Lateness** (at ``take``): staleness is the current weight version minus the oldest version
   any engine call of the group ran with. A group over ``max_staleness`` is late: it is never
   thrown away for it, but trained (with the run's importance correction) or, with ``late:
-  recycle``, generated again from its prompt (and trained anyway once it used up its attempts).
+  recycle``, generated again from its prompt (and trained anyway once it used up its
+  ``max_attempts``; generations lost to infrastructure aborts do not count).
   Nothing is late before the first weight update (while the version is the one the buffer
   started at), whatever the bound.
 - **Aborted groups.** ``recycle``: the group is queued to be generated again from its prompt
-  (workers take recycled groups before drawing new prompts), at most ``max_attempts``
-  generations in all, after which it is dropped. ``drop``: it is dropped. Every outcome is
-  counted by reason (:meth:`GroupBuffer.take_counts`).
+  (workers take recycled groups before drawing new prompts). An abort is the infrastructure's
+  when every ABORTED sample of the group ended for a reason in :data:`INFRA_ABORTS` (an engine
+  or router went away with the request, a weight update paused it); one ABORTED sample with any
+  other reason, or none, makes it the prompt's. The two are bounded apart: a group is dropped on
+  its ``max_attempts``-th generation that was not lost to an infrastructure abort
+  (``attempts_exhausted``), or on the ``max_infra_attempts``-th that was
+  (``infra_attempts_exhausted``), whichever comes first. ``drop``: it is dropped. Every outcome
+  is counted by reason (:meth:`GroupBuffer.take_counts`).
 - **Failure.** A worker that fails calls :meth:`GroupBuffer.fail`; the trainer's ``take`` raises
   that error (waiting or not), so the run stops with it, and :meth:`GroupBuffer.drain` returns
   every finished group not yet taken (queued, or waiting to be), so none is lost.
@@ -40,7 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from miles_contracts import Sample, Status
+from miles_contracts import ExitReason, Sample, Status
 
 from miles.loop.ledger import Ledger
 
@@ -52,8 +58,27 @@ Admit = Callable[[Sequence[Sample]], "str | None"]
 """The filter pipeline as the buffer sees it: None keeps a group, a string is the drop reason."""
 
 MAX_ATTEMPTS = 3
-"""Generations a group gets under ``recycle``: an aborted group is then dropped (a prompt whose group
+"""Generations a group gets under ``recycle``, those lost to infrastructure aborts not counted
+(:data:`MAX_INFRA_ATTEMPTS` bounds them): an aborted group is then dropped (a prompt whose group
 keeps aborting costs more than it is worth), a late one trained as it is."""
+
+MAX_INFRA_ATTEMPTS = 10
+"""Generations a group may lose to infrastructure aborts (:data:`INFRA_ABORTS`) under ``recycle``
+before it is dropped, counted apart from :data:`MAX_ATTEMPTS`. Larger, because such an abort says
+nothing about the prompt: a killed or restarted engine, a router failover that gave up, a weight
+update's pause abort every request in flight whatever its prompt, and under frequent restarts
+three attempts dropped healthy prompts by the hundreds. Still bounded, so that no group cycles
+forever on a fleet that never recovers (or on a prompt that only ever meets a broken engine):
+the run stops when for two progress reports in a row every group that finished was aborted
+(``fully_async``'s wait for a batch raises with the last abort's reason), and a group that
+reaches this bound before that is dropped with a reason of its own
+(``aborted_infra_attempts_exhausted``)."""
+
+INFRA_ABORTS = frozenset({ExitReason.ABORT, ExitReason.ENGINE_ERROR})
+"""Exit reasons of an ABORTED sample that count as the infrastructure's abort, not its prompt's.
+Narrower than :data:`miles.loop.redo.INFRASTRUCTURE_EXITS` on purpose: a reason here buys the
+larger bound, so it holds only what the episode does not cause by itself (a timeout, a tool
+error, an agent's exception and the budgets can be the prompt's doing)."""
 
 
 @dataclass(eq=False)
@@ -64,13 +89,16 @@ class Group:
     :ivar pristine: the samples as drawn from the data source, to generate again from.
     :ivar launched_version: the weight version when its generation started (its age when no
         engine call reported a version).
-    :ivar attempt: how many times the group has been generated (1 for the first).
+    :ivar attempt: how many times the group has been generated (1 for the first), those lost to
+        infrastructure aborts included.
+    :ivar infra_aborts: how many of its generations before this one an infrastructure abort ended.
     """
 
     samples: list[Sample]
     pristine: list[Sample]
     launched_version: int = 0
     attempt: int = 1
+    infra_aborts: int = 0
 
     @classmethod
     def fresh(cls, samples: list[Sample], launched_version: int = 0) -> Group:
@@ -84,6 +112,19 @@ class Group:
     def aborted(self) -> bool:
         return any(s.status is Status.ABORTED for s in self.samples)
 
+    @property
+    def infra_aborted(self) -> bool:
+        """Aborted by the infrastructure: every ABORTED sample ended for a reason in
+        :data:`INFRA_ABORTS`. A group that mixes reasons is the prompt's abort: its own episode
+        failed too, and the larger bound would let it fail that way ``MAX_INFRA_ATTEMPTS`` times."""
+        aborted = [s for s in self.samples if s.status is Status.ABORTED]
+        return bool(aborted) and all(s.exit_reason in INFRA_ABORTS for s in aborted)
+
+    @property
+    def prompt_attempts(self) -> int:
+        """Its generations counted against ``max_attempts``: all but those lost to infrastructure aborts."""
+        return self.attempt - self.infra_aborts
+
     def oldest_version(self) -> int:
         """The oldest weight version any engine call of the group ran with, in any branch of its
         episodes (a branch's turns may be older than every turn of its episode's primary one)."""
@@ -93,9 +134,11 @@ class Group:
     def staleness(self, version: int) -> int:
         return max(0, version - self.oldest_version())
 
-    def regenerated(self) -> Group:
-        """The same prompts, as drawn, for another attempt."""
-        return Group(copy.deepcopy(self.pristine), self.pristine, self.launched_version, self.attempt + 1)
+    def regenerated(self, *, infra: bool = False) -> Group:
+        """The same prompts, as drawn, for another attempt; ``infra``: this one was lost to an
+        infrastructure abort. The attempt counters carry over."""
+        return Group(copy.deepcopy(self.pristine), self.pristine, self.launched_version, self.attempt + 1,
+                     self.infra_aborts + int(infra))
 
 
 class BufferClosedError(RuntimeError):
@@ -111,13 +154,16 @@ class GroupBuffer:
     :param late: what happens to a late group (trained, or generated again).
     :param unused: what happens to an aborted group.
     :param admit: the filter pipeline (None keeps everything).
+    :param max_attempts: generations of a group under ``recycle``, those lost to infrastructure aborts not counted.
+    :param max_infra_attempts: generations a group may lose to infrastructure aborts under ``recycle``.
     :param start_version: the weight version when the buffer starts (no group is stale before it moves).
     :param ledger: the run's sample ledger, told what becomes of each group here (None: not recorded).
     """
 
     def __init__(self, capacity: int, *, max_staleness: int | None = None, late: LatePolicy = "train",
                  unused: UnusedPolicy = "recycle", admit: Admit | None = None, max_attempts: int = MAX_ATTEMPTS,
-                 start_version: int = 0, ledger: Ledger | None = None) -> None:
+                 max_infra_attempts: int = MAX_INFRA_ATTEMPTS, start_version: int = 0,
+                 ledger: Ledger | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"buffer capacity must be at least 1 group, got {capacity}")
         self.capacity = capacity
@@ -126,6 +172,7 @@ class GroupBuffer:
         self.unused = unused
         self.admit = admit
         self.max_attempts = max_attempts
+        self.max_infra_attempts = max_infra_attempts
         self.start_version = start_version
         self.ledger = ledger
         self._queue: deque[Group] = deque()
@@ -181,8 +228,10 @@ class GroupBuffer:
             if first is not None:
                 self.last_abort = f"{first.status.value}: {first.exit_detail or first.exit_reason}"[:300]
             self.reserved -= 1
-            aborted = next(s for s in group.samples if s.status is Status.ABORTED)
-            self._record(group, "aborted", aborted.exit_reason.value if aborted.exit_reason else "aborted")
+            aborted = [s for s in group.samples if s.status is Status.ABORTED]
+            # the reason that decided which bound it counts against: a prompt's, when there is one
+            decisive = next((s for s in aborted if s.exit_reason not in INFRA_ABORTS), aborted[0])
+            self._record(group, "aborted", decisive.exit_reason.value if decisive.exit_reason else "aborted")
             return await self._settled(self._set_aside(group, "aborted"))
         reason = self.admit(group.samples) if self.admit is not None else None
         if reason is not None:
@@ -240,7 +289,7 @@ class GroupBuffer:
                     self._changed.notify_all()  # room for a waiting producer
                     if not self.is_late(group, version):
                         batch.append(group)
-                    elif self.late == "recycle" and group.attempt < self.max_attempts:
+                    elif self.late == "recycle" and group.prompt_attempts < self.max_attempts:
                         self.reserved -= 1
                         self._recycled.append(group.regenerated())
                         self._counts["late_recycled"] += 1
@@ -295,15 +344,22 @@ class GroupBuffer:
         return group
 
     def _set_aside(self, group: Group, reason: str) -> str:
-        if self.unused == "recycle" and group.attempt < self.max_attempts:
-            self._recycled.append(group.regenerated())
+        """Recycle or drop an aborted group, charging this generation to the infrastructure's bound
+        or to the prompt's (:attr:`Group.infra_aborted`)."""
+        infra = group.infra_aborted
+        if infra:
+            used, bound, exhausted = group.infra_aborts + 1, self.max_infra_attempts, "infra_attempts_exhausted"
+        else:
+            used, bound, exhausted = group.prompt_attempts, self.max_attempts, "attempts_exhausted"
+        if self.unused == "recycle" and used < bound:
+            self._recycled.append(group.regenerated(infra=infra))
             outcome = f"{reason}_recycled"
             self._record(group, "recycled", reason)
         else:
             outcome = f"{reason}_dropped"
             if self.unused == "recycle":
-                self._counts["attempts_exhausted"] += 1
-            self._record(group, "dropped", f"{reason}_attempts_exhausted" if self.unused == "recycle" else reason)
+                self._counts[exhausted] += 1
+            self._record(group, "dropped", f"{reason}_{exhausted}" if self.unused == "recycle" else reason)
         self._counts[outcome] += 1
         return outcome
 

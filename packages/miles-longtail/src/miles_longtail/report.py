@@ -49,7 +49,8 @@ def run_summary(rows: Rows) -> dict[str, Any]:
         "staleness_max": max((r.get("async/staleness_max", 0.0) for r in steps), default=0.0),
         "groups_set_aside": {k.removeprefix("async/"): sum(r.get(k, 0.0) for r in steps)
                              for k in ("async/late_trained", "async/late_recycled", "async/aborted_recycled",
-                                       "async/aborted_dropped", "async/attempts_exhausted")},
+                                       "async/aborted_dropped", "async/attempts_exhausted",
+                                       "async/infra_attempts_exhausted")},
         "partial_samples": sum(r.get("async/partial_samples", 0.0) for r in steps),
     }
 

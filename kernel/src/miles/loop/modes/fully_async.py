@@ -192,7 +192,8 @@ def batch_metrics(groups: list[Group], buffer: GroupBuffer, version: int, *, wai
         "async/partial_samples": float(sum(len(set(s.weight_versions)) > 1 for s in samples)),
         "async/retried_groups": float(sum(g.attempt > 1 for g in groups)),
     }
-    for outcome in ("late_trained", "late_recycled", "aborted_recycled", "aborted_dropped", "attempts_exhausted"):
+    for outcome in ("late_trained", "late_recycled", "aborted_recycled", "aborted_dropped", "attempts_exhausted",
+                    "infra_attempts_exhausted"):
         metrics[f"async/{outcome}"] = float(counts[outcome])
     metrics |= token_lag_metrics(training_rows(g.samples for g in groups), version)  # every branch's tokens
     return metrics
