@@ -41,14 +41,15 @@ def test_repeated_tokens_scores_only_what_the_model_sampled() -> None:
 
 
 def _rows(step_times: list[float], samples: float = 16.0) -> list[dict]:
-    return [{"step": i + 1, "time": t, "train/samples": samples, "rollout/reward_mean": 0.5, "time/train": 1.0}
-            for i, t in enumerate(step_times)]
+    return [{"step": i + 1, "time": t, "train/samples": samples, "rollout/reward_mean": 0.5,
+             "time/train": 1.0 if i else 9.0} for i, t in enumerate(step_times)]
 
 
 def test_the_report_times_steps_after_the_warm_up_and_compares_with_sync() -> None:
     sync = run_summary(_rows([100.0, 110.0, 120.0, 130.0]))  # step 1 (warm-up) ends at 100
     assert sync["time_to_steps_s"] == 30.0 and sync["samples_per_s"] == pytest.approx(48 / 30)
     assert sync["step_s"] == {"median": 10.0, "min": 10.0, "max": 10.0}
+    assert sync["phases_s"] == {"time/train": 1.0}  # each timed phase's median (the warm-up step's left out)
     fast = run_summary(_rows([50.0, 53.0, 56.0, 60.0]))
     table = compare({"sync": [sync, sync], "fully_async": [fast, fast]})
     assert table["fully_async"]["speedup_vs_sync"] == pytest.approx(3.0)

@@ -44,6 +44,10 @@ def run_summary(rows: Rows) -> dict[str, Any]:
         "step_s": _spread(intervals),
         "wait_batch_s": _spread([r.get("time/rollout", 0.0) for r in timed]),
         "train_s": _spread([r.get("time/train", 0.0) for r in timed]),
+        # every phase the loop timed (time/sync, time/logprobs, ...), median over the timed steps:
+        # where a step's time goes beyond the wait for a batch and the train phase
+        "phases_s": {k: statistics.median(r[k] for r in timed if k in r)
+                     for k in sorted({k for r in timed for k in r if k.startswith("time/")})},
         "rewards": [r.get("rollout/reward_mean") for r in steps],
         "step_end_s": [r["time"] - steps[0]["time"] for r in steps],
         "staleness_max": max((r.get("async/staleness_max", 0.0) for r in steps), default=0.0),
