@@ -81,6 +81,11 @@ larger bound, so it holds only what the episode does not cause by itself (a time
 error, an agent's exception and the budgets can be the prompt's doing)."""
 
 
+SET_ASIDE_OUTCOMES = ("late_trained", "late_recycled", "aborted_recycled", "aborted_dropped", "attempts_exhausted",
+                      "infra_attempts_exhausted")
+"""The counts of :meth:`GroupBuffer.take_counts` for groups not trained as they came (``async/<outcome>``
+per step in ``fully_async``)."""
+
 @dataclass(eq=False)
 class Group:
     """One prompt group on its way through the buffer.

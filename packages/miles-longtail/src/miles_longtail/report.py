@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from miles.loop.buffer import SET_ASIDE_OUTCOMES
+
 Rows = list[dict[str, Any]]
 
 
@@ -51,10 +53,7 @@ def run_summary(rows: Rows) -> dict[str, Any]:
         "rewards": [r.get("rollout/reward_mean") for r in steps],
         "step_end_s": [r["time"] - steps[0]["time"] for r in steps],
         "staleness_max": max((r.get("async/staleness_max", 0.0) for r in steps), default=0.0),
-        "groups_set_aside": {k.removeprefix("async/"): sum(r.get(k, 0.0) for r in steps)
-                             for k in ("async/late_trained", "async/late_recycled", "async/aborted_recycled",
-                                       "async/aborted_dropped", "async/attempts_exhausted",
-                                       "async/infra_attempts_exhausted")},
+        "groups_set_aside": {k: sum(r.get(f"async/{k}", 0.0) for r in steps) for k in SET_ASIDE_OUTCOMES},
         "partial_samples": sum(r.get("async/partial_samples", 0.0) for r in steps),
     }
 

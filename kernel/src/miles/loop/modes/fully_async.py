@@ -27,7 +27,7 @@ from miles_contracts import Sample
 
 from miles.errors import MilesError
 from miles.filtering import apply_filters
-from miles.loop.buffer import Admit, Group, GroupBuffer
+from miles.loop.buffer import SET_ASIDE_OUTCOMES, Admit, Group, GroupBuffer
 from miles.loop.episodes import training_rows
 from miles.loop.interrupts import stop_requested
 from miles.loop.producer import RolloutWorkers
@@ -192,8 +192,7 @@ def batch_metrics(groups: list[Group], buffer: GroupBuffer, version: int, *, wai
         "async/partial_samples": float(sum(len(set(s.weight_versions)) > 1 for s in samples)),
         "async/retried_groups": float(sum(g.attempt > 1 for g in groups)),
     }
-    for outcome in ("late_trained", "late_recycled", "aborted_recycled", "aborted_dropped", "attempts_exhausted",
-                    "infra_attempts_exhausted"):
+    for outcome in SET_ASIDE_OUTCOMES:
         metrics[f"async/{outcome}"] = float(counts[outcome])
     metrics |= token_lag_metrics(training_rows(g.samples for g in groups), version)  # every branch's tokens
     return metrics
