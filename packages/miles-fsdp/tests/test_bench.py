@@ -136,6 +136,20 @@ def test_bench_train_tree_counts_computed_tokens_and_keeps_the_loss() -> None:
     assert tree["first_step_grad_norm"] == pytest.approx(grpo["flat"]["first_step_grad_norm"], rel=1e-5)
 
 
+def test_bench_train_tree_plans_several_groups_into_one_pass() -> None:
+    from miles.context import context_for
+    from miles_fsdp.bench_tree import run_tree_benchmark
+
+    report = run_tree_benchmark(ctx=context_for(), preset="tiny", device="cpu", options={"compile": False},
+                                attentions=["sdpa"], warmup=1, repeats=3, scale=1 / 64, workloads=["grpo"], groups=3)
+    grpo = report["workloads"]["grpo"]
+    # budget: one group's flat size (288 tokens); flat runs a group per pass, the trees (~64 nodes each) share one
+    assert report["grpo_groups"] == 3 and grpo["micro_batch_tokens"] == 288 and grpo["flat_tokens"] == 3 * 288
+    assert grpo["flat"]["micro_batches"] == 3
+    assert grpo["tree_sdpa"]["micro_batches"] == grpo["tree_sdpa"]["tree_micro_batches"] == 1
+    assert grpo["tree_sdpa"]["loss_relative_difference"] <= 1e-6
+
+
 def test_episode_rows_share_the_system_prompt_and_train_only_answers() -> None:
     from miles_fsdp.bench_tree import EpisodeShape, episodes_batch
     from miles_fsdp.prefix_tree import build_prefix_tree

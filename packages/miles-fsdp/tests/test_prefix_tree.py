@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from miles_algorithms import objective
 from miles_contracts import TrainBatch
+from miles_fsdp.packing import plan_micro_batches
 from miles_fsdp.passes import attention_pair_cost, layout_costs
 from miles_fsdp.prefix_tree import TreePolicy, build_prefix_tree
 
@@ -141,11 +144,45 @@ def test_a_tree_split_over_micro_batches_and_ranks_plan_still_trains_every_row(t
     tree = backend_factory(tiny_dense, fsdp={"prefix_tree": "on"}, micro_batch_tokens=30)
     flat = backend_factory(tiny_dense, fsdp={"prefix_tree": "off"}, micro_batch_tokens=30)
     assert len(tree.runner.my_micro_batches(batch)) > 1
+    _assert_trains_the_same(tree, flat, batch)
+
+
+def _assert_trains_the_same(tree, flat, batch: TrainBatch) -> None:
     tree_loss, tree_grads = _loss_and_gradients(tree, batch)
     flat_loss, flat_grads = _loss_and_gradients(flat, batch)
     assert tree_loss == pytest.approx(flat_loss, rel=1e-6)
     for name, want in flat_grads.items():
         assert float((tree_grads[name] - want).norm() / want.norm()) <= 1e-6, name
+
+
+def test_groups_are_planned_whole_by_tree_size_and_train_as_the_flat_rows(tiny_dense, backend_factory) -> None:
+    gen = torch.Generator().manual_seed(5)
+    rows, group = [], []
+    for g in range(4):  # 4 GRPO groups: a 12-token prompt, 3 completions of 4 tokens
+        head = _random(12, gen)
+        rows += [head + _random(4, gen) for _ in range(3)]
+        group += [g] * 3
+    order = torch.randperm(len(rows), generator=gen).tolist()  # groups interleaved, as a batch arrives
+    batch, group = _batch([rows[i] for i in order], [12] * len(rows)), [group[i] for i in order]
+    budget = 2 * (12 + 3 * 4)  # two groups' trees, or three 16-token rows flat
+    tree = backend_factory(tiny_dense, fsdp={"prefix_tree": "on"}, micro_batch_tokens=budget)
+    flat = backend_factory(tiny_dense, fsdp={"prefix_tree": "off"}, micro_batch_tokens=budget)
+
+    plan = tree.runner.my_micro_batches(batch)
+    assert len(plan) == 2
+    for micro in plan:  # two whole groups in each pass
+        assert sorted(Counter(group[r] for r in micro).values()) == [3, 3]
+    assert len(flat.runner.my_micro_batches(batch)) == 4
+    _assert_trains_the_same(tree, flat, batch)
+
+
+def test_auto_plans_by_tree_only_where_rows_share_prefixes(tiny_dense, backend_factory) -> None:
+    backend = backend_factory(tiny_dense, fsdp={"prefix_tree": "auto"}, micro_batch_tokens=40)
+    batch = unshared_rows()  # nothing shared: exactly the prefix-blind plan
+    assert backend.runner.my_micro_batches(batch) == plan_micro_batches(batch.attention_mask.sum(1).tolist(), 40, 1)[0]
+    # a 30-token prompt shared by 6 rows of 33: flat, one row per 40-token pass; as trees, 3 rows a pass
+    assert len(plan_micro_batches([33] * 6, 40, 1)[0]) == 6
+    assert [len(micro) for micro in backend.runner.my_micro_batches(_group(30, 6, 3))] == [3, 3]
 
 
 # ----------------------------------------------------------------------------- when the tree pays

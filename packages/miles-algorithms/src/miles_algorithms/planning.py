@@ -9,7 +9,8 @@ they run out of rows, run an empty one (a dummy that contributes zero).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -70,8 +71,14 @@ def pack_by_budget(rows: Sequence[int], lengths: Sequence[int], token_budget: in
     return [sorted(b) for b in bins]
 
 
-def _split_to_count(plan: RankPlan, lengths: Sequence[int], count: int) -> RankPlan:
-    """Split the heaviest splittable micro-batch until there are ``count``; pad with dummies."""
+def _halve_evenly(rows: list[int], lengths: Sequence[int]) -> list[list[int]]:
+    return [[rows[k] for k in half] for half in split_rows_evenly([lengths[r] for r in rows], 2)]
+
+
+def _split_to_count(plan: RankPlan, lengths: Sequence[int], count: int,
+                    halve: Callable[[list[int]], list[list[int]]] | None = None) -> RankPlan:
+    """Split the heaviest splittable micro-batch (by ``halve``: two halves of similar token count
+    by default) until there are ``count``; pad with dummies."""
     plan = [list(b) for b in plan]
     while len(plan) < count:
         splittable = [i for i, b in enumerate(plan) if len(b) > 1]
@@ -79,9 +86,7 @@ def _split_to_count(plan: RankPlan, lengths: Sequence[int], count: int) -> RankP
             plan.append([])
             continue
         i = max(splittable, key=lambda j: (sum(lengths[r] for r in plan[j]), -j))
-        halves = split_rows_evenly([lengths[r] for r in plan[i]], 2)
-        rows = plan[i]
-        plan[i : i + 1] = [[rows[k] for k in half] for half in halves]
+        plan[i : i + 1] = halve(plan[i]) if halve is not None else _halve_evenly(plan[i], lengths)
     return plan
 
 
@@ -95,3 +100,141 @@ def plan_micro_batches(lengths: Sequence[int], token_budget: int, world_size: in
     count = max(1, max(len(p) for p in plans))
     count = -(-count // multiple_of) * multiple_of
     return [_split_to_count(p, lengths, count) for p in plans]
+
+
+# ----------------------------------------------------------------------------- prefix-aware planning
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists (binary search over slice compares)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def _triangle(n: int) -> int:
+    return n * (n + 1) // 2
+
+
+@dataclass(slots=True)
+class TreeLoad:
+    """The prefix tree of a micro-batch's rows in trie preorder, as counts: ``nodes`` (tokens the
+    layers compute, a shared prefix once) and ``pairs`` (``(query, key)`` pairs the tree mask allows:
+    each node attends to itself and its ancestors, i.e. ``depth + 1`` keys)."""
+
+    nodes: int = 0
+    pairs: int = 0
+    last: list[int] | None = None
+
+    def added(self, key: list[int]) -> tuple[int, int]:
+        """``(nodes, pairs)`` the row ``key`` adds after the rows so far (it follows them in preorder)."""
+        shared = 0 if self.last is None else common_prefix_length(self.last, key)
+        return len(key) - shared, _triangle(len(key)) - _triangle(shared)
+
+    def add(self, key: list[int]) -> None:
+        nodes, pairs = self.added(key)
+        self.nodes, self.pairs, self.last = self.nodes + nodes, self.pairs + pairs, key
+
+
+def tree_load(keys: Sequence[list[int]], rows: Sequence[int]) -> TreeLoad:
+    """:class:`TreeLoad` of ``rows`` (indices into ``keys``, the rows' real tokens)."""
+    load = TreeLoad()
+    for row in sorted(rows, key=lambda r: keys[r]):
+        load.add(keys[row])
+    return load
+
+
+# What one more micro-batch (a forward and a backward) costs beyond its tokens, in tokens of matrix
+# multiplies: a rough, deliberately low figure (launches and host work; on an H200 a Qwen3-0.6B
+# micro-batch's fixed part is worth several thousand tokens, on CPU far less). It keeps small
+# unrelated rows together instead of giving each its own pass.
+MICRO_BATCH_OVERHEAD_TOKENS = 1024
+
+
+def _fill_in_preorder(order: Sequence[int], keys: Sequence[list[int]], token_budget: int,
+                      cost: Callable[[int, int], float]) -> RankPlan:
+    """Rows (already in trie preorder) into consecutive micro-batches: a row joins the current one
+    while its tree stays within ``token_budget`` nodes and joining costs no more than starting a
+    new micro-batch with it (``cost(nodes, pairs)`` of a tree, plus :data:`MICRO_BATCH_OVERHEAD_TOKENS`
+    for the new pass; a dense mask makes big trees dear, so there unrelated big subtrees part)."""
+    plan: RankPlan = []
+    load = TreeLoad()
+    for row in order:
+        key = keys[row]
+        nodes, pairs = load.added(key)
+        alone = cost(len(key), _triangle(len(key))) + MICRO_BATCH_OVERHEAD_TOKENS
+        joined = cost(load.nodes + nodes, load.pairs + pairs) - cost(load.nodes, load.pairs)
+        if plan and load.nodes + nodes <= token_budget and joined <= alone:
+            plan[-1].append(row)
+            load.nodes, load.pairs, load.last = load.nodes + nodes, load.pairs + pairs, key
+        else:
+            plan.append([row])
+            load = TreeLoad(len(key), _triangle(len(key)), key)
+    return plan
+
+
+def _split_in_preorder(order: list[int], weights: Sequence[int], parts: int) -> list[list[int]]:
+    """``parts`` consecutive runs of ``order`` of similar total weight (some may be empty)."""
+    total = sum(weights[r] for r in order)
+    runs: list[list[int]] = [[] for _ in range(parts)]
+    seen = 0
+    for row in order:
+        # the run whose share of the total holds this row's midpoint
+        part = min(parts - 1, int((seen + weights[row] / 2) * parts // max(total, 1)))
+        runs[part].append(row)
+        seen += weights[row]
+    return runs
+
+
+def plan_prefix_micro_batches(keys: Sequence[list[int]], token_budget: int, world_size: int, *,
+                              cost: Callable[[int, int], float] | None = None,
+                              flat: Callable[[list[int]], bool] | None = None) -> list[RankPlan]:
+    """:func:`plan_micro_batches` for prefix-tree training: rows that share a prefix stay together.
+
+    ``keys[r]`` is row ``r``'s real tokens. The rows are sorted into trie preorder (rows with a
+    common prefix are then adjacent) and cut into consecutive runs: one per rank, of similar tree
+    size, then micro-batches of at most ``token_budget`` **tree nodes** (a shared prefix counts
+    once), so a micro-batch holds as many GRPO groups or episode branches as its budget allows
+    instead of splitting them by their flat size. ``cost(nodes, pairs)`` is a tree's cost (default:
+    its nodes); a row starts a new micro-batch when joining would cost more than that.
+
+    ``flat(rows)`` True marks a planned micro-batch that will run as flat rows after all (a tree
+    that does not pay): a rank's such rows are packed again together by :func:`pack_by_budget`, so
+    their flat tokens keep to the budget. Every rank gets the same number of micro-batches, as in
+    :func:`plan_micro_batches`; splitting one to even the counts cuts it at the middle of its preorder.
+    """
+    if token_budget < 1:
+        raise ValueError(f"micro-batch token budget must be >= 1, got {token_budget}")
+    node_cost = cost if cost is not None else (lambda nodes, pairs: float(nodes))
+    lengths = [len(k) for k in keys]
+    order = sorted(range(len(keys)), key=lambda r: keys[r])  # lexicographic order = trie preorder
+    added = [0] * len(keys)  # what each row adds to the whole batch's tree (after the row before it)
+    for before, row in zip([None, *order], order, strict=False):  # each row after the one before it
+        added[row] = lengths[row] - (0 if before is None else common_prefix_length(keys[before], keys[row]))
+    plans: list[RankPlan] = []
+    for rank_rows in _split_in_preorder(order, added, world_size):
+        trees, flat_rows = [], []
+        for micro in _fill_in_preorder(rank_rows, keys, token_budget, node_cost):
+            if flat is not None and flat(micro):
+                flat_rows.extend(micro)
+            else:
+                trees.append(micro)
+        plans.append(trees + (pack_by_budget(flat_rows, lengths, token_budget) if flat_rows else []))
+    count = max(1, max(len(p) for p in plans))
+
+    def halve(rows: list[int]) -> list[list[int]]:  # at the middle of the micro-batch's preorder
+        ranked = sorted(rows, key=lambda r: keys[r])
+        half, seen, cut = sum(added[r] for r in ranked) / 2, 0, len(ranked) - 1
+        for i, row in enumerate(ranked[:-1]):
+            seen += added[row]
+            if seen >= half:
+                cut = i + 1
+                break
+        return [sorted(ranked[:cut]), sorted(ranked[cut:])]
+
+    return [_split_to_count([sorted(m) for m in p], lengths, count, halve) for p in plans]

@@ -57,6 +57,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     tree.add_argument("--tree-scale", type=float, default=None,
                       help="multiply every workload length by this (default 1: a 2K-token prompt + 8 x 256)")
     tree.add_argument("--tree-workloads", default="grpo,episodes", help="comma-separated: grpo, episodes")
+    tree.add_argument("--tree-groups", type=int, default=1,
+                      help="GRPO groups in the grpo workload's step (each its own prompt); the micro-batch budget "
+                           "is --micro-batch-tokens, default one group's flat size")
     p.add_argument("--profile", type=Path, default=None, metavar="DIR",
                    help="after the timed steps, one more under torch.profiler per length: op tables to DIR")
 
@@ -136,8 +139,11 @@ def _run_tree(args: argparse.Namespace, ctx: RunContext) -> int:
         _fsdp_options_valid({**options, "prefix_tree": "on", "attn_implementation": attention}, "--tree-attention")
     if args.steps < 3:
         raise MilesError(f"--tree times >= 3 repeats: --steps {args.steps} is too few")
+    if not 1 <= args.tree_groups <= 256:
+        raise MilesError(f"--tree-groups must be in [1, 256], got {args.tree_groups}")
     report = run_tree_benchmark(ctx=ctx, preset=args.model, device=args.device, options=options, attentions=attentions,
-                                warmup=max(1, args.warmup), repeats=args.steps, scale=scale, workloads=workloads)
+                                warmup=max(1, args.warmup), repeats=args.steps, scale=scale, workloads=workloads,
+                                groups=args.tree_groups, micro_batch_tokens=args.micro_batch_tokens)
     emit_json(report, args.output)
     return 0
 

@@ -2,8 +2,8 @@
 
 Two workloads, each a batch whose rows share prefixes the way RL batches do:
 
-* ``grpo``: one prompt of ``prompt`` tokens and ``samples`` completions of ``completion`` tokens
-  (the issue's shape: 8 x 256 on a 2K prompt);
+* ``grpo``: ``groups`` prompts of ``prompt`` tokens, each with ``samples`` completions of
+  ``completion`` tokens (the issue's shape: 8 x 256 on a 2K prompt), rows shuffled across groups;
 * ``episodes``: a group of agent episodes on one task, shaped like ``miles bench episode-tokens``'s
   default workload: a system prompt and a task shared by every row, turns of an answer plus a tool
   result, the history compacted (replaced by a summary) every few turns (one row per compaction
@@ -11,7 +11,8 @@ Two workloads, each a batch whose rows share prefixes the way RL batches do:
 
 For each workload the fsdp backend trains the same batch from the same random weights with
 ``fsdp.prefix_tree: off`` (the flat layout the backend would pick: padded or packed) and ``on``
-(one tree per micro-batch, for each attention implementation asked for), each after ``warmup``
+(micro-batches planned by tree size, each one tree, for each attention implementation asked
+for), under the same ``train.micro_batch_tokens``, each after ``warmup``
 untimed steps, then ``repeats`` timed steps; the JSON holds tokens computed (what the layers see)
 against flattened tokens, median step time with min/max, the flat/tree ratios, and the first
 step's loss and gradient norm of each (the same weights and batch: equal up to rounding).
@@ -84,10 +85,19 @@ class _Tokens:
         return torch.randint(1, self.vocab, (n,), generator=self.gen).tolist()
 
 
-def grpo_batch(vocab: int, *, prompt: int = 2048, samples: int = 8, completion: int = 256, seed: int = 0) -> TrainBatch:
+def grpo_batch(vocab: int, *, prompt: int = 2048, samples: int = 8, completion: int = 256, groups: int = 1,
+               seed: int = 0) -> TrainBatch:
+    """``groups`` GRPO groups, each its own prompt; with several, the rows are shuffled (as a batch
+    arrives from rollout: groups finish in any order)."""
     draw = _Tokens(vocab, seed)
-    head = draw(prompt)
-    return _rows_to_batch([(head + draw(completion), [False] * prompt + [True] * completion) for _ in range(samples)], seed)
+    rows = []
+    for _ in range(groups):
+        head = draw(prompt)
+        rows += [(head + draw(completion), [False] * prompt + [True] * completion) for _ in range(samples)]
+    if groups > 1:
+        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+        rows = [rows[i] for i in order]
+    return _rows_to_batch(rows, seed)
 
 
 def episodes_batch(vocab: int, shape: EpisodeShape, seed: int = 0) -> TrainBatch:
@@ -180,7 +190,8 @@ def _auto_decisions(batch: TrainBatch, preset: str, attentions: list[str]) -> di
 
 
 def run_tree_benchmark(*, ctx: RunContext, preset: str, device: Device, options: dict[str, Any], attentions: list[str],
-                       warmup: int, repeats: int, scale: float, workloads: list[str]) -> dict[str, Any]:
+                       warmup: int, repeats: int, scale: float, workloads: list[str], groups: int = 1,
+                       micro_batch_tokens: int | None = None) -> dict[str, Any]:
     """The JSON report of ``miles bench train --tree`` (see the module docstring)."""
     from miles.trainer.device import pick_device
 
@@ -192,7 +203,7 @@ def run_tree_benchmark(*, ctx: RunContext, preset: str, device: Device, options:
     vocab = int(PRESETS[preset]["vocab_size"])
     prompt, completion = max(2, round(2048 * scale)), max(2, round(256 * scale))
     batches = {
-        "grpo": grpo_batch(vocab, prompt=prompt, completion=completion),
+        "grpo": grpo_batch(vocab, prompt=prompt, completion=completion, groups=groups),
         "episodes": episodes_batch(vocab, EpisodeShape().scaled(scale)),
     }
     report: dict[str, Any] = {
@@ -200,14 +211,16 @@ def run_tree_benchmark(*, ctx: RunContext, preset: str, device: Device, options:
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "dtype": "bf16 compute, fp32 master weights" if dev.type == "cuda" else "fp32",
         "torch": torch.__version__, "model": preset, "scale": scale, "warmup": warmup, "repeats": repeats,
+        "grpo_groups": groups,
         "workloads": {}, "goal_grpo": "tokens ratio >= 3, step speedup >= 2 on the H200, same loss",
     }
     for name in workloads:
         batch = batches[name]
         lengths = batch.attention_mask.sum(1)
-        # one micro-batch holds the whole batch: the planner splits rows by flat tokens, blind to prefixes
-        budget = int(lengths.sum())
-        entry: dict[str, Any] = {"rows": batch.size, "flat_tokens": budget, "row_lengths": lengths.tolist(),
+        # the same budget for every arm: given, else one GRPO group's flat size (one group per flat
+        # pass; the tree planner fits as many groups' trees as the budget holds), else the whole batch
+        budget = micro_batch_tokens or (int(lengths.sum()) // groups if name == "grpo" else int(lengths.sum()))
+        entry: dict[str, Any] = {"rows": batch.size, "flat_tokens": int(lengths.sum()), "row_lengths": lengths.tolist(),
                                  "trained_tokens": int(batch.loss_mask.sum()), "micro_batch_tokens": budget,
                                  "auto_takes_tree": _auto_decisions(batch, preset, attentions)}
         flat = _measure(preset, batch, ctx=ctx, device=device, options={**options, "prefix_tree": "off"},

@@ -89,8 +89,18 @@ def layout_costs(attention_mask: torch.Tensor, pair_cost: float = DEFAULT_PAIR_C
     """``(padded, packed)`` cost of a micro-batch's rows, in tokens of matrix multiplies plus
     attended pairs times ``pair_cost`` (see :func:`worth_packing`)."""
     rows, width = attention_mask.shape
-    n = float(attention_mask.sum())
+    return _layout_costs(rows, width, float(attention_mask.sum()), pair_cost)
+
+
+def _layout_costs(rows: int, width: int, n: float, pair_cost: float) -> tuple[float, float]:
     return rows * width * (1.0 + pair_cost * width), n * (1.0 + pair_cost * n)
+
+
+def flat_cost(lengths: list[int], pair_cost: float, packing: bool) -> float:
+    """What rows of ``lengths`` cost in the flat layout the runner picks for them: padded to the
+    longest, or packed when ``packing`` is on and :func:`worth_packing` would pack them."""
+    padded, packed = _layout_costs(len(lengths), max(lengths), float(sum(lengths)), pair_cost)
+    return packed if packing and len(lengths) > 1 and packed < (1.0 - PACKING_MIN_GAIN) * padded else padded
 
 
 @dataclass(slots=True)
@@ -119,6 +129,13 @@ class PassRunner:
         if "cu_seqlens" in batch.extras:
             raise ValueError("the fsdp backend takes padded [B, T] batches (it packs them itself); got a packed batch")
         lengths = row_lengths(batch.attention_mask)
+        if self.prefix_tree is not None and self.prefix_tree.plans_trees:
+            # rows sharing a prefix are planned together, micro-batches budgeted by tree size
+            keys = [row[:n] for row, n in zip(batch.tokens.tolist(), lengths, strict=True)]
+            plan = self.prefix_tree.plan(keys, self.token_budget, self.dist.world_size,
+                                         lambda rows: flat_cost(rows, self.pair_cost, self.packing))
+            if plan is not None:
+                return plan[self.dist.rank]
         return plan_micro_batches(lengths, self.token_budget, self.dist.world_size)[self.dist.rank]
 
     def _inputs(self, batch: TrainBatch, rows: list[int]) -> tuple[TrainBatch, ModelInputs, bool]:

@@ -23,10 +23,12 @@ its longest common prefix with the row just before it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from miles_algorithms.planning import RankPlan, plan_prefix_micro_batches, tree_load
 
 from miles_fsdp.config import TREE_ATTENTION
 from miles_fsdp.packing import ModelInputs
@@ -181,16 +183,45 @@ class TreePolicy:
     attention: str
     pair_cost: float
 
-    def pays(self, tree: PrefixTree, flat_cost: float) -> bool:
-        """The tree's cost in the flat layout's units (tokens of matrix multiplies plus attended pairs
-        times ``pair_cost``) is at least 10% below ``flat_cost`` (the padded or packed rows' cost).
+    @property
+    def plans_trees(self) -> bool:
+        """Whether micro-batches may run as trees at all (``on``, or ``auto`` with a kernel that takes a mask)."""
+        return self.mode == "on" or (self.mode == "auto" and self.attention in TREE_ATTENTION)
 
-        ``sdpa`` with a mask computes all ``N^2`` pairs; ``flex_attention`` skips empty blocks, so
-        about the pairs the tree really attends (block granularity ignored).
+    def cost(self, nodes: int, pairs: int) -> float:
+        """A tree's cost in the flat layout's units: tokens of matrix multiplies plus attended pairs
+        times ``pair_cost``. ``sdpa`` with a mask computes all ``nodes^2`` pairs; ``flex_attention``
+        skips empty blocks, so about the ``pairs`` the tree really attends (block granularity ignored)."""
+        return nodes + self.pair_cost * (pairs if self.attention == "flex_attention" else nodes * nodes)
+
+    def pays(self, tree: PrefixTree, flat_cost: float) -> bool:
+        """The tree's :meth:`cost` is at least 10% below ``flat_cost`` (the padded or packed rows' cost)."""
+        return self.cost(tree.num_nodes, tree.attended_pairs()) < (1.0 - TREE_MIN_GAIN) * flat_cost
+
+    def plan(self, keys: list[list[int]], token_budget: int, world_size: int,
+             flat_cost: Callable[[list[int]], float]) -> list[RankPlan] | None:
+        """Micro-batches of each rank planned by tree size (see
+        :func:`~miles_algorithms.planning.plan_prefix_micro_batches`), or None for the flat planner.
+
+        ``keys[r]`` is row ``r``'s real tokens, ``flat_cost(lengths)`` what rows of those lengths
+        cost in the flat layout. ``auto`` plans by tree only when the whole batch's tree is at least
+        10% smaller than its rows (else the flat plan, exactly as without trees), and a planned
+        micro-batch whose tree does not pay is packed again by flat tokens, so it keeps to the budget.
         """
-        n = tree.num_nodes
-        pairs = tree.attended_pairs() if self.attention == "flex_attention" else n * n
-        return n + self.pair_cost * pairs < (1.0 - TREE_MIN_GAIN) * flat_cost
+        if not self.plans_trees:
+            return None
+        lengths = [len(k) for k in keys]
+        if self.mode == "auto" and tree_load(keys, range(len(keys))).nodes >= (1.0 - TREE_MIN_GAIN) * sum(lengths):
+            return None
+
+        def stays_flat(rows: list[int]) -> bool:
+            if self.mode == "on":
+                return False
+            load = tree_load(keys, rows)
+            flat = flat_cost([lengths[r] for r in rows])
+            return load.nodes == sum(lengths[r] for r in rows) or self.cost(load.nodes, load.pairs) >= (1.0 - TREE_MIN_GAIN) * flat
+
+        return plan_prefix_micro_batches(keys, token_budget, world_size, cost=self.cost, flat=stays_flat)
 
     def inputs(self, micro: TrainBatch, lengths: list[int], flat_cost: float, device: torch.device) -> ModelInputs | None:
         """The tree inputs of ``micro`` when the policy takes the tree, else None (the flat layout)."""
