@@ -6,7 +6,14 @@ import asyncio
 from collections.abc import Sequence
 
 import pytest
-from miles.loop.buffer import MAX_ATTEMPTS, MAX_INFRA_ATTEMPTS, BufferClosedError, Group, GroupBuffer
+from miles.loop.buffer import (
+    MAX_ATTEMPTS,
+    MAX_INFRA_ATTEMPTS,
+    BufferClosedError,
+    Group,
+    GroupBuffer,
+    infra_retry_delay,
+)
 from miles.loop.modes.fully_async import batch_metrics
 from miles_contracts import Branch, ExitReason, Sample, Status
 
@@ -38,6 +45,11 @@ class Recorder:
     def record(self, samples: Sequence[Sample], state: str, *, reason: str | None = None,
                step: int | None = None) -> None:
         self.lines.append((samples[0].group_index, state, reason))
+
+
+def NO_BACKOFF(infra_aborts: int) -> float:  # noqa: N802 - a constant-like stand-in for infra_retry_delay
+    """Counting tests: every recycled group may go again at once."""
+    return 0.0
 
 
 def run(coro):
@@ -229,7 +241,7 @@ def test_infrastructure_aborts_do_not_use_up_a_prompts_attempts() -> None:
     about the prompt. A group they abort more often than ``MAX_ATTEMPTS`` is still generated
     again, and trained once a generation succeeds."""
     async def scenario() -> None:
-        buffer = GroupBuffer(capacity=4)
+        buffer = GroupBuffer(capacity=4, infra_backoff=NO_BACKOFF)
         buffer.reserve()
         current = group(0, status=Status.ABORTED, reasons=[ExitReason.ENGINE_ERROR, ExitReason.ABORT])
         for _ in range(MAX_ATTEMPTS + 2):
@@ -261,7 +273,7 @@ def test_infrastructure_aborts_have_a_bound_of_their_own_with_its_reason_and_cou
     and the count reaches the step's metrics."""
     async def scenario() -> None:
         ledger = Recorder()
-        buffer = GroupBuffer(capacity=4, ledger=ledger)  # type: ignore[arg-type]
+        buffer = GroupBuffer(capacity=4, ledger=ledger, infra_backoff=NO_BACKOFF)  # type: ignore[arg-type]
         current = group(0, status=Status.ABORTED)
         outcomes = []
         for _ in range(MAX_INFRA_ATTEMPTS):
@@ -282,6 +294,60 @@ def test_infrastructure_aborts_have_a_bound_of_their_own_with_its_reason_and_cou
     run(scenario())
 
 
+def test_repeated_infrastructure_aborts_back_off_before_the_next_generation() -> None:
+    """An outage (an engine restarting for 10-20 s) must not burn a group's infrastructure
+    attempts in a burst: the first abort goes again at once, later ones wait, doubling, so the
+    bound's generations span longer than a restart."""
+    delays = [infra_retry_delay(k) for k in range(1, MAX_INFRA_ATTEMPTS)]
+    assert delays[0] == 0.0 and delays[1] > 0.0
+    assert all(b >= a for a, b in zip(delays, delays[1:], strict=False)) and sum(delays) > 30.0
+
+    async def scenario() -> None:
+        now = [100.0]
+        buffer = GroupBuffer(capacity=4, clock=lambda: now[0])
+        current = group(0, status=Status.ABORTED, reasons=[ExitReason.ENGINE_ERROR] * 2)
+        assert await buffer.put(current) == "aborted_recycled"
+        first = buffer.next_recycled()  # a one-off abort: at once
+        assert first is not None and first.infra_aborts == 1
+        assert await buffer.put(ended(first, Status.ABORTED, [ExitReason.ENGINE_ERROR] * 2)) == "aborted_recycled"
+        assert buffer.next_recycled() is None and buffer.recycled == 1  # backing off, still held
+        assert 0 in buffer.holding()
+        now[0] += infra_retry_delay(2)
+        second = buffer.next_recycled()
+        assert second is not None and second.infra_aborts == 2
+        # a prompt's own abort is generated again at once, and an older group backing off does not hold it up
+        assert await buffer.put(ended(second, Status.ABORTED, [ExitReason.ENGINE_ERROR] * 2)) == "aborted_recycled"
+        assert await buffer.put(group(1, status=Status.ABORTED, reasons=[ExitReason.AGENT_EXCEPTION] * 2)) == (
+            "aborted_recycled")
+        ready = buffer.next_recycled()
+        assert ready is not None and ready.index == 1 and buffer.next_recycled() is None
+        now[0] += infra_retry_delay(3)
+        third = buffer.next_recycled()
+        assert third is not None and (third.index, third.infra_aborts) == (0, 3)
+
+    run(scenario())
+
+
+def test_the_producer_waits_out_a_backoff_instead_of_drawing_new_prompts() -> None:
+    """``wait_recycled`` returns at once with nothing recycled or a group ready, and otherwise
+    only once the earliest backoff is over (the producer then takes that group, not a new prompt)."""
+    async def scenario() -> None:
+        buffer = GroupBuffer(capacity=4, infra_backoff=lambda k: 0.05)
+        await asyncio.wait_for(buffer.wait_recycled(), 1.0)  # nothing recycled
+        assert await buffer.put(group(0, status=Status.ABORTED, reasons=[ExitReason.ABORT] * 2)) == "aborted_recycled"
+        [waiting] = buffer.recycled_groups()
+        assert buffer.next_recycled() is None
+        await asyncio.wait_for(buffer.wait_recycled(poll_s=0.01), 5.0)
+        assert buffer.clock() >= waiting.not_before
+        assert buffer.next_recycled() is waiting
+        # a stopped buffer does not keep anyone waiting
+        assert await buffer.put(group(1, status=Status.ABORTED, reasons=[ExitReason.ABORT] * 2)) == "aborted_recycled"
+        buffer.drain()
+        await asyncio.wait_for(buffer.wait_recycled(), 1.0)
+
+    run(scenario())
+
+
 @pytest.mark.parametrize("reason", [ExitReason.WALL_CLOCK_BUDGET, ExitReason.TOOL_TIMEOUT_BUDGET,
                                     ExitReason.AGENT_EXCEPTION, ExitReason.TIMEOUT, None])
 def test_a_prompt_whose_own_episodes_keep_aborting_is_still_dropped_after_max_attempts(
@@ -290,7 +356,7 @@ def test_a_prompt_whose_own_episodes_keep_aborting_is_still_dropped_after_max_at
     do not bring the drop forward."""
     async def scenario() -> None:
         ledger = Recorder()
-        buffer = GroupBuffer(capacity=4, ledger=ledger)  # type: ignore[arg-type]
+        buffer = GroupBuffer(capacity=4, ledger=ledger, infra_backoff=NO_BACKOFF)  # type: ignore[arg-type]
         current = group(0, status=Status.ABORTED)  # two engine aborts first
         outcomes = [await buffer.put(current)]
         again = buffer.next_recycled()

@@ -59,6 +59,17 @@ def test_the_report_times_steps_after_the_warm_up_and_compares_with_sync() -> No
         run_summary(_rows([1.0]))
 
 
+def test_the_report_also_gives_the_speedup_without_the_checkpoint_saves() -> None:
+    """A final save costs both modes the same seconds; on a short run it pulls the ratio toward 1."""
+    sync_rows, fast_rows = _rows([100.0, 110.0, 120.0, 134.0]), _rows([50.0, 53.0, 56.0, 64.0])
+    sync_rows[-1]["time/checkpoint"] = fast_rows[-1]["time/checkpoint"] = 4.0
+    sync, fast = run_summary(sync_rows), run_summary(fast_rows)
+    assert (sync["saves_s"], sync["time_to_steps_excluding_saves_s"]) == (4.0, 30.0)
+    table = compare({"sync": [sync], "fully_async": [fast]})
+    assert table["fully_async"]["speedup_vs_sync"] == pytest.approx(34 / 14)
+    assert table["fully_async"]["speedup_excluding_saves_vs_sync"] == pytest.approx(3.0)
+
+
 def test_the_report_compares_trained_response_lengths_with_sync_by_ks_distance(tmp_path) -> None:
     """The KS distance of two length samples (read from a run's step sample files, trained rows
     only) is the largest gap of their distribution functions; identical ones give 0, and the 5 %

@@ -30,7 +30,10 @@ Its contract (``docs/design/async.md``; each point tested in ``kernel/tests/test
   other reason, or none, makes it the prompt's. The two are bounded apart: a group is dropped on
   its ``max_attempts``-th generation that was not lost to an infrastructure abort
   (``attempts_exhausted``), or on the ``max_infra_attempts``-th that was
-  (``infra_attempts_exhausted``), whichever comes first. ``drop``: it is dropped. Every outcome
+  (``infra_attempts_exhausted``), whichever comes first; after its second and later
+  infrastructure aborts a group backs off before its next generation (:func:`infra_retry_delay`),
+  and the producer waits with it rather than draw new prompts into the outage. ``drop``: it is
+  dropped. Every outcome
   is counted by reason (:meth:`GroupBuffer.take_counts`).
 - **Failure.** A worker that fails calls :meth:`GroupBuffer.fail`; the trainer's ``take`` raises
   that error (waiting or not), so the run stops with it, and :meth:`GroupBuffer.drain` returns
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -74,6 +78,21 @@ the run stops when for two progress reports in a row every group that finished w
 reaches this bound before that is dropped with a reason of its own
 (``aborted_infra_attempts_exhausted``)."""
 
+INFRA_RETRY_FIRST_DELAY_S = 0.5
+INFRA_RETRY_MAX_DELAY_S = 8.0
+
+
+def infra_retry_delay(infra_aborts: int) -> float:
+    """Seconds a group lost to its ``infra_aborts``-th infrastructure abort waits before it is
+    generated again: none after the first (a one-off abort, a weight update's pause), then 0.5 s
+    doubling up to 8 s, so its :data:`MAX_INFRA_ATTEMPTS` generations span about 40 s -- longer
+    than an engine takes to restart (11-19 s in the chaos soaks), where retrying at once burned
+    all ten within the outage and dropped hundreds of healthy samples."""
+    if infra_aborts <= 1:
+        return 0.0
+    return min(INFRA_RETRY_FIRST_DELAY_S * 2.0 ** (infra_aborts - 2), INFRA_RETRY_MAX_DELAY_S)
+
+
 INFRA_ABORTS = frozenset({ExitReason.ABORT, ExitReason.ENGINE_ERROR})
 """Exit reasons of an ABORTED sample that count as the infrastructure's abort, not its prompt's.
 Narrower than :data:`miles.loop.redo.INFRASTRUCTURE_EXITS` on purpose: a reason here buys the
@@ -97,6 +116,8 @@ class Group:
     :ivar attempt: how many times the group has been generated (1 for the first), those lost to
         infrastructure aborts included.
     :ivar infra_aborts: how many of its generations before this one an infrastructure abort ended.
+    :ivar not_before: when (``time.monotonic()``) a recycled group may be generated again (its
+        infrastructure backoff, :func:`infra_retry_delay`; 0: at once).
     """
 
     samples: list[Sample]
@@ -104,6 +125,7 @@ class Group:
     launched_version: int = 0
     attempt: int = 1
     infra_aborts: int = 0
+    not_before: float = 0.0
 
     @classmethod
     def fresh(cls, samples: list[Sample], launched_version: int = 0) -> Group:
@@ -163,12 +185,15 @@ class GroupBuffer:
     :param max_infra_attempts: generations a group may lose to infrastructure aborts under ``recycle``.
     :param start_version: the weight version when the buffer starts (no group is stale before it moves).
     :param ledger: the run's sample ledger, told what becomes of each group here (None: not recorded).
+    :param infra_backoff: seconds a group waits to be generated again after its k-th infrastructure abort.
+    :param clock: monotonic seconds (tests pass their own).
     """
 
     def __init__(self, capacity: int, *, max_staleness: int | None = None, late: LatePolicy = "train",
                  unused: UnusedPolicy = "recycle", admit: Admit | None = None, max_attempts: int = MAX_ATTEMPTS,
                  max_infra_attempts: int = MAX_INFRA_ATTEMPTS, start_version: int = 0,
-                 ledger: Ledger | None = None) -> None:
+                 ledger: Ledger | None = None, infra_backoff: Callable[[int], float] = infra_retry_delay,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if capacity < 1:
             raise ValueError(f"buffer capacity must be at least 1 group, got {capacity}")
         self.capacity = capacity
@@ -180,6 +205,8 @@ class GroupBuffer:
         self.max_infra_attempts = max_infra_attempts
         self.start_version = start_version
         self.ledger = ledger
+        self.infra_backoff = infra_backoff
+        self.clock = clock
         self._queue: deque[Group] = deque()
         self._waiting: list[Group] = []  # finished groups blocked in put
         self._recycled: deque[Group] = deque()
@@ -269,8 +296,24 @@ class GroupBuffer:
         return list(self._recycled)
 
     def next_recycled(self) -> Group | None:
-        """A group to generate again, oldest first (None when there is none)."""
-        return self._recycled.popleft() if self._recycled else None
+        """A group to generate again, the oldest whose backoff is over (None when there is none)."""
+        now = self.clock()
+        for at, group in enumerate(self._recycled):
+            if group.not_before <= now:
+                del self._recycled[at]
+                return group
+        return None
+
+    async def wait_recycled(self, poll_s: float = 1.0) -> None:
+        """Return once a recycled group may be generated or none is waiting: while every recycled
+        group is backing off from repeated infrastructure aborts, the producer waits with them
+        instead of drawing new prompts into the same outage. Returns at once on a stopped buffer
+        (the next call that needs it raises)."""
+        while self._recycled and not self._stopped:
+            wait = min(g.not_before for g in self._recycled) - self.clock()
+            if wait <= 0:
+                return
+            await asyncio.sleep(min(wait, poll_s))
 
     async def fail(self, error: BaseException) -> None:
         """A worker failed: the next (or waiting) ``take`` raises ``error``."""
@@ -357,7 +400,10 @@ class GroupBuffer:
         else:
             used, bound, exhausted = group.prompt_attempts, self.max_attempts, "attempts_exhausted"
         if self.unused == "recycle" and used < bound:
-            self._recycled.append(group.regenerated(infra=infra))
+            again = group.regenerated(infra=infra)
+            if infra:
+                again.not_before = self.clock() + self.infra_backoff(again.infra_aborts)
+            self._recycled.append(again)
             outcome = f"{reason}_recycled"
             self._record(group, "recycled", reason)
         else:

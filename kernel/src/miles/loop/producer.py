@@ -120,6 +120,7 @@ class RolloutWorkers:
             while True:
                 for _ in range(self.group_size):  # a group's samples start together
                     await self._slots.acquire()
+                await self.buffer.wait_recycled()  # an infrastructure backoff holds new draws too
                 await self.buffer.wait_for_launch(lambda: self.scoring, lambda: self.pacing.limit(self.version()))
                 self.buffer.reserve()  # before the next await: the limit holds
                 group = self.buffer.next_recycled() or self._draw()

@@ -4,7 +4,9 @@ A step's time is the interval between two consecutive step records (everything t
 Step 1 is the warm-up -- it also fills the pipeline the later steps overlap with -- so the timed
 span is steps 2..N: ``time_to_steps_s`` is the wall time from the end of step 1 to the end of
 step N, ``samples_per_s`` the samples trained in those steps over that time. A mode's speedup is
-sync's ``time_to_steps_s`` over its own, per repeat, and of the medians.
+sync's ``time_to_steps_s`` over its own, per repeat, and of the medians; beside it, the same
+with the checkpoint saves in the span taken out (``saves_s``: the final save of a run with
+``run.save_final`` is a fixed cost, equal in every mode, that weighs on a short run's ratio).
 
 Whether a mode trains on what sync would: the response lengths of the samples each step trained
 (``<run>/samples/step_*.jsonl``, rows with a ``batch_group``), pooled over a mode's repeats, against
@@ -39,9 +41,14 @@ def run_summary(rows: Rows) -> dict[str, Any]:
     span = steps[-1]["time"] - steps[0]["time"]
     intervals = [b["time"] - a["time"] for a, b in zip(steps, steps[1:], strict=False)]
     samples = sum(r.get("train/samples", 0.0) for r in timed)
+    saves = sum(r.get("time/checkpoint", 0.0) for r in timed)
     return {
         "steps": len(steps),
         "time_to_steps_s": span,
+        # checkpoint saves in the span (the final one with run.save_final): a fixed cost per save,
+        # the same in every mode, which a short run's ratio would otherwise carry
+        "saves_s": saves,
+        "time_to_steps_excluding_saves_s": span - saves,
         "samples_per_s": samples / span if span > 0 else 0.0,
         "step_s": _spread(intervals),
         "wait_batch_s": _spread([r.get("time/rollout", 0.0) for r in timed]),
@@ -110,6 +117,10 @@ def compare(runs: dict[str, list[dict[str, Any]]], baseline: str = "sync") -> di
             base_times = [s["time_to_steps_s"] for s in base]
             entry["speedup_vs_" + baseline] = statistics.median(base_times) / statistics.median(times)
             entry["speedup_per_repeat"] = [b / t for b, t in zip(base_times, times, strict=False)]
+            if all("time_to_steps_excluding_saves_s" in s for s in (*summaries, *base)):
+                base_net = statistics.median(s["time_to_steps_excluding_saves_s"] for s in base)
+                net = statistics.median(s["time_to_steps_excluding_saves_s"] for s in summaries)
+                entry["speedup_excluding_saves_vs_" + baseline] = base_net / net if net > 0 else float("nan")
             base_lengths = [n for s in base for n in s.get("trained_lengths", [])]
             entry["ks_length_vs_" + baseline] = ks_distance(lengths, base_lengths)
             entry["ks_noise_5pct"] = ks_noise(len(lengths), len(base_lengths))
