@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import struct
+from collections import Counter
 
 import pytest
 from miles_algorithms.planning import (
@@ -59,6 +61,21 @@ def test_groups_stay_whole_and_fill_the_budget_by_tree_nodes() -> None:
     # the prefix-blind planner counts flat tokens: 4 of the 80-token rows per micro-batch, 8 passes
     flat, = plan_micro_batches([len(k) for k in keys], 2 * tree_of_group, 1)
     assert len(flat) == 8
+
+
+def test_tokens_as_fixed_width_bytes_plan_the_same_groups() -> None:
+    """The fsdp runner passes each row as its int64 bytes (a different but valid trie order)."""
+    def as_bytes(rows: list[list[int]]) -> list[bytes]:
+        return [struct.pack(f"<{len(r)}q", *r) for r in rows]
+
+    # 258 and 2 share their low byte: the shared prefix is counted in whole tokens
+    mid_token = [[1, 2, 3], [1, 258, 3]]
+    assert common_prefix_length(*as_bytes(mid_token)) == 9
+    assert tree_load(as_bytes(mid_token), [0, 1], item_size=8).nodes == tree_load(mid_token, [0, 1]).nodes == 5
+    keys, group = _groups(count=4, prompt=64, samples=8, completion=16, seed=5)
+    assert tree_load(as_bytes(keys), range(32), item_size=8).nodes == tree_load(keys, range(32)).nodes == 4 * 192
+    plan, = plan_prefix_micro_batches(as_bytes(keys), token_budget=2 * 192, world_size=1, item_size=8)
+    assert [sorted(Counter(group[r] for r in micro).values()) for micro in plan] == [[8, 8], [8, 8]]
 
 
 def test_ranks_get_whole_groups_and_the_same_number_of_micro_batches() -> None:

@@ -23,12 +23,12 @@ its longest common prefix with the row just before it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from miles_algorithms.planning import RankPlan, plan_prefix_micro_batches, tree_load
+from miles_algorithms.planning import Key, RankPlan, plan_prefix_micro_batches, tree_load
 
 from miles_fsdp.config import TREE_ATTENTION
 from miles_fsdp.packing import ModelInputs
@@ -198,30 +198,34 @@ class TreePolicy:
         """The tree's :meth:`cost` is at least 10% below ``flat_cost`` (the padded or packed rows' cost)."""
         return self.cost(tree.num_nodes, tree.attended_pairs()) < (1.0 - TREE_MIN_GAIN) * flat_cost
 
-    def plan(self, keys: list[list[int]], token_budget: int, world_size: int,
-             flat_cost: Callable[[list[int]], float]) -> list[RankPlan] | None:
+    def plan(self, keys: Sequence[Key], token_budget: int, world_size: int, flat_cost: Callable[[list[int]], float],
+             *, item_size: int = 1) -> list[RankPlan] | None:
         """Micro-batches of each rank planned by tree size (see
         :func:`~miles_algorithms.planning.plan_prefix_micro_batches`), or None for the flat planner.
 
-        ``keys[r]`` is row ``r``'s real tokens, ``flat_cost(lengths)`` what rows of those lengths
-        cost in the flat layout. ``auto`` plans by tree only when the whole batch's tree is at least
-        10% smaller than its rows (else the flat plan, exactly as without trees), and a planned
-        micro-batch whose tree does not pay is packed again by flat tokens, so it keeps to the budget.
+        ``keys[r]`` is row ``r``'s real tokens (ids, or ``item_size``-byte items), ``flat_cost(lengths)``
+        what rows of those lengths cost in the flat layout. ``auto`` plans by tree only when the
+        whole batch's tree is at least 10% smaller than its rows (else the flat plan, exactly as
+        without trees), and a planned micro-batch whose tree does not pay is packed again by flat
+        tokens, so it keeps to the budget.
         """
         if not self.plans_trees:
             return None
-        lengths = [len(k) for k in keys]
-        if self.mode == "auto" and tree_load(keys, range(len(keys))).nodes >= (1.0 - TREE_MIN_GAIN) * sum(lengths):
+        lengths = [len(k) // item_size for k in keys]
+        whole = tree_load(keys, range(len(keys)), item_size)
+        if self.mode == "auto" and whole.nodes >= (1.0 - TREE_MIN_GAIN) * sum(lengths):
             return None
 
         def stays_flat(rows: list[int]) -> bool:
             if self.mode == "on":
                 return False
-            load = tree_load(keys, rows)
-            flat = flat_cost([lengths[r] for r in rows])
-            return load.nodes == sum(lengths[r] for r in rows) or self.cost(load.nodes, load.pairs) >= (1.0 - TREE_MIN_GAIN) * flat
+            load = tree_load(keys, rows, item_size)
+            flat_tokens = sum(lengths[r] for r in rows)
+            return load.nodes == flat_tokens or self.cost(load.nodes, load.pairs) >= (
+                1.0 - TREE_MIN_GAIN) * flat_cost([lengths[r] for r in rows])
 
-        return plan_prefix_micro_batches(keys, token_budget, world_size, cost=self.cost, flat=stays_flat)
+        return plan_prefix_micro_batches(keys, token_budget, world_size, item_size=item_size, cost=self.cost,
+                                         flat=stays_flat)
 
     def inputs(self, micro: TrainBatch, lengths: list[int], flat_cost: float, device: torch.device) -> ModelInputs | None:
         """The tree inputs of ``micro`` when the policy takes the tree, else None (the flat layout)."""
