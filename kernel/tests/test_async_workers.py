@@ -281,6 +281,33 @@ def test_a_run_whose_every_group_aborts_stops_with_the_reason() -> None:
     assert len(messages) == 2  # it said what it was waiting on before giving up
 
 
+def test_while_aborted_groups_back_off_the_producer_draws_no_new_prompts() -> None:
+    """An engine that keeps failing: after each group's second abort it waits out its backoff, and
+    the workers wait with it instead of feeding new prompts to the same outage."""
+    kernel = _refusing_kernel()
+    config = MilesConfig(run=RunSection(mode="fully_async"), algorithm=AlgorithmSection(correction="tis"),
+                         rollout=RolloutSection(generator="refused", samples_per_prompt=2, prompts_per_step=2,
+                                                concurrency=4))
+    manager = RolloutManager(context_for(config, kernel=kernel), open_data_source(context_for(config, kernel=kernel)), engine=None, tokenizer=None)
+    buffer = GroupBuffer(4, infra_backoff=lambda aborts: 0.0 if aborts <= 1 else 3600.0)
+    workers = RolloutWorkers(manager, buffer, version=lambda: 0)
+
+    async def scenario() -> None:
+        workers.start()
+        try:
+            await _settle(2000)
+            # every group drawn was generated twice and now backs off; nothing more is drawn
+            launched, waiting = workers.launched, buffer.recycled_groups()
+            assert 2 <= len(waiting) <= 4 and launched == 2 * len(waiting)  # at most the 4 slots' worth
+            assert all(g.infra_aborts == 2 for g in waiting) and workers.in_flight == 0
+            await _settle(2000)
+            assert workers.launched == launched
+        finally:
+            await workers.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+
+
 def test_aborts_after_a_queued_group_still_stop_the_run_and_one_success_resets_the_count() -> None:
     """The check reads each report's window, not everything since the last batch: one group queued
     early (too few for a batch) must not hide the aborts after it, and a window in which a group

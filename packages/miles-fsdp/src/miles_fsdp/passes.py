@@ -150,9 +150,9 @@ class PassRunner:
         packed = self.packing and worth_packing(micro.attention_mask, self.pair_cost)
         inputs = None
         if self.prefix_tree is not None:
-            padded_cost, packed_cost = layout_costs(micro.attention_mask, self.pair_cost)
-            inputs = self.prefix_tree.inputs(micro, row_lengths(micro.attention_mask),
-                                             packed_cost if packed else padded_cost, self.dist.device)
+            lengths = row_lengths(micro.attention_mask)
+            inputs = self.prefix_tree.inputs(micro, lengths, flat_cost(lengths, self.pair_cost, self.packing),
+                                             self.dist.device)
         if inputs is None:
             inputs = build_inputs(micro, packed=packed, device=self.dist.device)
         return micro.to(self.dist.device), inputs, False
