@@ -70,20 +70,38 @@ def test_the_report_also_gives_the_speedup_without_the_checkpoint_saves() -> Non
     assert table["fully_async"]["speedup_excluding_saves_vs_sync"] == pytest.approx(3.0)
 
 
+def test_the_report_sums_the_phases_and_says_what_no_phase_accounts_for() -> None:
+    """Medians of phases do not add up to a step; their sums over the timed steps do, and the span
+    minus the steps' phases (nested ones, like time/optimizer inside time/train, not counted twice)
+    is the loop's own time."""
+    rows = _rows([100.0, 110.0, 120.0, 134.0])  # timed steps of 10, 10 and 14 s; train 1 s each
+    for row, wait in zip(rows[1:], (8.0, 2.0, 11.0), strict=True):
+        row |= {"time/rollout": wait, "time/wait_batch": wait, "time/optimizer": 0.9, "time/sync": 0.5}
+    summary = run_summary(rows)
+    assert summary["phase_totals_s"]["time/rollout"] == 21.0 and summary["phase_totals_s"]["time/train"] == 3.0
+    assert summary["unattributed_s"] == pytest.approx(34 - 21 - 3 - 1.5)
+    assert summary["phases_s"]["time/rollout"] == 8.0  # the median step's wait, far from a third of the total
+
+
 def test_the_report_compares_trained_response_lengths_with_sync_by_ks_distance(tmp_path) -> None:
     """The KS distance of two length samples (read from a run's step sample files, trained rows
     only) is the largest gap of their distribution functions; identical ones give 0, and the 5 %
     noise level shrinks with the sample sizes."""
     import json
 
-    from miles_longtail.report import ks_distance, ks_noise, trained_lengths
+    from miles_longtail.report import ks_distance, ks_noise, trained_lengths, trained_rows, turn_latencies
 
     samples = tmp_path / "run" / "samples"
     samples.mkdir(parents=True)
-    rows = [{"response_tokens": 5, "batch_group": 0}, {"response_tokens": 9, "batch_group": 1},
-            {"response_tokens": 40}]  # the last one was generated but never trained
+    turns = {"metadata": {"agent_result": {"model_seconds": [0.1, 0.3, 0.2]}}}
+    rows = [{"response_tokens": 5, "batch_group": 0, **turns}, {"response_tokens": 9, "batch_group": 1},
+            {"response_tokens": 40, "metadata": {"agent_result": {"model_seconds": [9.0]}}}]  # generated, never trained
     (samples / "step_000001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert trained_lengths(tmp_path / "run") == [5, 9]
+    trained = trained_rows(tmp_path / "run")
+    assert trained_lengths(trained) == [5, 9]
+    latency = turn_latencies(trained)  # the trained samples' turns only
+    assert latency["median"] == pytest.approx(0.2) and latency["max"] == pytest.approx(0.3) and latency["turns"] == 3
+    assert turn_latencies([{"batch_group": 0}]) == {}  # an agent that does not time its turns
     assert ks_distance([1, 2, 3, 4], [1, 2, 3, 4]) == 0.0
     assert ks_distance([1, 2, 3, 4], [3, 4, 5, 6]) == 0.5  # F_a(2)=0.5, F_b(2)=0
     assert ks_distance([1, 2], [10, 20]) == 1.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,16 +36,19 @@ class LongTailAgent:
         body.update(body.pop("extra_body", None) or {})  # what an OpenAI client would merge in
         # the session's own key (what an OpenAI client sends as its api_key), not the run's token
         headers = {"Authorization": f"Bearer {metadata['api_key']}"} if metadata.get("api_key") else {}
+        model_seconds = []  # each turn's wait for the model: what the engine's load does to an episode
         async with httpx.AsyncClient(base_url=base_url, timeout=None, headers=headers, trust_env=False) as http:
             for turn, budget in enumerate(plan.tokens):
                 if turn:
                     await asyncio.sleep(plan.latencies[turn - 1])
                     messages.append({"role": "user", "content": f"tool result {turn}: done in {plan.latencies[turn - 1]:.2f} s"})
+                start = time.perf_counter()
                 answer = await http.post("/chat/completions", json={**body, "model": "policy", "messages": messages,
                                                                    "max_tokens": budget})
                 answer.raise_for_status()
+                model_seconds.append(time.perf_counter() - start)
                 messages.append(answer.json()["choices"][0]["message"])
-        return {"turns": len(plan.tokens), "tool_seconds": plan.tool_seconds}
+        return {"turns": len(plan.tokens), "tool_seconds": plan.tool_seconds, "model_seconds": model_seconds}
 
 
 def repeated_tokens(samples: Sequence[Sample]) -> list[float]:

@@ -25,7 +25,7 @@ from typing import Any
 
 from miles.cli import emit_json
 
-from miles_longtail.report import compare, plot, run_summary, trained_lengths
+from miles_longtail.report import compare, plot, run_summary, trained_lengths, trained_rows, turn_latencies
 
 MODES = ("sync", "one_step_off", "fully_async")
 
@@ -131,7 +131,9 @@ def _train(model: Path | str, mode: str, repeat: int, args: argparse.Namespace, 
     rows = [json.loads(line) for line in (runs_dir / name / "metrics.jsonl").read_text().splitlines() if line.strip()]
     summary = run_summary(rows)
     summary["process_wall_s"] = wall
-    summary["trained_lengths"] = trained_lengths(runs_dir / name)
+    trained = trained_rows(runs_dir / name)
+    summary["trained_lengths"] = trained_lengths(trained)
+    summary["turn_latency_s"] = turn_latencies(trained)
     print(f"{name}: {summary['time_to_steps_s']:.1f} s for steps 2..{args.steps}, "
           f"{summary['samples_per_s']:.2f} samples/s", file=sys.stderr, flush=True)
     return summary

@@ -31,6 +31,13 @@ from miles.loop.buffer import SET_ASIDE_OUTCOMES
 
 Rows = list[dict[str, Any]]
 
+# The phases a step is made of, one after the other, in every mode (the others are parts of these:
+# time/optimizer of time/train, time/sync_paused of time/sync; time/wait_batch is fully_async's
+# time/rollout; time/eval is a phase in sync and one_step_off, a background task in fully_async).
+# What a step's interval holds beyond their sum is ``unattributed_s``.
+STEP_PHASES = ("time/rollout", "time/bookkeeping", "time/dump", "time/release", "time/train", "time/resume",
+               "time/sync", "time/checkpoint", "time/router_metrics")
+
 
 def run_summary(rows: Rows) -> dict[str, Any]:
     """Timing, throughput and learning of one run."""
@@ -52,11 +59,19 @@ def run_summary(rows: Rows) -> dict[str, Any]:
         "samples_per_s": samples / span if span > 0 else 0.0,
         "step_s": _spread(intervals),
         "wait_batch_s": _spread([r.get("time/rollout", 0.0) for r in timed]),
+        # trajectories being generated when the trainer took its batch (fully_async)
+        "in_flight_samples": _spread([r["async/in_flight_samples"] for r in timed if "async/in_flight_samples" in r]),
         "train_s": _spread([r.get("time/train", 0.0) for r in timed]),
         # every phase the loop timed (time/sync, time/logprobs, ...), median over the timed steps:
         # where a step's time goes beyond the wait for a batch and the train phase
         "phases_s": {k: statistics.median(r[k] for r in timed if k in r)
                      for k in sorted({k for r in timed for k in r if k.startswith("time/")})},
+        # the same phases summed over the timed steps, and what the span holds beyond the steps'
+        # phases (the loop's own work, and the event loop's delay in resuming the trainer): a median
+        # of each phase does not add up to a step, a sum does
+        "phase_totals_s": {k: sum(r.get(k, 0.0) for r in timed)
+                           for k in sorted({k for r in timed for k in r if k.startswith("time/")})},
+        "unattributed_s": span - sum(r.get(k, 0.0) for r in timed for k in STEP_PHASES),
         "rewards": [r.get("rollout/reward_mean") for r in steps],
         "step_end_s": [r["time"] - steps[0]["time"] for r in steps],
         "staleness_max": max((r.get("async/staleness_max", 0.0) for r in steps), default=0.0),
@@ -65,15 +80,32 @@ def run_summary(rows: Rows) -> dict[str, Any]:
     }
 
 
-def trained_lengths(run_dir: Path) -> list[int]:
-    """Response lengths (tokens) of every sample the run trained, from its step sample files."""
-    lengths = []
+def trained_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """Every sample the run trained, as its step sample files hold it (rows with a ``batch_group``)."""
+    rows = []
     for path in sorted((run_dir / "samples").glob("step_*.jsonl")):
         for line in path.read_text().splitlines():
             row = json.loads(line) if line.strip() else {}
             if row.get("batch_group") is not None:
-                lengths.append(int(row.get("response_tokens", 0)))
-    return lengths
+                rows.append(row)
+    return rows
+
+
+def trained_lengths(rows: Sequence[dict[str, Any]]) -> list[int]:
+    """Response lengths (tokens) of the trained samples."""
+    return [int(row.get("response_tokens", 0)) for row in rows]
+
+
+def turn_latencies(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """How long the trained samples' agent waited for the model, per turn (the ``long_tail`` agent's
+    ``model_seconds``): the engine's latency under the mode's load, the other half of an episode
+    beside its tool calls. ``{}`` for runs whose agent did not time its turns."""
+    seconds = sorted(t for row in rows for t in ((row.get("metadata") or {}).get("agent_result") or {})
+                     .get("model_seconds", []))
+    if not seconds:
+        return {}
+    return {"median": statistics.median(seconds), "mean": statistics.fmean(seconds),
+            "p90": seconds[int(0.9 * (len(seconds) - 1))], "max": seconds[-1], "turns": float(len(seconds))}
 
 
 def ks_distance(a: Sequence[float], b: Sequence[float]) -> float:
@@ -109,6 +141,9 @@ def compare(runs: dict[str, list[dict[str, Any]]], baseline: str = "sync") -> di
             "step_s_median": _spread([s["step_s"]["median"] for s in summaries]),
             "train_s_median": _spread([s["train_s"]["median"] for s in summaries if s["train_s"]]),
             "wait_batch_s_median": _spread([s["wait_batch_s"]["median"] for s in summaries if s["wait_batch_s"]]),
+            "turn_latency_s_median": _spread([s["turn_latency_s"]["median"] for s in summaries
+                                              if s.get("turn_latency_s")]),
+            "unattributed_s": _spread([s["unattributed_s"] for s in summaries if "unattributed_s" in s]),
         }
         lengths = [n for s in summaries for n in s.get("trained_lengths", [])]
         entry["trained_length"] = _spread(lengths)

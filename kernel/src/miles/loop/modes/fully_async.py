@@ -69,15 +69,18 @@ async def run(ops: StepOps) -> None:
             finally:
                 stop.set()
                 await watcher
-            ops.record_batch(step, [g.samples for g in groups])
             now = time.perf_counter()
+            ops.record_batch(step, [g.samples for g in groups])
             batch = StepRollout([g.samples for g in groups], [s for g in groups for s in g.samples])
             batch.metrics = batch_metrics(groups, buffer, state.version, waited=now - started, interval=now - last_take)
             batch.metrics.update(workers.take_metrics())
             last_take = now
+            batch.metrics["time/bookkeeping"] = time.perf_counter() - now  # the ledger and the batch's metrics
             # off the event loop: it drives every request and agent in flight (the batch is no longer touched)
+            start = time.perf_counter()
             await asyncio.to_thread(ops.dump, step, batch.all_samples, trained=batch.groups)
             metrics = dict(batch.metrics)
+            metrics["time/dump"] = time.perf_counter() - start  # with the event loop's delay in resuming
             metrics.update(await ops.train(batch, in_thread=True))
             if final or step % cfg.weights.update_interval == 0:
                 metrics.update(await asyncio.to_thread(ops.sync_weights))
@@ -89,7 +92,10 @@ async def run(ops: StepOps) -> None:
             metrics.update(await evaluation.finish() if final else evaluation.collect())
             if ops.checkpoint_due(step):
                 metrics["time/checkpoint"] = await ops.save()
+            start = time.perf_counter()
             metrics.update(await ops.router_metrics())
+            metrics["time/router_metrics"] = time.perf_counter() - start
+            metrics["time/step"] = time.perf_counter() - started  # from asking for the batch to here
             ops.log(step, metrics)
         completed = ops.finished
     finally:
