@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from miles.chaos.harness import HUNG, RESUME, SELF, Chaos, ChaosPlan, _Attempt
+from miles.chaos.harness import HUNG, RESUME, SELF, UNFINISHED, Chaos, ChaosPlan, _Attempt
 from miles.chaos.targets import ENGINE, TRAINER, Target
 
 
@@ -84,3 +84,21 @@ def test_an_engine_kill_recovers_in_the_run_only_once_a_new_engine_process_is_fo
     else:  # the old engine's pid still listed: no step counts, the run is declared hung and resumed
         assert recovery == HUNG and started == ["resume"]
         assert "neither progressed nor exited" in chaos.failures[0]
+
+
+def test_a_recovery_cut_short_by_the_chaos_runs_own_time_limit_is_unfinished_not_hung(tmp_path: Path) -> None:
+    """The 2026-12-03 soak: an engine killed 10 s before the soak's time limit was reported as hung
+    "within 180 s". The run's time ran out, not the recovery's: the injection says so, no hang is
+    counted and the driver is left alone (the time limit is the failure, reported once by _finish)."""
+    (tmp_path / "services.json").write_text(json.dumps([{"name": "engine-0", "role": "engine", "pid": 222}]))
+    _ledger(tmp_path, "drawn")
+    attempt = _driver("import time; time.sleep(30)", tmp_path)
+    chaos, started = _chaos(tmp_path)
+    chaos.plan = ChaosPlan(config=None, overrides=(), run_dir=tmp_path, injections=1, recovery_timeout=180, timeout=1.0)
+    try:
+        recovery = chaos._recover(attempt, Target(ENGINE, "engine-0", 222), 1, 222)
+    finally:
+        attempt.process.kill()
+        attempt.process.wait()
+        attempt.log.close()
+    assert (recovery, started, chaos.failures) == (UNFINISHED, [], [])

@@ -11,6 +11,8 @@ a kind among those the run has (uniformly, then one process of it), SIGKILL it, 
   component could only fail): ``miles train --resume RUN_DIR``, as a user would.
 * **hung**: neither within ``recovery_timeout``: a bug. The driver is stopped and resumed so the
   soak goes on, and the chaos run fails.
+* **unfinished**: the chaos run's own ``timeout`` ran out first, so the recovery was not seen: not
+  a hang (the run fails for the time limit, which it reports once).
 
 A run that completes before every injection is done is continued with ``--resume`` and more steps
 (``extensions``): the ledger is built for exactly that. After the last injection the run is left
@@ -38,7 +40,7 @@ from miles.chaos.targets import DRIVER, KINDS, ROLLOUT_KINDS, Target, discover, 
 from miles.errors import MilesError
 from miles.executor.children import spawn
 
-SELF, RESUME, HUNG = "self", "resume", "hung"
+SELF, RESUME, HUNG, UNFINISHED = "self", "resume", "hung", "unfinished"
 _POLL = 0.25
 _LEDGER_TAIL = 256 << 10  # bytes of events.jsonl read to see recent progress
 
@@ -177,14 +179,15 @@ class Chaos:
         self.injections.append(injection)
         killed_at = time.monotonic()
         injection.recovery = self._recover(attempt, target, mark, before.get(target.name))
-        if injection.recovery != SELF:  # recovered once the resumed run trains a step
+        if injection.recovery in (RESUME, HUNG):  # recovered once the resumed run trains a step
             self._wait_for_targets(self.attempts[-1])
         injection.seconds = time.monotonic() - killed_at
         self.say(f"  -> recovered: {injection.recovery} after {injection.seconds:.1f} s")
 
     def _recover(self, attempt: _Attempt, target: Target, mark: int, old_pid: object) -> str:
         # within the whole run's budget too: a recovery that outlasts it is reported, not waited for
-        deadline = min(time.monotonic() + self.plan.recovery_timeout, self.started + self.plan.timeout)
+        hang_at = time.monotonic() + self.plan.recovery_timeout
+        deadline = min(hang_at, self.started + self.plan.timeout)
         replaced = False
         while time.monotonic() < deadline:
             code = attempt.process.poll()
@@ -199,6 +202,8 @@ class Chaos:
             if replaced and _trained_since(self.plan.run_dir, mark):
                 return SELF
             time.sleep(_POLL)
+        if deadline < hang_at:  # the chaos run's time ran out first (_finish says so): not seen to hang
+            return UNFINISHED
         self.failures.append(f"{target.name} ({target.kind}) killed: the run neither progressed nor exited within "
                              f"{self.plan.recovery_timeout:.0f} s (log {attempt.path})")
         self._stop_current()
@@ -331,7 +336,7 @@ class Chaos:
             "injections": {"requested": self.plan.injections, "done": len(self.injections),
                            "by_kind": {kind: by_kind[kind] for kind in KINDS if by_kind[kind]}},
             "kinds_absent": {kind: "the run has no process of this kind" for kind in absent},
-            "recoveries": {name: recoveries[name] for name in (SELF, RESUME, HUNG)},
+            "recoveries": {name: recoveries[name] for name in (SELF, RESUME, HUNG, UNFINISHED)},
             "resumes": len(self.attempts) - 1, "extensions": self.extensions,
             "ledger": {key: ledger.get(key) for key in ("status", "resumes", "lost", "duplicated", "trained",
                                                         "in_flight", "error") if key in ledger}
@@ -395,4 +400,4 @@ def run_chaos(plan: ChaosPlan) -> dict[str, Any]:
     return Chaos(plan).run()
 
 
-__all__ = ["HUNG", "RESUME", "SELF", "Chaos", "ChaosPlan", "Injection", "run_chaos"]
+__all__ = ["HUNG", "RESUME", "SELF", "UNFINISHED", "Chaos", "ChaosPlan", "Injection", "run_chaos"]
