@@ -33,10 +33,11 @@ Rows = list[dict[str, Any]]
 
 # The phases a step is made of, one after the other, in every mode (the others are parts of these:
 # time/optimizer of time/train, time/sync_paused of time/sync; time/wait_batch is fully_async's
-# time/rollout; time/eval is a phase in sync and one_step_off, a background task in fully_async).
-# What a step's interval holds beyond their sum is ``unattributed_s``.
-STEP_PHASES = ("time/rollout", "time/bookkeeping", "time/dump", "time/release", "time/train", "time/resume",
-               "time/sync", "time/checkpoint", "time/router_metrics")
+# time/rollout; time/eval is a phase in sync and one_step_off, a background task in fully_async;
+# time/dump runs beside training in one_step_off and fully_async, so it is no phase: sync's few ms
+# of it fall to the unattributed rest). What a step's interval holds beyond their sum is ``unattributed_s``.
+STEP_PHASES = ("time/rollout", "time/bookkeeping", "time/release", "time/train", "time/resume",
+               "time/sync", "time/eval", "time/checkpoint", "time/router_metrics")
 
 
 def run_summary(rows: Rows) -> dict[str, Any]:

@@ -76,25 +76,30 @@ async def run(ops: StepOps) -> None:
             batch.metrics.update(workers.take_metrics())
             last_take = now
             batch.metrics["time/bookkeeping"] = time.perf_counter() - now  # the ledger and the batch's metrics
-            # off the event loop: it drives every request and agent in flight (the batch is no longer touched)
-            start = time.perf_counter()
-            await asyncio.to_thread(ops.dump, step, batch.all_samples, trained=batch.groups)
+            # Beside training, off the event loop (which drives every request and agent in flight):
+            # each await on that busy loop costs the trainer a wait of its own (0.04-0.2 s a step on the
+            # H200), so nothing the step needs only at its end is awaited before it. Training only reads the samples.
+            dumped = asyncio.create_task(asyncio.to_thread(ops.dump, step, batch.all_samples, trained=batch.groups))
             metrics = dict(batch.metrics)
-            metrics["time/dump"] = time.perf_counter() - start  # with the event loop's delay in resuming
             metrics.update(await ops.train(batch, in_thread=True))
-            if final or step % cfg.weights.update_interval == 0:
-                metrics.update(await asyncio.to_thread(ops.sync_weights))
-                await buffer.weights_updated()  # the launch pacing allows the next version's groups
-            if final:  # the final evaluation is never skipped; an earlier one would only be overwritten
-                await evaluation.supersede()
-            if evaluation.due(step):
-                evaluation.start(step)
-            metrics.update(await evaluation.finish() if final else evaluation.collect())
-            if ops.checkpoint_due(step):
-                metrics["time/checkpoint"] = await ops.save()
-            start = time.perf_counter()
-            metrics.update(await ops.router_metrics())
-            metrics["time/router_metrics"] = time.perf_counter() - start
+            metrics["time/dump"] = await dumped  # its own seconds, not a wait of the step's
+            routed = asyncio.create_task(ops.router_metrics())  # beside the push and the checkpoint
+            try:
+                if final or step % cfg.weights.update_interval == 0:
+                    metrics.update(await asyncio.to_thread(ops.sync_weights))
+                    await buffer.weights_updated()  # the launch pacing allows the next version's groups
+                if final:  # the final evaluation is never skipped; an earlier one would only be overwritten
+                    await evaluation.supersede()
+                if evaluation.due(step):
+                    evaluation.start(step)
+                metrics.update(await evaluation.finish() if final else evaluation.collect())
+                if ops.checkpoint_due(step):
+                    metrics["time/checkpoint"] = await ops.save()
+                start = time.perf_counter()
+                metrics.update(await routed)
+                metrics["time/router_metrics"] = time.perf_counter() - start  # what waiting for it cost the step
+            finally:
+                routed.cancel()  # a failed step does not wait for the router's counters
             metrics["time/step"] = time.perf_counter() - started  # from asking for the batch to here
             ops.log(step, metrics)
         completed = ops.finished
