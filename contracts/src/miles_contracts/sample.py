@@ -56,6 +56,7 @@ class ExitReason(str, enum.Enum):
     MAX_TURNS = "max_turns"
     MISSING_CAPTURE = "missing_capture"  # a plugin's engine capture is required but absent or broken
     EPISODE_LIMIT = "episode_limit"  # the episode went over tito.max_branches_per_episode / max_sessions_per_episode
+    NO_MODEL_CALL = "no_model_call"  # the agent finished without calling the model (ABORTED: its doing, not the engine's)
     # Budgets (a row's settings.budget, else the run's); the training rule of each is in docs/design/debugging.md.
     WALL_CLOCK_BUDGET = "wall_clock_budget"  # the episode ran out of time (ABORTED: not trained)
     TOKEN_BUDGET = "token_budget"  # the episode's turns went over its token budget (TRUNCATED: trained)

@@ -86,6 +86,10 @@ async def slow_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any],
     return {}
 
 
+async def silent_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any], metadata: dict[str, Any]) -> dict:
+    return {"gave_up": True}  # decides the task is not worth a model call
+
+
 async def reporting_agent(base_url: str, prompt: Any, request_kwargs: dict[str, Any], metadata: dict[str, Any]) -> dict:
     """One turn, then what the agent was told about its episode."""
     await one_turn_agent(base_url, prompt, request_kwargs, metadata)
@@ -122,6 +126,7 @@ class Registrations:
     def miles_register_agents(self, register: Any) -> None:
         register("failing", AgentSpec(failing_agent))
         register("slow", AgentSpec(slow_agent))
+        register("silent", AgentSpec(silent_agent))
         register("one_turn", AgentSpec(one_turn_agent))
         register("reporting", AgentSpec(reporting_agent))
 
@@ -244,17 +249,22 @@ def test_agentic_trains_on_the_calculator_agents_exact_tokens(engine_url: str, t
     assert authed.get(f"{calls_server}/server_info").json()["sessions"] == 0  # collected and deleted
 
 
-@pytest.mark.parametrize(("agent", "reason", "detail", "turns", "budget"), [
-    ("failing", ExitReason.AGENT_EXCEPTION, "ValueError: the environment crashed", 1, {}),
-    ("slow", ExitReason.WALL_CLOCK_BUDGET, "did not finish within 1s", 0, {}),  # rollout.agent_timeout
-    ("slow", ExitReason.WALL_CLOCK_BUDGET, "did not finish within 0.5s", 0, {"wall_clock_s": 0.5}),  # the row's
+@pytest.mark.parametrize(("agent", "reason", "detail", "turns", "budget", "timeout"), [
+    ("failing", ExitReason.AGENT_EXCEPTION, "ValueError: the environment crashed", 1, {}, 60.0),
+    ("slow", ExitReason.WALL_CLOCK_BUDGET, "did not finish within 1s", 0, {}, 1.0),  # rollout.agent_timeout
+    ("slow", ExitReason.WALL_CLOCK_BUDGET, "did not finish within 0.5s", 0, {"wall_clock_s": 0.5}, 1.0),  # the row's
+    # the agent's doing, not the infrastructure's: fully_async's buffer charges it to the prompt's
+    # attempts (an ``abort`` bought it the larger bound and the backoff of an engine outage)
+    ("silent", ExitReason.NO_MODEL_CALL, "without a single model call", 0, {}, 60.0),
 ])
 def test_a_failing_or_slow_agent_costs_its_sample(engine_url: str, tokenizer: Any, calls_server: str, kernel: Kernel,
                                                   agent: str, reason: ExitReason, detail: str, turns: int,
-                                                  budget: dict[str, Any]) -> None:
-    """Training rule of ``wall_clock_budget``: ABORTED, never scored, not trained."""
+                                                  budget: dict[str, Any], timeout: float) -> None:
+    """Training rule of ``wall_clock_budget``: ABORTED, never scored, not trained. (The agents
+    that end on their own get a long ``agent_timeout``: run first, the failing agent's one model
+    call includes the engine's warm-up, which took over 1 s.)"""
     ctx = context(engine_url, tokenizer, kernel, session_server_url=calls_server,
-                  rollout={"agent": agent, "agent_timeout": 1.0})
+                  rollout={"agent": agent, "agent_timeout": timeout})
     sample = run(AgenticGenerator(), Sample(prompt="x", label="42", metadata={"settings": {"budget": budget}}), ctx)
     assert (sample.status, sample.exit_reason) == (Status.ABORTED, reason)
     score_samples_blocking([sample], ctx.run)

@@ -186,7 +186,7 @@ def _finish(
     if outcome is not None:
         return sample.finish(*outcome)
     if not rows:
-        return sample.finish(Status.ABORTED, ExitReason.ABORT, "the agent finished without a single model call")
+        return sample.finish(Status.ABORTED, ExitReason.NO_MODEL_CALL, "the agent finished without a single model call")
     return sample
 
 
