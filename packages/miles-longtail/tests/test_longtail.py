@@ -81,6 +81,9 @@ def test_the_report_sums_the_phases_and_says_what_no_phase_accounts_for() -> Non
     assert summary["phase_totals_s"]["time/rollout"] == 21.0 and summary["phase_totals_s"]["time/train"] == 3.0
     assert summary["unattributed_s"] == pytest.approx(34 - 21 - 3 - 1.5)
     assert summary["phases_s"]["time/rollout"] == 8.0  # the median step's wait, far from a third of the total
+    rows[2] |= {"time/eval": 5.0, "eval/step": 2.0}  # fully_async's background evaluation: no phase of the step
+    rows[3] |= {"time/eval": 1.0}  # sync's evaluation: one of its phases
+    assert run_summary(rows)["unattributed_s"] == pytest.approx(34 - 21 - 3 - 1.5 - 1.0)
 
 
 def test_the_report_compares_trained_response_lengths_with_sync_by_ks_distance(tmp_path) -> None:

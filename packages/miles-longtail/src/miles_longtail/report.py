@@ -33,11 +33,18 @@ Rows = list[dict[str, Any]]
 
 # The phases a step is made of, one after the other, in every mode (the others are parts of these:
 # time/optimizer of time/train, time/sync_paused of time/sync; time/wait_batch is fully_async's
-# time/rollout; time/eval is a phase in sync and one_step_off, a background task in fully_async;
-# time/dump runs beside training in one_step_off and fully_async, so it is no phase: sync's few ms
-# of it fall to the unattributed rest). What a step's interval holds beyond their sum is ``unattributed_s``.
+# time/rollout; time/dump runs beside training in one_step_off and fully_async, so it is no phase:
+# sync's few ms of it fall to the unattributed rest). time/eval is one in sync and one_step_off, and
+# not in fully_async, whose evaluations run in the background (their rows carry ``eval/step``).
+# What a step's interval holds beyond their sum is ``unattributed_s``.
 STEP_PHASES = ("time/rollout", "time/bookkeeping", "time/release", "time/train", "time/resume",
                "time/sync", "time/eval", "time/checkpoint", "time/router_metrics")
+
+
+def _phases(row: dict[str, Any]) -> float:
+    """The seconds of ``row``'s step that its sequential phases account for."""
+    background = "eval/step" in row  # fully_async's evaluation: beside the steps, not in one
+    return sum(row.get(k, 0.0) for k in STEP_PHASES if not (background and k == "time/eval"))
 
 
 def run_summary(rows: Rows) -> dict[str, Any]:
@@ -72,7 +79,7 @@ def run_summary(rows: Rows) -> dict[str, Any]:
         # of each phase does not add up to a step, a sum does
         "phase_totals_s": {k: sum(r.get(k, 0.0) for r in timed)
                            for k in sorted({k for r in timed for k in r if k.startswith("time/")})},
-        "unattributed_s": span - sum(r.get(k, 0.0) for r in timed for k in STEP_PHASES),
+        "unattributed_s": span - sum(_phases(r) for r in timed),
         "rewards": [r.get("rollout/reward_mean") for r in steps],
         "step_end_s": [r["time"] - steps[0]["time"] for r in steps],
         "staleness_max": max((r.get("async/staleness_max", 0.0) for r in steps), default=0.0),

@@ -81,8 +81,11 @@ async def run(ops: StepOps) -> None:
             # H200), so nothing the step needs only at its end is awaited before it. Training only reads the samples.
             dumped = asyncio.create_task(asyncio.to_thread(ops.dump, step, batch.all_samples, trained=batch.groups))
             metrics = dict(batch.metrics)
-            metrics.update(await ops.train(batch, in_thread=True))
-            metrics["time/dump"] = await dumped  # its own seconds, not a wait of the step's
+            try:
+                metrics.update(await ops.train(batch, in_thread=True))
+            finally:
+                await asyncio.wait([dumped])  # a failed step's samples are on disk before the run stops
+            metrics["time/dump"] = dumped.result()  # its own seconds, not a wait of the step's
             routed = asyncio.create_task(ops.router_metrics())  # beside the push and the checkpoint
             try:
                 if final or step % cfg.weights.update_interval == 0:
