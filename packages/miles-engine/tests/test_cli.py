@@ -6,6 +6,7 @@ read the run's ``config.yaml``), ``miles serve engine``, and the one table of en
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ from miles_contracts.wire.auth import auth_headers
 from miles_engine.config import EngineConfig, engine_config, engine_config_of
 from miles_engine.launcher import ENGINE_SERVICE
 from miles_engine.options import EngineSection
-from miles_engine.serve import add_arguments
+from miles_engine.serve import STATS_PREFIX, add_arguments
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +53,11 @@ def test_embedded_engine_is_registered_and_starts_a_server_from_the_config(kerne
             assert out.status_code == 200 and len(out.json()["output_ids"]) == 3
             info = client.get("/get_server_info").json()
             assert info["max_running_requests"] == 4 and info["context_length"] == 512
+    # stopped (SIGTERM, as a run stops its engines): its last words are its batching statistics
+    [stats] = [line.removeprefix(STATS_PREFIX) for line in (tmp_path / "engine.log").read_text().splitlines()
+               if line.startswith(STATS_PREFIX)]
+    stats = json.loads(stats)
+    assert stats["prefill_requests"] == 1 and stats["decode_tokens"] == 2  # the prefill samples the first token
 
 
 def test_an_engine_whose_port_is_taken_exits_98_and_never_says_it_serves(dense_path):

@@ -114,3 +114,25 @@ def test_the_report_compares_trained_response_lengths_with_sync_by_ks_distance(t
     table = compare({"sync": [sync], "fully_async": [late]})
     assert table["fully_async"]["ks_length_vs_sync"] == 0.5 and table["sync"]["ks_length_vs_sync"] == 0.0
     assert table["fully_async"]["trained_length"] == {"median": 4.5, "min": 3, "max": 6}
+
+
+def test_the_report_sums_what_the_engines_wrote_when_they_stopped(tmp_path) -> None:
+    """Each life of each engine writes its statistics when it stops; the report sums them (a
+    restarted engine's earlier life included) and derives the step and forward times."""
+    import json
+
+    from miles_engine.serve import STATS_PREFIX
+    from miles_longtail.report import engine_stats
+
+    logs = tmp_path / "run" / "logs"
+    logs.mkdir(parents=True)
+    assert engine_stats(tmp_path / "run") == {}  # no engine log
+    life = {"decode_steps": 100, "decode_tokens": 3200, "decode_seconds": 0.5, "prefill_forwards": 40,
+            "prefill_requests": 50, "prefill_seconds": 0.2, "finished": {"stop": 3}}
+    (logs / "engine-0.log").write_text(f"==== start\nloading\n{STATS_PREFIX}{json.dumps(life)}\n==== start\n"
+                                       f"{STATS_PREFIX}{json.dumps(life)}\n")
+    (logs / "router.log").write_text(f"{STATS_PREFIX}{json.dumps(life)}\n")  # not an engine's
+    stats = engine_stats(tmp_path / "run")
+    assert (stats["decode_steps"], stats["prefill_forwards"]) == (200, 80)
+    assert stats["mean_decode_batch"] == 32 and stats["decode_ms_per_step"] == pytest.approx(5.0)
+    assert stats["prefill_ms_per_forward"] == pytest.approx(5.0)

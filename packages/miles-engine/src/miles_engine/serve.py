@@ -10,11 +10,15 @@ launch decides is a flag of its own: ``--model`` (the resolved folder), ``--host
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Sequence
 
 from miles.server_process import add_run_arguments, add_server_security_arguments, server_main, stop_within
+
+STATS_PREFIX = "miles engine: stopped; stats "
+"""The start of the line a stopping engine writes its batching statistics on (JSON after it)."""
 
 SHUTDOWN_GRACE_S = 5  # whole seconds: uvicorn takes timeout_graceful_shutdown as an int
 """After SIGTERM/SIGINT the process exits within this many seconds, whatever it was blocked in;
@@ -87,6 +91,9 @@ def run(args: argparse.Namespace) -> int:
         server.should_exit = True
         http.join(10)
         engine.shutdown()
+        # how the engine spent its life (decode steps and their batch, prefills and their time): what
+        # a benchmark reads from the run's logs after the process is gone (miles_longtail.report)
+        print(f"{STATS_PREFIX}{json.dumps(engine.scheduler.stats.as_dict())}", file=sys.stderr, flush=True)
     return 0
 
 

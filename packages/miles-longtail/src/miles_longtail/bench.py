@@ -25,7 +25,15 @@ from typing import Any
 
 from miles.cli import emit_json
 
-from miles_longtail.report import compare, plot, run_summary, trained_lengths, trained_rows, turn_latencies
+from miles_longtail.report import (
+    compare,
+    engine_stats,
+    plot,
+    run_summary,
+    trained_lengths,
+    trained_rows,
+    turn_latencies,
+)
 
 MODES = ("sync", "one_step_off", "fully_async")
 
@@ -134,6 +142,7 @@ def _train(model: Path | str, mode: str, repeat: int, args: argparse.Namespace, 
     trained = trained_rows(runs_dir / name)
     summary["trained_lengths"] = trained_lengths(trained)
     summary["turn_latency_s"] = turn_latencies(trained)
+    summary["engine"] = engine_stats(runs_dir / name)
     print(f"{name}: {summary['time_to_steps_s']:.1f} s for steps 2..{args.steps}, "
           f"{summary['samples_per_s']:.2f} samples/s", file=sys.stderr, flush=True)
     return summary

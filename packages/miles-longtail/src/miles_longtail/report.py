@@ -116,6 +116,36 @@ def turn_latencies(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
             "p90": seconds[int(0.9 * (len(seconds) - 1))], "max": seconds[-1], "turns": float(len(seconds))}
 
 
+ENGINE_COUNTERS = ("decode_steps", "decode_tokens", "decode_seconds", "prefill_requests", "prefill_forwards",
+                   "prefill_tokens", "cached_prefill_tokens", "prefill_seconds")
+
+
+def engine_stats(run_dir: Path) -> dict[str, float]:
+    """What the run's embedded engines did over their whole lives (the warm-up step included), from
+    the statistics each writes to its log when it stops (``miles_engine.serve.STATS_PREFIX``),
+    summed over engines and restarts: decode steps, their mean batch and milliseconds, prefill
+    forwards (one per request when requests come with a cached prefix) and theirs. Where an
+    engine's time goes when the rollout is the bottleneck. ``{}`` without such lines (another
+    engine, or a run killed before its engines stopped)."""
+    from miles_engine.serve import STATS_PREFIX
+
+    totals = dict.fromkeys(ENGINE_COUNTERS, 0.0)
+    found = False
+    for path in sorted((run_dir / "logs").glob("engine-*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            if line.startswith(STATS_PREFIX):
+                stats = json.loads(line[len(STATS_PREFIX):])
+                for key in ENGINE_COUNTERS:
+                    totals[key] += float(stats.get(key, 0.0))
+                found = True
+    if not found:
+        return {}
+    steps, forwards = totals["decode_steps"], totals["prefill_forwards"]
+    return totals | {"mean_decode_batch": totals["decode_tokens"] / steps if steps else 0.0,
+                     "decode_ms_per_step": 1000 * totals["decode_seconds"] / steps if steps else 0.0,
+                     "prefill_ms_per_forward": 1000 * totals["prefill_seconds"] / forwards if forwards else 0.0}
+
+
 def ks_distance(a: Sequence[float], b: Sequence[float]) -> float:
     """The two-sample Kolmogorov-Smirnov statistic: max over x of |F_a(x) - F_b(x)|."""
     if not a or not b:
@@ -153,6 +183,8 @@ def compare(runs: dict[str, list[dict[str, Any]]], baseline: str = "sync") -> di
                                               if s.get("turn_latency_s")]),
             "unattributed_s": _spread([s["unattributed_s"] for s in summaries if "unattributed_s" in s]),
         }
+        for key in ("decode_ms_per_step", "mean_decode_batch", "prefill_ms_per_forward"):  # the engines' side
+            entry["engine_" + key] = _spread([s["engine"][key] for s in summaries if s.get("engine")])
         lengths = [n for s in summaries for n in s.get("trained_lengths", [])]
         entry["trained_length"] = _spread(lengths)
         entry["final_reward"] = _spread([_final_reward(s) for s in summaries])
