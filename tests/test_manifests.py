@@ -64,8 +64,8 @@ NOT_IMPORTED: dict[tuple[str, str], str] = {
        for b in ("miles-fsdp", "miles-megatron")},
     **{(b, d): "first-party model plugin: bridges, chat families and MoE layer maps, claimed through miles_model_bridge"
        for b in ("miles-fsdp", "miles-megatron") for d in ("miles-model-llama", "miles-model-qwen3")},
-    **{("miles-longtail", d): "miles bench async trains with it (engine, backend, router, session server, transport)"
-       for d in ("miles-engine", "miles-fsdp", "miles-router", "miles-tito", "miles-weights")},
+    **{("miles-longtail", d): "miles bench async trains with it (backend, router, session server, transport)"
+       for d in ("miles-fsdp", "miles-router", "miles-tito", "miles-weights")},
     # libraries other code uses on the package's behalf
     ("miles-engine", "numpy"): "Tensor.numpy() (engine.py, weights.py) needs numpy, which torch does not require",
     ("miles-models", "gguf"): "transformers reads the catalogue's GGUF files through it (from_pretrained(gguf_file=))",
