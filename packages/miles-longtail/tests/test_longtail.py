@@ -132,6 +132,7 @@ def test_the_report_sums_what_the_engines_wrote_when_they_stopped(tmp_path) -> N
     (logs / "engine-0.log").write_text(f"==== start\nloading\n{STATS_PREFIX}{json.dumps(life)}\n==== start\n"
                                        f"{STATS_PREFIX}{json.dumps(life)}\n")
     (logs / "router.log").write_text(f"{STATS_PREFIX}{json.dumps(life)}\n")  # not an engine's
+    (logs / "engine-1.log").write_text(f'{STATS_PREFIX}{{"decode_steps": 7\n')  # killed as it wrote: skipped
     stats = engine_stats(tmp_path / "run")
     assert (stats["decode_steps"], stats["prefill_forwards"]) == (200, 80)
     assert stats["mean_decode_batch"] == 32 and stats["decode_ms_per_step"] == pytest.approx(5.0)

@@ -134,7 +134,10 @@ def engine_stats(run_dir: Path) -> dict[str, float]:
     for path in sorted((run_dir / "logs").glob("engine-*.log")):
         for line in path.read_text(errors="replace").splitlines():
             if line.startswith(STATS_PREFIX):
-                stats = json.loads(line[len(STATS_PREFIX):])
+                try:
+                    stats = json.loads(line[len(STATS_PREFIX):])
+                except ValueError:  # cut short (the engine was killed as it wrote it): that life is not counted
+                    continue
                 for key in ENGINE_COUNTERS:
                     totals[key] += float(stats.get(key, 0.0))
                 found = True
